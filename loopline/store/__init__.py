@@ -1,0 +1,1 @@
+"""The ledger: tables, connection, migrations and the operations that keep runs exactly-once."""

