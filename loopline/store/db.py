@@ -83,7 +83,7 @@ def embedded_url() -> URL:
             f"could not start the embedded PostgreSQL in {pgdata} ({type(exc).__name__}: {exc}); "
             f"see {pgdata / 'log'}, or set {DATABASE_URL_ENV} to use another server"
         ) from exc
-    admin = make_url(server.get_uri("postgres")).set(drivername="postgresql+psycopg")
+    admin = make_url(server.get_uri("postgres")).set(drivername="postgresql+psycopg", password=None)
     _create_database_if_missing(admin, EMBEDDED_DATABASE)
     return admin.set(database=EMBEDDED_DATABASE)
 

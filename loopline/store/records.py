@@ -1,0 +1,142 @@
+"""What crosses the ledger's API: plain frozen dataclasses, no ORM state attached."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Sequence
+
+from loopline.store.errors import LooplineError
+
+Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One model call as the model saw it; arrays are aligned with `generated_ids`."""
+
+    request_id: str
+    policy_version: int
+    tokenizer_version: str
+    prompt_ids: Sequence[int]
+    generated_ids: Sequence[int]
+    action_loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
+    logprob_semantics: str
+    sampling_config: dict[str, Any] = field(default_factory=dict)
+    tool_events: Sequence[dict[str, Any]] = ()
+    # Per-token version spans when weights changed mid-request: [{"version": v, "start": i, "end": j}, ...]
+    version_spans: Sequence[dict[str, Any]] | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    def versions(self) -> list[int]:
+        spans = [int(s["version"]) for s in self.version_spans or ()]
+        return [self.policy_version, *spans]
+
+    def validate(self, where: str) -> None:
+        n = len(self.generated_ids)
+        if len(self.action_loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise LooplineError(
+                f"{where}: generated_ids ({n}), action_loss_mask ({len(self.action_loss_mask)}) and "
+                f"rollout_logprobs ({len(self.rollout_logprobs)}) must have the same length"
+            )
+        if any(m not in (0, 1) for m in self.action_loss_mask):
+            raise LooplineError(f"{where}: action_loss_mask holds values other than 0 and 1")
+
+
+@dataclass(frozen=True)
+class TrajectoryRecord:
+    env_name: str
+    env_version: int
+    verifier_version: str
+    harness_version: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    segments: Sequence[SegmentRecord]
+    failure_type: Literal["task_failed", "truncated"] | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.segments:
+            raise LooplineError("a trajectory needs at least one segment")
+        for i, seg in enumerate(self.segments):
+            seg.validate(f"segment {i}")
+
+    def version_range(self) -> tuple[int, int]:
+        versions = [v for seg in self.segments for v in seg.versions()]
+        return min(versions), max(versions)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed slot: the worker owns it until `expires_at` unless it renews."""
+
+    attempt_id: uuid.UUID
+    slot_id: uuid.UUID
+    group_id: uuid.UUID
+    run_id: uuid.UUID
+    split: Split
+    step: int
+    task_id: str
+    sample_index: int
+    expires_at: datetime
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    attempt_id: uuid.UUID
+    trajectory_id: uuid.UUID | None
+    reason: str | None = None  # why it was refused, when trajectory_id is None
+
+    @property
+    def committed(self) -> bool:
+        return self.trajectory_id is not None
+
+
+@dataclass(frozen=True)
+class LearnerBatch:
+    """The groups one learner step trains on; a retry of the same step gets the same batch."""
+
+    run_id: uuid.UUID
+    learner_step: int
+    policy_version: int  # the version being trained (the one the update starts from)
+    group_ids: tuple[uuid.UUID, ...]
+    trajectory_ids: tuple[uuid.UUID, ...]
+    already_committed: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not self.group_ids
+
+
+@dataclass(frozen=True)
+class LearnerCommit:
+    learner_step: int
+    policy_version: int  # the new version
+    consumed: int
+    already_committed: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    learner_step: int
+    policy_version: int
+    uri: str
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Everything a restarted process needs to continue a run exactly once."""
+
+    run_id: uuid.UUID
+    last_checkpoint: CheckpointInfo | None
+    policy_version: int
+    weights_uri: str
+    next_learner_step: int
+    consumed_trajectories: int
+    pending_learner_groups: tuple[uuid.UUID, ...]  # claimed for next_learner_step, not yet committed
+    group_states: dict[str, int]
