@@ -23,12 +23,12 @@ def _where() -> str:
 def db_upgrade() -> None:
     """Apply pending migrations (one transaction; safe to run from several processes at once)."""
     engine = store_db.make_engine()
-    before = migrate.schema_status(engine)
-    after = migrate.upgrade(engine)
-    if before.current == after.current:
-        console.print(f"{after.url} ({_where()}) is already at {after.current} (head)")
+    result = migrate.upgrade(engine)
+    after = result.status
+    if result.changed:
+        console.print(f"upgraded {after.url} ({_where()}) from {result.applied_from or 'empty'} to {after.current}")
     else:
-        console.print(f"upgraded {after.url} ({_where()}) from {before.current or 'empty'} to {after.current}")
+        console.print(f"{after.url} ({_where()}) is already at {after.current} (head)")
 
 
 @db_app.command("status")

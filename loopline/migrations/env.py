@@ -31,6 +31,8 @@ def _run(connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
     with context.begin_transaction():
         connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+        # Read under the lock: what this process actually upgraded from (a racing process may have done it all).
+        context.config.attributes["applied_from"] = context.get_context().get_current_revision()
         context.run_migrations()
 
 

@@ -11,9 +11,10 @@ from alembic.util import CommandError
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from loopline.store.db import describe_url
-from loopline.store.errors import SchemaOutOfDate
+from loopline.store.errors import LooplineError, SchemaOutOfDate
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -43,6 +44,16 @@ class SchemaStatus:
         return self.current == self.head
 
 
+@dataclass(frozen=True)
+class UpgradeResult:
+    applied_from: str | None  # the revision this call found under the migration lock
+    status: SchemaStatus
+
+    @property
+    def changed(self) -> bool:
+        return self.applied_from != self.status.current
+
+
 def schema_status(engine: Engine) -> SchemaStatus:
     script = ScriptDirectory.from_config(alembic_config())
     with engine.connect() as conn:
@@ -58,7 +69,7 @@ def _has_revision(script: ScriptDirectory, revision: str) -> bool:
         return False
 
 
-def upgrade(engine: Engine, revision: str = "head") -> SchemaStatus:
+def upgrade(engine: Engine, revision: str = "head") -> UpgradeResult:
     """Apply migrations in one transaction; concurrent callers serialise on an advisory lock."""
     before = schema_status(engine)
     if not before.known:
@@ -67,11 +78,18 @@ def upgrade(engine: Engine, revision: str = "head") -> SchemaStatus:
             "it was migrated by a newer loopline; upgrade loopline"
         )
     config = alembic_config()
-    with engine.connect() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, revision)
-        conn.commit()
-    return schema_status(engine)
+    try:
+        with engine.connect() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, revision)
+            conn.commit()
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise LooplineError(
+            f"upgrading {before.url} failed and nothing was applied (it is still at "
+            f"{before.current or 'no revision'}): {reason}"
+        ) from exc
+    return UpgradeResult(config.attributes.get("applied_from"), schema_status(engine))
 
 
 def require_current_schema(engine: Engine) -> None:

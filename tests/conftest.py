@@ -1,0 +1,70 @@
+"""Tests run against a real PostgreSQL: a fresh database per test session, built by the migrations."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from loopline.store import ledger
+from loopline.store.db import make_engine, session as new_session
+from loopline.store.migrate import upgrade
+
+# The server that hosts throwaway test databases (127.0.0.1:5432 on this machine kind).
+ADMIN_URL = os.environ.get("LOOPLINE_TEST_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def create_scratch_database(prefix: str = "loopline_test") -> str:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    admin.dispose()
+    return make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_scratch_database(url: str) -> None:
+    admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def scratch_url():
+    """An empty database of its own, for tests of migrations themselves."""
+    url = create_scratch_database("loopline_scratch")
+    yield url
+    drop_scratch_database(url)
+
+
+@pytest.fixture(scope="session")
+def database_url():
+    url = create_scratch_database()
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+    drop_scratch_database(url)
+
+
+@pytest.fixture(scope="session")
+def engine(database_url):
+    engine = make_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def db(engine):
+    with new_session(engine) as s:
+        yield s
+
+
+@pytest.fixture
+def run(db):
+    """A fresh run (with policy version 0) per test, so tests never see each other's rows."""
+    return ledger.create_run(db, f"test-{uuid.uuid4().hex[:8]}", {"seed": 0}, "file:///weights/v0")

@@ -1,0 +1,38 @@
+"""Trajectories as a rollout worker would commit them."""
+
+from __future__ import annotations
+
+import random
+
+from loopline.store.records import SegmentRecord, TrajectoryRecord
+
+
+def segment(n_prompt: int = 8, n_gen: int = 4, version: int = 0, seed: int = 0, **kw) -> SegmentRecord:
+    rng = random.Random(seed)
+    return SegmentRecord(
+        request_id=kw.pop("request_id", f"req-{seed}"),
+        policy_version=version,
+        tokenizer_version="tok-1",
+        prompt_ids=[rng.randrange(50_000) for _ in range(n_prompt)],
+        generated_ids=[rng.randrange(50_000) for _ in range(n_gen)],
+        action_loss_mask=kw.pop("action_loss_mask", [1] * n_gen),
+        rollout_logprobs=[-rng.random() * 5 for _ in range(n_gen)],
+        logprob_semantics="log_softmax(logits/T)",
+        sampling_config={"temperature": 1.0, "top_p": 1.0},
+        tool_events=[{"tool": "calc", "args": "1+1", "output": "2"}],
+        **kw,
+    )
+
+
+def trajectory(reward: float = 1.0, n_segments: int = 2, version: int = 0, seed: int = 0, **kw) -> TrajectoryRecord:
+    return TrajectoryRecord(
+        env_name="arithmetic",
+        env_version=1,
+        verifier_version="v1",
+        harness_version="h1",
+        reward=reward,
+        terminated=kw.pop("terminated", True),
+        truncated=kw.pop("truncated", False),
+        segments=kw.pop("segments", [segment(version=version, seed=seed * 100 + i) for i in range(n_segments)]),
+        **kw,
+    )

@@ -1,0 +1,380 @@
+"""Ledger operations in one process: planning, leases, commits, infra retries, learner steps, resume."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from loopline.store import ledger
+from loopline.store.db import session as new_session
+from loopline.store.errors import LedgerConflict, LooplineError
+from tests.factories import segment, trajectory
+
+
+def _complete_step(db, run, step=1, tasks=("t0", "t1"), group_size=2, split="train", reward=1.0, version=0):
+    """Plan a step and commit every slot of it; returns the group ids."""
+    groups = ledger.plan_step(db, run.id, step, list(tasks), group_size, split=split)
+    leases = ledger.claim_slots(db, run.id, "w", 100, split=split)
+    outcomes = ledger.commit_trajectories(
+        db, [(lease.attempt_id, trajectory(reward, version=version, seed=i)) for i, lease in enumerate(leases)]
+    )
+    assert all(o.committed for o in outcomes)
+    return groups
+
+
+def _scalar(db, sql, **params):
+    value = db.execute(sa.text(sql), params).scalar_one()
+    db.rollback()
+    return value
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def test_plan_step_is_idempotent_and_deterministic(db, run):
+    first = ledger.plan_step(db, run.id, 1, ["a", "b", "c"], group_size=4)
+    again = ledger.plan_step(db, run.id, 1, ["a", "b", "c"], group_size=4)
+    assert first == again
+    assert first[0] == ledger.group_id_for(run.id, "train", 1, 0)
+    assert _scalar(db, "SELECT count(*) FROM slot WHERE run_id = :r", r=run.id) == 12
+    assert _scalar(db, "SELECT count(*) FROM rollout_group WHERE run_id = :r", r=run.id) == 3
+
+
+def test_replanning_a_step_with_other_tasks_is_refused(db, run):
+    ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=2)
+    with pytest.raises(LedgerConflict, match="already planned"):
+        ledger.plan_step(db, run.id, 1, ["a", "x"], group_size=2)
+    with pytest.raises(LedgerConflict):
+        ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=3)
+
+
+def test_run_names_are_unique_per_config(db, run):
+    assert ledger.create_run(db, run.name, {"seed": 0}, "file:///w").id == run.id
+    with pytest.raises(LedgerConflict, match="different config"):
+        ledger.create_run(db, run.name, {"seed": 1}, "file:///w")
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_claims_lease_each_slot_once_and_open_attempts(db, run):
+    ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=3)
+    first = ledger.claim_slots(db, run.id, "w1", 4, split="train")
+    second = ledger.claim_slots(db, run.id, "w2", 4, split="train")
+    assert len(first) == 4 and len(second) == 2
+    assert not {l.slot_id for l in first} & {l.slot_id for l in second}
+    assert ledger.claim_slots(db, run.id, "w3", 4, split="train") == []
+    # samples of one group are handed out together (group integrity starts at the claim)
+    assert [l.sample_index for l in first[:3]] == [0, 1, 2] and len({l.group_id for l in first[:3]}) == 1
+    assert _scalar(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status = 'running'", r=run.id) == 6
+
+
+def test_expired_lease_is_retried_with_a_new_attempt(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (old,) = ledger.claim_slots(db, run.id, "dead", 1, split="train", lease_seconds=0.2)
+    assert ledger.claim_slots(db, run.id, "w2", 1, split="train") == []  # still leased
+    time.sleep(0.4)
+    assert not ledger.renew_lease(db, old.attempt_id)
+    (new,) = ledger.claim_slots(db, run.id, "w2", 1, split="train")
+    assert new.slot_id == old.slot_id and new.attempt_id != old.attempt_id
+    status, error = db.execute(
+        sa.text("SELECT status, error_class FROM attempt WHERE id = :a"), {"a": old.attempt_id}
+    ).one()
+    assert (status, error) == ("infra_failed", "LeaseExpired")
+    assert _scalar(db, "SELECT infra_failures FROM slot WHERE id = :s", s=old.slot_id) == 1
+
+
+def test_renewed_lease_is_not_reclaimed(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train", lease_seconds=0.3)
+    for _ in range(3):
+        time.sleep(0.15)
+        assert ledger.renew_lease(db, lease.attempt_id, lease_seconds=0.3)
+    assert ledger.claim_slots(db, run.id, "w2", 1, split="train") == []
+
+
+# --------------------------------------------------------------------------- commits
+
+
+def test_commit_stores_segments_token_exact(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    spans = [{"version": 0, "start": 0, "end": 2}, {"version": 1, "start": 2, "end": 4}]
+    segs = [segment(seed=1), segment(seed=2, version=0, version_spans=spans)]
+    segs[0] = segment(seed=1, action_loss_mask=[1, 1, 0, 1])
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory(0.5, segments=segs))
+    assert outcome.committed
+    rows = db.execute(
+        sa.text(
+            "SELECT prompt_ids, generated_ids, action_loss_mask, rollout_logprobs, version_spans, tool_events "
+            "FROM segment WHERE trajectory_id = :t ORDER BY seq"
+        ),
+        {"t": outcome.trajectory_id},
+    ).all()
+    for row, seg in zip(rows, segs):
+        assert row.prompt_ids == list(seg.prompt_ids)
+        assert row.generated_ids == list(seg.generated_ids)
+        assert row.action_loss_mask == list(seg.action_loss_mask)
+        assert row.rollout_logprobs == list(seg.rollout_logprobs)  # float8: bit-exact
+        assert row.tool_events == list(seg.tool_events)
+    assert rows[1].version_spans == spans
+    vmin, vmax, status = db.execute(
+        sa.text(
+            "SELECT t.policy_version_min, t.policy_version_max, a.status FROM trajectory t "
+            "JOIN attempt a ON a.id = t.attempt_id WHERE t.id = :t"
+        ),
+        {"t": outcome.trajectory_id},
+    ).one()
+    assert (vmin, vmax, status) == (0, 1, "ok")
+
+
+@pytest.mark.parametrize("method", ["copy", "executemany"])
+def test_both_bulk_paths_write_the_same_rows(db, run, method):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    traj = trajectory(1.0, n_segments=3)
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, traj, method=method)
+    stored = db.execute(
+        sa.text("SELECT generated_ids, rollout_logprobs FROM segment WHERE trajectory_id = :t ORDER BY seq"),
+        {"t": outcome.trajectory_id},
+    ).all()
+    assert [tuple(r) for r in stored] == [(list(s.generated_ids), list(s.rollout_logprobs)) for s in traj.segments]
+
+
+def test_misaligned_segment_is_refused_before_and_by_the_database(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    bad = segment(n_gen=4, action_loss_mask=[1, 1, 1])
+    with pytest.raises(LooplineError, match="same length"):
+        ledger.commit_trajectory(db, lease.attempt_id, trajectory(segments=[bad]))
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory())
+    with pytest.raises(IntegrityError, match="ck_segment_lengths"):
+        db.execute(
+            sa.text(
+                "INSERT INTO segment (trajectory_id, seq, request_id, policy_version, tokenizer_version, prompt_ids, "
+                "generated_ids, action_loss_mask, rollout_logprobs, logprob_semantics) "
+                "VALUES (:t, 9, 'r', 0, 'tok', '{1}', '{1,2}', '{1}', '{-0.1,-0.2}', 'x')"
+            ),
+            {"t": outcome.trajectory_id},
+        )
+    db.rollback()
+
+
+def test_second_attempt_at_a_committed_slot_is_refused(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (slow,) = ledger.claim_slots(db, run.id, "slow", 1, split="train", lease_seconds=0.1)
+    time.sleep(0.3)
+    (fast,) = ledger.claim_slots(db, run.id, "fast", 1, split="train")
+    assert ledger.commit_trajectory(db, fast.attempt_id, trajectory(1.0)).committed
+    late = ledger.commit_trajectory(db, slow.attempt_id, trajectory(0.0))
+    assert not late.committed and "already" in late.reason
+    assert _scalar(db, "SELECT count(*) FROM trajectory WHERE slot_id = :s", s=slow.slot_id) == 1
+    assert _scalar(db, "SELECT reward FROM trajectory WHERE slot_id = :s", s=slow.slot_id) == 1.0
+
+
+def test_racing_commits_of_one_slot_leave_one_trajectory(engine, db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (a,) = ledger.claim_slots(db, run.id, "a", 1, split="train", lease_seconds=0.1)
+    time.sleep(0.3)
+    (b,) = ledger.claim_slots(db, run.id, "b", 1, split="train")
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def commit(lease, reward):
+        with new_session(engine) as s:
+            barrier.wait()
+            results[reward] = ledger.commit_trajectory(
+                s, lease.attempt_id, trajectory(reward)
+            )
+
+    threads = [threading.Thread(target=commit, args=(a, 0.0)), threading.Thread(target=commit, args=(b, 1.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(o.committed for o in results.values()) == [False, True]
+    assert _scalar(db, "SELECT count(*) FROM trajectory WHERE slot_id = :s", s=a.slot_id) == 1
+
+
+def test_database_refuses_a_second_trajectory_for_a_slot(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory())
+    second_attempt = uuid.uuid4()
+    db.execute(
+        sa.text("INSERT INTO attempt (id, slot_id, run_id, worker) VALUES (:a, :s, :r, 'rogue')"),
+        {"a": second_attempt, "s": lease.slot_id, "r": run.id},
+    )
+    with pytest.raises(IntegrityError, match="uq_trajectory_slot"):
+        db.execute(
+            sa.text(
+                "INSERT INTO trajectory (id, run_id, slot_id, attempt_id, group_id, task_id, split, env_name, "
+                "env_version, verifier_version, harness_version, reward, terminated, truncated, "
+                "policy_version_min, policy_version_max) SELECT gen_random_uuid(), run_id, slot_id, :a, group_id, "
+                "task_id, split, env_name, 1, 'v', 'h', 0, true, false, 0, 0 FROM trajectory t WHERE id = :t"
+            ),
+            {"t": outcome.trajectory_id, "a": second_attempt},
+        )
+    db.rollback()
+
+
+def test_group_completes_only_when_every_sample_is_committed(db, run):
+    (group,) = ledger.plan_step(db, run.id, 1, ["a"], group_size=3)
+    leases = ledger.claim_slots(db, run.id, "w", 3, split="train")
+    for i, lease in enumerate(leases):
+        assert ledger.complete_groups(db, run.id) == []
+        ledger.commit_trajectory(db, lease.attempt_id, trajectory(float(i % 2)))
+    assert ledger.complete_groups(db, run.id) == [group]
+
+
+def test_task_failure_is_a_trajectory_with_a_reward(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    traj = trajectory(0.0, terminated=False, truncated=True, failure_type="truncated")
+    assert ledger.commit_trajectory(db, lease.attempt_id, traj).committed
+    assert _scalar(db, "SELECT status FROM attempt WHERE id = :a", a=lease.attempt_id) == "task_failed"
+
+
+# --------------------------------------------------------------------------- infra failures
+
+
+def test_infra_failures_retry_then_drop_the_group(db, run):
+    (group,) = ledger.plan_step(db, run.id, 1, ["a"], group_size=2, max_attempts=2)
+    first, other = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert ledger.fail_attempt(db, first.attempt_id, "SandboxCrash", "container exited 137") == "retry"
+    (retry,) = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert retry.slot_id == first.slot_id
+    assert ledger.fail_attempt(db, retry.attempt_id, "SandboxCrash", "again") == "dropped"
+    assert ledger.group_states(db, run.id) == {"dropped": 1}
+    assert ledger.claim_slots(db, run.id, "w", 2, split="train") == []
+    late = ledger.commit_trajectory(db, other.attempt_id, trajectory())
+    assert not late.committed and "dropped" in late.reason
+    assert _scalar(db, "SELECT count(*) FROM trajectory WHERE group_id = :g", g=group) == 0
+    # an infra failure never became a reward
+    assert _scalar(db, "SELECT count(*) FROM attempt WHERE slot_id = :s AND status = 'infra_failed'", s=first.slot_id) == 2
+
+
+def test_released_slot_goes_back_without_counting_a_failure(db, run):
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1, max_attempts=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    assert ledger.release_attempt(db, lease.attempt_id)
+    (again,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    assert again.slot_id == lease.slot_id
+    assert _scalar(db, "SELECT infra_failures FROM slot WHERE id = :s", s=lease.slot_id) == 0
+
+
+# --------------------------------------------------------------------------- learner
+
+
+def test_learner_step_consumes_each_trajectory_once(db, run):
+    groups = _complete_step(db, run)
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)
+    assert set(batch.group_ids) == set(groups) and len(batch.trajectory_ids) == 4
+    assert batch.policy_version == 0
+    commit = ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1", metrics={"loss": 0.5})
+    assert (commit.policy_version, commit.consumed) == (1, 4)
+    assert ledger.consumed_trajectory_ids(db, run.id) == set(batch.trajectory_ids)
+    # the next step finds nothing left to train
+    assert ledger.claim_learner_batch(db, run.id, 2, max_groups=10).empty
+    # consuming a trajectory twice is impossible at the database level
+    with pytest.raises(IntegrityError):
+        db.execute(
+            sa.text(
+                "INSERT INTO consumption (run_id, trajectory_id, learner_step, policy_version, version_lag) "
+                "VALUES (:r, :t, 2, 1, 1)"
+            ),
+            {"r": run.id, "t": batch.trajectory_ids[0]},
+        )
+    db.rollback()
+
+
+def test_retried_learner_step_gets_the_same_batch_and_commits_once(db, run):
+    _complete_step(db, run, tasks=("a", "b", "c"))
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=2)
+    _complete_step(db, run, step=2, tasks=("d",))  # more work arrives while the learner is down
+    assert ledger.claim_learner_batch(db, run.id, 1, max_groups=2) == batch
+    first = ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
+    second = ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
+    assert second.already_committed and (second.policy_version, second.consumed) == (1, first.consumed)
+    replay = ledger.claim_learner_batch(db, run.id, 1, max_groups=2)
+    assert replay.already_committed and replay.trajectory_ids == batch.trajectory_ids
+
+
+def test_learner_steps_cannot_skip_or_diverge(db, run):
+    _complete_step(db, run)
+    with pytest.raises(LedgerConflict, match="last committed step is 0"):
+        ledger.claim_learner_batch(db, run.id, 2, max_groups=1)
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
+    forged = type(batch)(batch.run_id, 1, 0, batch.group_ids, batch.trajectory_ids[:1])
+    with pytest.raises(LedgerConflict, match="differs"):
+        ledger.commit_learner_step(db, forged, "w", "c")
+
+
+def test_failed_learner_commit_leaves_nothing_consumed(db, run):
+    _complete_step(db, run)
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)
+    # A write late in the transaction fails (after the consumption rows were inserted).
+    with pytest.raises(IntegrityError, match="weights_uri"):
+        ledger.commit_learner_step(db, batch, None, "c")
+    assert ledger.consumed_trajectory_ids(db, run.id) == set()
+    assert ledger.group_states(db, run.id) == {"claimed": 2}
+    assert _scalar(db, "SELECT count(*) FROM checkpoint WHERE run_id = :r", r=run.id) == 0
+
+
+def test_eval_groups_are_never_trained(db, run):
+    _complete_step(db, run, tasks=("e0", "e1"), split="eval")
+    assert ledger.complete_groups(db, run.id, split="eval")
+    assert ledger.claim_learner_batch(db, run.id, 1, max_groups=10).empty
+    eval_trajectory = _scalar(db, "SELECT id FROM trajectory WHERE run_id = :r LIMIT 1", r=run.id)
+    with pytest.raises(IntegrityError, match="fk_consumption_trajectory"):
+        db.execute(
+            sa.text(
+                "INSERT INTO consumption (run_id, trajectory_id, learner_step, policy_version, version_lag) "
+                "VALUES (:r, :t, 1, 0, 0)"
+            ),
+            {"r": run.id, "t": eval_trajectory},
+        )
+    db.rollback()
+    with pytest.raises(IntegrityError, match="ck_group_eval_never_trained"):
+        db.execute(
+            sa.text("UPDATE rollout_group SET state = 'claimed', learner_step = 1 WHERE run_id = :r"), {"r": run.id}
+        )
+    db.rollback()
+
+
+def test_stale_groups_are_left_for_the_gate(db, run):
+    # Groups are taken in step order: "old" (step 15, generated by version 0) waits behind steps 11 and 12.
+    old = _complete_step(db, run, step=15, tasks=("old",), version=0)
+    for k in (1, 2):  # two learner steps move the policy to version 2
+        _complete_step(db, run, step=10 + k, tasks=(f"x{k}",), version=k - 1)
+        batch = ledger.claim_learner_batch(db, run.id, k, max_groups=1)
+        assert old[0] not in batch.group_ids
+        ledger.commit_learner_step(db, batch, f"w{k}", f"c{k}")
+    fresh = _complete_step(db, run, step=20, tasks=("new",), version=2)
+    batch = ledger.claim_learner_batch(db, run.id, 3, max_groups=10, max_staleness=1)
+    assert set(batch.group_ids) == set(fresh)
+    lags = db.execute(
+        sa.text("SELECT learner_step, version_lag FROM consumption WHERE run_id = :r ORDER BY learner_step"),
+        {"r": run.id},
+    ).all()
+    assert {tuple(r) for r in lags} == {(1, 0), (2, 0)}
+
+
+def test_resume_state_reports_checkpoint_version_and_pending_batch(db, run):
+    state = ledger.resume_state(db, run.id)
+    assert (state.last_checkpoint, state.policy_version, state.next_learner_step) == (None, 0, 1)
+    _complete_step(db, run, tasks=("a", "b"))
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
+    ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
+    pending = ledger.claim_learner_batch(db, run.id, 2, max_groups=1)
+    state = ledger.resume_state(db, run.id)
+    assert state.last_checkpoint == ledger.CheckpointInfo(1, 1, "file:///ckpt/1")
+    assert (state.policy_version, state.weights_uri, state.next_learner_step) == (1, "file:///w/v1", 2)
+    assert state.consumed_trajectories == 2
+    assert state.pending_learner_groups == pending.group_ids
+    assert state.group_states == {"consumed": 1, "claimed": 1}

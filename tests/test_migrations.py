@@ -1,0 +1,126 @@
+"""Schema upgrades: complete, idempotent, atomic, safe to race, with one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+from loopline.store.db import make_engine
+from loopline.store.errors import SchemaOutOfDate
+from loopline.store.migrate import head_revision, require_current_schema, schema_status, upgrade
+
+CONTRACT_TABLES = {
+    "environment", "run", "policy_version", "rollout_group", "slot", "attempt", "trajectory",
+    "segment", "consumption", "checkpoint", "metric", "eval_result",
+}
+
+
+def _tables(engine) -> set[str]:
+    return set(sa.inspect(engine).get_table_names())
+
+
+def _cli(*args, url: str | None = None, home=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "LOOPLINE_DATABASE_URL"}
+    if url:
+        env["LOOPLINE_DATABASE_URL"] = url
+    if home:
+        env["LOOPLINE_HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "loopline.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_upgrade_creates_the_whole_data_contract_and_is_idempotent(scratch_url):
+    engine = make_engine(scratch_url)
+    with pytest.raises(SchemaOutOfDate, match="loopline db upgrade"):
+        require_current_schema(engine)
+    result = upgrade(engine)
+    assert result.changed and result.applied_from is None
+    assert result.status.up_to_date and result.status.current == head_revision()
+    assert CONTRACT_TABLES <= _tables(engine)
+    again = upgrade(engine)
+    assert not again.changed and again.status.current == head_revision()
+    require_current_schema(engine)
+    engine.dispose()
+
+
+def test_failed_upgrade_applies_nothing(scratch_url):
+    engine = make_engine(scratch_url)
+    with engine.begin() as conn:  # a clash late in the migration: tables before it get created first
+        conn.exec_driver_sql("CREATE TABLE segment (x int)")
+    with pytest.raises(Exception, match="nothing was applied"):
+        upgrade(engine)
+    assert _tables(engine) == {"segment"}
+    assert schema_status(engine).current is None
+    engine.dispose()
+
+
+def test_database_from_a_newer_loopline_is_refused(scratch_url):
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = 'ffffffffffff'")
+    with pytest.raises(SchemaOutOfDate, match="newer than this loopline"):
+        require_current_schema(engine)
+    with pytest.raises(SchemaOutOfDate, match="upgrade loopline"):
+        upgrade(engine)
+    engine.dispose()
+
+
+def test_racing_upgrades_both_succeed_and_apply_once(scratch_url):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "loopline.cli", "db", "upgrade"],
+            env={**os.environ, "LOOPLINE_DATABASE_URL": scratch_url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0, 0], results
+    assert sum("upgraded" in out for _, out, _ in results) == 1
+    engine = make_engine(scratch_url)
+    assert schema_status(engine).up_to_date
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("postgresql+psycopg://postgres@127.0.0.1:1/loopline", "cannot connect"),
+        ("sqlite:///ledger.db", "needs PostgreSQL"),
+        ("not a url", "is not a database URL"),
+    ],
+)
+def test_bad_database_url_is_one_clear_line(url, expected):
+    result = _cli("db", "upgrade", url=url)
+    assert result.returncode == 1
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_status_of_an_unmigrated_database_says_what_to_run(scratch_url):
+    result = _cli("db", "status", url=scratch_url)
+    assert result.returncode == 1
+    assert "run `loopline db upgrade`" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_embedded_server_when_no_url_is_set(tmp_path):
+    home = tmp_path / "home"
+    first = _cli("db", "upgrade", home=home)
+    assert first.returncode == 0, first.stderr
+    assert "embedded server" in first.stdout and "upgraded" in first.stdout
+    second = _cli("db", "status", home=home)  # a new process reuses the same data directory
+    assert second.returncode == 0, second.stderr
+    assert "schema up to date" in second.stdout
+    assert (home / "pgdata" / "PG_VERSION").exists()
+    # the last process using the server stopped it on exit
+    assert not (home / "pgdata" / "postmaster.pid").exists()
