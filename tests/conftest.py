@@ -3,18 +3,39 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
+
+import psycopg
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from loopline.store import ledger
-from loopline.store.db import make_engine, session as new_session
+from loopline.store.db import HOME_ENV, embedded_url, make_engine, session as new_session
 from loopline.store.migrate import upgrade
 
-# The server that hosts throwaway test databases (127.0.0.1:5432 on this machine kind).
-ADMIN_URL = os.environ.get("LOOPLINE_TEST_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+def _admin_url() -> str:
+    """The server that hosts throwaway test databases.
+
+    LOOPLINE_TEST_ADMIN_URL if set; else the PostgreSQL on 127.0.0.1:5432
+    (this machine kind runs one); else loopline's own embedded server, so the
+    suite runs on any machine, always against a real PostgreSQL.
+    """
+    if url := os.environ.get("LOOPLINE_TEST_ADMIN_URL"):
+        return url
+    local = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    try:
+        with psycopg.connect(local.replace("+psycopg", ""), connect_timeout=3):
+            return local
+    except psycopg.OperationalError:
+        os.environ.setdefault(HOME_ENV, tempfile.mkdtemp(prefix="loopline-test-home-"))
+        return embedded_url().set(database="postgres").render_as_string(hide_password=False)
+
+
+ADMIN_URL = _admin_url()
 
 
 def create_scratch_database(prefix: str = "loopline_test") -> str:
