@@ -124,3 +124,14 @@ def test_embedded_server_when_no_url_is_set(tmp_path):
     assert (home / "pgdata" / "PG_VERSION").exists()
     # the last process using the server stopped it on exit
     assert not (home / "pgdata" / "postmaster.pid").exists()
+
+
+def test_open_ledger_refuses_an_unmigrated_database(scratch_url):
+    from loopline.store.migrate import open_ledger
+
+    with pytest.raises(SchemaOutOfDate, match="run `loopline db upgrade`"):
+        open_ledger(scratch_url)
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    open_ledger(scratch_url).dispose()
+    engine.dispose()

@@ -7,8 +7,8 @@ import typer
 from rich.table import Table
 
 from loopline.cli_support import console, friendly_errors
-from loopline.store.db import make_engine, session
-from loopline.store.migrate import require_current_schema
+from loopline.store.db import session
+from loopline.store.migrate import open_ledger
 from loopline.store.models import Environment
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
@@ -23,8 +23,7 @@ def main() -> None:
 @friendly_errors
 def list_environments(all_versions: bool = typer.Option(False, "--all", help="Include deprecated versions.")) -> None:
     """List registered environments, newest version first."""
-    engine = make_engine()
-    require_current_schema(engine)
+    engine = open_ledger()
     query = sa.select(Environment).order_by(Environment.name, Environment.version.desc())
     if not all_versions:
         query = query.where(Environment.deprecated.is_(False))

@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from loopline.store.db import describe_url
+from loopline.store.db import describe_url, make_engine
 from loopline.store.errors import LooplineError, SchemaOutOfDate
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -90,6 +90,13 @@ def upgrade(engine: Engine, revision: str = "head") -> UpgradeResult:
             f"{before.current or 'no revision'}): {reason}"
         ) from exc
     return UpgradeResult(config.attributes.get("applied_from"), schema_status(engine))
+
+
+def open_ledger(url: str | None = None) -> Engine:
+    """An engine on a reachable ledger whose schema matches this code: what every writer should use."""
+    engine = make_engine(url)
+    require_current_schema(engine)
+    return engine
 
 
 def require_current_schema(engine: Engine) -> None:
