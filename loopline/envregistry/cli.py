@@ -1,39 +1,121 @@
-"""`envreg`: the environment registry's command line."""
+"""`envreg`: register, inspect and test environments."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
 
 import sqlalchemy as sa
 import typer
 from rich.table import Table
 
 from loopline.cli_support import console, friendly_errors
+from loopline.envregistry import registry
+from loopline.envregistry.smoke import run_smoke
+from loopline.envregistry.spec import json_schema, load_spec
+from loopline.envregistry.tasks import load_tasks
 from loopline.store.db import session
+from loopline.store.errors import LooplineError
 from loopline.store.migrate import open_ledger
 from loopline.store.models import Environment
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
 
 
-@app.callback()
-def main() -> None:
-    """Environments are declared in YAML and registered with versions."""
+@app.command("validate")
+@friendly_errors
+def validate(file: Path) -> None:
+    """Check a spec and its tasks without writing anything."""
+    spec = load_spec(file)
+    tasks = load_tasks(spec, file.parent)
+    splits = {s: sum(t.split == s for t in tasks) for s in ("train", "eval")}
+    console.print(f"{file}: valid ({spec.name}, {spec.sandbox.backend} sandbox, {splits['train']} train / {splits['eval']} eval tasks)")
+
+
+@app.command("add")
+@friendly_errors
+def add(file: Path) -> None:
+    """Register a spec; an unchanged spec is a no-op that prints the existing NAME@VERSION."""
+    with session(open_ledger()) as s:
+        result = registry.add(s, file)
+    console.print(f"{'registered' if result.created else 'unchanged'} {result.ref}")
 
 
 @app.command("list")
 @friendly_errors
 def list_environments(all_versions: bool = typer.Option(False, "--all", help="Include deprecated versions.")) -> None:
     """List registered environments, newest version first."""
-    engine = open_ledger()
     query = sa.select(Environment).order_by(Environment.name, Environment.version.desc())
     if not all_versions:
         query = query.where(Environment.deprecated.is_(False))
-    with session(engine) as s:
+    with session(open_ledger()) as s:
         envs = s.execute(query).scalars().all()
     if not envs:
-        console.print("no environments registered")
+        console.print("no environments registered (`envreg add FILE` registers one)")
         return
     table = Table("name@version", "env", "verifier", "harness", "spec hash", "created")
     for env in envs:
         label = f"{env.name}@{env.version}" + (" (deprecated)" if env.deprecated else "")
         table.add_row(label, env.env_version, env.verifier_version, env.harness_version, env.spec_hash[:12], f"{env.created_at:%Y-%m-%d %H:%M}")
     console.print(table)
+
+
+@app.command("show")
+@friendly_errors
+def show(ref: str = typer.Argument(..., metavar="NAME[@VERSION]")) -> None:
+    """Print a registered version's stored spec as YAML."""
+    with session(open_ledger()) as s:
+        row = registry.get(s, ref)
+    sys.stdout.write(f"# {row.name}@{row.version}  sha256:{row.spec_hash}\n" + registry.show(row))
+
+
+@app.command("diff")
+@friendly_errors
+def diff(a: str = typer.Argument(..., metavar="NAME@A"), b: str = typer.Argument(..., metavar="NAME@B")) -> None:
+    """Unified diff between two registered versions."""
+    with session(open_ledger()) as s:
+        text = registry.diff(registry.get(s, a), registry.get(s, b))
+    sys.stdout.write(text or "no differences\n")
+
+
+@app.command("deprecate")
+@friendly_errors
+def deprecate(ref: str = typer.Argument(..., metavar="NAME@VERSION")) -> None:
+    """Hide a version from `list` and from NAME lookups (runs that used it keep it)."""
+    with session(open_ledger()) as s:
+        row = registry.deprecate(s, ref)
+    console.print(f"deprecated {row.name}@{row.version}")
+
+
+@app.command("schema")
+def schema() -> None:
+    """Print the spec's JSON Schema (for editor completion and validation)."""
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@app.command("test")
+@friendly_errors
+def test(
+    ref: str = typer.Argument(..., metavar="NAME[@VERSION]"),
+    tasks: int = typer.Option(1, "--tasks", min=1, help="How many train tasks to play."),
+) -> None:
+    """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
+    with session(open_ledger()) as s:
+        row = registry.get(s, ref)
+    spec = registry.spec_of(row)
+    if spec.smoke_test is None:
+        raise LooplineError(f"{row.name}@{row.version} declares no smoke_test; add one to its YAML")
+    chosen = [t for t in registry.tasks_of(row) if t.split == "train"][:tasks]
+    results = [asyncio.run(run_smoke(spec, task)) for task in chosen]
+    expected = spec.smoke_test.expect_reward
+    table = Table("task", "start", "reset", "steps", "verify", "close", "reward", "verdict", title=f"{row.name}@{row.version}")
+    for r in results:
+        times = [f"{r.timings.get(p, 0.0) * 1000:.0f} ms" for p in ("start", "reset", "steps", "verify", "close")]
+        verdict = f"[red]infra: {r.infra_error}[/]" if r.infra_error else ("[green]ok[/]" if r.passed(expected) else f"[red]{r.verdict}[/]")
+        table.add_row(r.task_id, *times, "-" if r.reward is None else f"{r.reward:g}", verdict)
+    console.print(table)
+    failed = [r for r in results if not r.passed(expected)]
+    if failed:
+        raise LooplineError(f"{len(failed)} of {len(results)} task(s) did not score {expected:g}")

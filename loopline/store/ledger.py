@@ -117,7 +117,7 @@ def get_run(session: Session, name_or_id: str | uuid.UUID) -> Run:
     except ValueError:
         condition = Run.name == str(name_or_id)
     run = session.execute(sa.select(Run).where(condition)).scalar_one_or_none()
-    session.rollback()
+    session.commit()  # ends the read; with expire_on_commit=False the row stays usable
     if run is None:
         raise LooplineError(f"no run named {name_or_id!r}; `loopline runs` lists them")
     return run

@@ -1,0 +1,111 @@
+"""One episode of an environment: reset a task into a fresh sandbox, dispatch tool calls, verify, close.
+
+The agent harness (rollout) drives this; it is plain async code with no
+Prefect and no engine, so `envreg test` and the tests drive it directly.
+Failures are classified here: a bad tool call is an observation for the
+model; a sandbox problem raises `InfraFailure`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopline.envregistry import verifiers
+from loopline.envregistry.calculator import CalculatorError, calculate, format_number
+from loopline.envregistry.sandbox.base import InfraFailure, Sandbox, open_sandbox
+from loopline.envregistry.spec import EnvSpec, Tool
+from loopline.envregistry.tasks import Task
+
+_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+MAX_OBSERVATION_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    error: bool  # the call was refused or failed: the model's fault, told to the model
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    system_prompt: str
+    prompt: str
+
+
+def _check_args(tool: Tool, args: dict[str, Any]) -> str | None:
+    unknown = sorted(set(args) - set(tool.args))
+    if unknown:
+        return f"unknown argument(s) {', '.join(unknown)}; {tool.name} takes: {', '.join(tool.args) or 'nothing'}"
+    for name, arg in tool.args.items():
+        if name not in args:
+            if arg.required:
+                return f"missing argument {name!r} ({arg.type})"
+            continue
+        value = args[name]
+        if not isinstance(value, _TYPES[arg.type]) or (arg.type != "boolean" and isinstance(value, bool)):
+            return f"argument {name!r} must be a {arg.type}, got {type(value).__name__}"
+    return None
+
+
+class Episode:
+    def __init__(self, spec: EnvSpec, task: Task, sandbox: Sandbox):
+        self.spec, self.task, self.sandbox = spec, task, sandbox
+        self.tools = {t.name: t for t in spec.tools}
+
+    @classmethod
+    async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None) -> "Episode":
+        return cls(spec, task, await open_sandbox(spec.sandbox, labels))
+
+    async def reset(self) -> ResetResult:
+        for path, task_field in self.spec.reset.files.items():
+            await self.sandbox.write_file(path, str(self.task.data[task_field]))
+        prompt = self.spec.reset.prompt.replace("{prompt}", self.task.prompt)
+        return ResetResult(self.spec.reset.system_prompt, prompt)
+
+    async def step(self, call: ToolCall) -> Observation:
+        start = time.monotonic()
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self.tools) or "none"
+            return Observation(f"error: no tool named {call.name!r} (tools: {known})", True, time.monotonic() - start)
+        problem = _check_args(tool, call.args)
+        if problem:
+            return Observation(f"error: {problem}", True, time.monotonic() - start)
+        if tool.builtin == "calculator":
+            try:
+                text, error = format_number(calculate(str(call.args["expression"]))), False
+            except CalculatorError as exc:
+                text, error = f"error: {exc}", True
+            return Observation(text, error, time.monotonic() - start)
+        fill = {name: str(value) for name, value in call.args.items()}
+        command = tool.command.format(**fill)
+        stdin = tool.stdin.format(**fill) if tool.stdin else None
+        result = await self.sandbox.exec(command, timeout_s=tool.timeout_s, stdin=stdin)
+        text = (result.stdout + result.stderr)[-MAX_OBSERVATION_CHARS:]
+        if result.timed_out:
+            text += f"\n[timed out after {tool.timeout_s:g} s]"
+        elif result.oom_killed:
+            text += "\n[killed: out of memory]"
+        elif result.exit_code:
+            text += f"\n[exit code {result.exit_code}]"
+        return Observation(text, not result.ok, result.seconds)
+
+    async def verify(self, final_text: str) -> verifiers.Verdict:
+        try:
+            return await verifiers.verify(self.spec.verifier, self.task, final_text, self.sandbox)
+        except InfraFailure:
+            raise
+        except Exception as exc:  # a crash of the verifier is never the agent's fault
+            raise InfraFailure(f"verifier crashed: {type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.sandbox.close()

@@ -1,0 +1,63 @@
+"""What every sandbox backend offers, and how its failures are classified."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from loopline.envregistry import spec as env_spec
+
+
+class InfraFailure(Exception):
+    """The sandbox, not the agent, failed (crash, OOM of the sandbox itself, daemon error, missing image).
+
+    Never turned into a reward: the ledger retries the slot with a new attempt.
+    """
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool = False
+    oom_killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.oom_killed
+
+
+class Sandbox(Protocol):
+    async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
+        """Run a shell command in the working directory; a timeout or OOM is a result, not an exception."""
+
+    async def write_file(self, path: str, content: str) -> None:
+        """Write a file (relative paths are under the working directory)."""
+
+    async def read_file(self, path: str) -> str: ...
+
+    async def close(self) -> None:
+        """Release everything; safe to call twice."""
+
+
+async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> Sandbox:
+    """Start a sandbox of the declared backend and run its setup commands."""
+    if spec.backend == "local":
+        from loopline.envregistry.sandbox.local import LocalSandbox
+
+        sandbox: Sandbox = LocalSandbox(spec)
+    else:
+        raise InfraFailure(
+            f"the {spec.backend} sandbox backend is not available in this version of loopline; use backend: local"
+        )
+    try:
+        for command in spec.setup:
+            result = await sandbox.exec(command, timeout_s=300)
+            if not result.ok:
+                raise InfraFailure(f"setup command {command!r} failed ({result.exit_code}): {result.stderr[-500:]}")
+    except BaseException:
+        await sandbox.close()
+        raise
+    return sandbox

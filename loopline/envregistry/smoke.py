@@ -1,0 +1,73 @@
+"""`envreg test`: play an environment's scripted smoke test on a few tasks, phase by phase."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopline.envregistry.episode import Episode, ToolCall
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.spec import EnvSpec
+from loopline.envregistry.tasks import Task
+
+_PLACEHOLDER = re.compile(r"{task\.(\w+)}")
+
+
+def fill(value: Any, task: Task) -> Any:
+    """Replace {task.FIELD} in strings with the task's data (the smoke test knows the answers)."""
+    if not isinstance(value, str):
+        return value
+    return _PLACEHOLDER.sub(lambda m: str(task.data[m.group(1)]), value)
+
+
+@dataclass
+class SmokeResult:
+    task_id: str
+    timings: dict[str, float] = field(default_factory=dict)
+    reward: float | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+    observations: list[str] = field(default_factory=list)
+    infra_error: str | None = None
+
+    def passed(self, expected: float) -> bool:
+        return self.infra_error is None and self.reward is not None and abs(self.reward - expected) < 1e-9
+
+
+async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
+    if spec.smoke_test is None:
+        raise ValueError(f"{spec.name} declares no smoke_test")
+    result = SmokeResult(task.id)
+    clock = time.monotonic()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        result.timings[phase] = result.timings.get(phase, 0.0) + now - clock
+        clock = now
+
+    episode = None
+    try:
+        episode = await Episode.start(spec, task, labels={"loopline.purpose": "smoke"})
+        lap("start")
+        await episode.reset()
+        lap("reset")
+        final = ""
+        for step in spec.smoke_test.steps:
+            if step.tool is not None:
+                args = {k: fill(v, task) for k, v in step.args.items()}
+                result.observations.append((await episode.step(ToolCall(step.tool, args))).text)
+            if step.answer is not None:
+                final = fill(step.answer, task)
+        lap("steps")
+        verdict = await episode.verify(final)
+        result.reward, result.verdict = verdict.reward, verdict.details
+        lap("verify")
+    except InfraFailure as exc:
+        result.infra_error = str(exc)
+    finally:
+        if episode is not None:
+            await episode.close()
+        lap("close")
+    return result

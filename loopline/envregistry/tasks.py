@@ -1,0 +1,132 @@
+"""Task sources: a built-in generator or a JSONL file; train and eval never overlap."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks
+from loopline.store.errors import LooplineError
+
+Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """`prompt` is shown to the agent; `data` (answers, hidden tests) is only for reset and the verifier."""
+
+    id: str
+    split: Split
+    prompt: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- arithmetic generator
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# Train and eval use disjoint templates, so no eval problem can appear in training (seed §10.1).
+TRAIN_TEMPLATES = ("a o b", "a o b o c")
+EVAL_TEMPLATES = ("(a o b) o c", "a o (b o c)")
+
+
+def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:
+    """Render and compute one problem from its parts (no string evaluation anywhere)."""
+    a, b, *rest = nums
+    f = [_OPS[o] for o in ops]
+    if template == "a o b":
+        return f"{a} {ops[0]} {b}", f[0](a, b)
+    c = rest[0]
+    if template == "(a o b) o c":
+        return f"({a} {ops[0]} {b}) {ops[1]} {c}", f[1](f[0](a, b), c)
+    if template == "a o (b o c)":
+        return f"{a} {ops[0]} ({b} {ops[1]} {c})", f[0](a, f[1](b, c))
+    # "a o b o c": usual precedence, * binds tighter
+    if ops[1] == "*" and ops[0] != "*":
+        return f"{a} {ops[0]} {b} {ops[1]} {c}", f[0](a, f[1](b, c))
+    return f"{a} {ops[0]} {b} {ops[1]} {c}", f[1](f[0](a, b), c)
+
+
+def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
+    max_operand = int(source.params.get("max_operand", 99))
+    tasks = []
+    for split, templates, size in (("train", TRAIN_TEMPLATES, source.train_size), ("eval", EVAL_TEMPLATES, source.eval_size)):
+        rng = random.Random(f"{source.seed}/{split}")
+        for i in range(size):
+            template = templates[i % len(templates)]
+            n = 2 if template == "a o b" else 3
+            nums = [rng.randint(1, max_operand) for _ in range(n)]
+            ops = [rng.choice(list(_OPS)) for _ in range(n - 1)]
+            expression, answer = _apply(template, nums, ops)
+            tasks.append(
+                Task(
+                    f"arith-{split}-{i:05d}",
+                    split,
+                    f"What is {expression}?",
+                    {"expression": expression, "answer": answer, "template": template},
+                )
+            )
+    return tasks
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def jsonl_path(source: JsonlTasks, base_dir: Path) -> Path:
+    return (base_dir / source.path).resolve()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def jsonl_tasks(path: Path) -> list[Task]:
+    if not path.is_file():
+        raise LooplineError(f"{path}: task file not found (tasks.path is relative to the YAML file)")
+    tasks, seen = [], {}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LooplineError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise LooplineError(f"{where}: each line must be a JSON object with id, split, prompt")
+        missing = [k for k in ("id", "split", "prompt") if k not in row]
+        if missing:
+            raise LooplineError(f"{where}: missing field(s) {', '.join(missing)}")
+        if row["split"] not in ("train", "eval"):
+            raise LooplineError(f"{where}: split must be 'train' or 'eval', not {row['split']!r}")
+        task_id = str(row["id"])
+        if task_id in seen:
+            raise LooplineError(f"{where}: duplicate task id {task_id!r} (first on line {seen[task_id]})")
+        seen[task_id] = lineno
+        data = {k: v for k, v in row.items() if k not in ("id", "split", "prompt")}
+        tasks.append(Task(task_id, row["split"], str(row["prompt"]), data))
+    check_disjoint(tasks, str(path))
+    return tasks
+
+
+def check_disjoint(tasks: list[Task], where: str) -> None:
+    """No prompt may be both a train and an eval task: eval must measure generalisation."""
+    train = {t.prompt for t in tasks if t.split == "train"}
+    overlap = sorted(t.id for t in tasks if t.split == "eval" and t.prompt in train)
+    if overlap:
+        raise LooplineError(f"{where}: eval tasks {', '.join(overlap[:5])} repeat train prompts; splits must not overlap")
+    if not train or not any(t.split == "eval" for t in tasks):
+        raise LooplineError(f"{where}: needs at least one train and one eval task")
+
+
+def load_tasks(spec: EnvSpec, base_dir: Path) -> list[Task]:
+    source = spec.tasks
+    if isinstance(source, GeneratorTasks):
+        tasks = arithmetic_tasks(source)
+        check_disjoint(tasks, f"generator {source.generator}")
+        return tasks
+    return jsonl_tasks(jsonl_path(source, base_dir))
