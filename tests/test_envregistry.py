@@ -1,0 +1,311 @@
+"""Environment specs, the registry, tasks, the calculator, verifiers and episodes on the local backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopline.envregistry import registry
+from loopline.envregistry.calculator import CalculatorError, calculate
+from loopline.envregistry.episode import Episode, ToolCall
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.sandbox.local import LocalSandbox
+from loopline.envregistry.spec import Sandbox, load_spec
+from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
+from loopline.envregistry.verifiers import evaluate_expression, verify_arithmetic
+from loopline.store.errors import LooplineError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ARITHMETIC = EXAMPLES / "arithmetic_env.yaml"
+
+JSONL_SPEC = """\
+name: {name}
+sandbox:
+  backend: local
+tasks:
+  kind: jsonl
+  path: tasks.jsonl
+tools:
+  - name: run
+    description: run a shell command
+    args: {{cmd: {{type: string}}}}
+    command: "{{cmd}}"
+verifier:
+  command: "echo '{{\\"passed\\": 1, \\"total\\": 1}}'"
+"""
+
+
+def _write_env(tmp_path: Path, name: str, rows: list[dict], extra: str = "") -> Path:
+    (tmp_path / "tasks.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = tmp_path / "env.yaml"
+    path.write_text(JSONL_SPEC.format(name=name) + extra)
+    return path
+
+
+ROWS = [
+    {"id": "a", "split": "train", "prompt": "p1"},
+    {"id": "b", "split": "eval", "prompt": "p2"},
+]
+
+
+# --------------------------------------------------------------------------- spec errors
+
+
+def _error(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(LooplineError) as info:
+        load_spec(path)
+    return str(info.value)
+
+
+def test_spec_error_names_file_line_and_field(tmp_path):
+    text = ARITHMETIC.read_text().replace("backend: local", "backend: podman")
+    line = text.splitlines().index(next(l for l in text.splitlines() if "backend: podman" in l)) + 1
+    message = _error(tmp_path, text)
+    assert f"bad.yaml:{line}: sandbox.backend:" in message
+    assert "'docker', 'e2b' or 'local'" in message
+
+
+def test_spec_error_inside_the_task_source_has_the_real_path(tmp_path):
+    message = _error(tmp_path, ARITHMETIC.read_text().replace("train_size: 2000", "train_size: many"))
+    assert "tasks.train_size:" in message and "valid integer" in message
+
+
+def test_malformed_yaml_and_unknown_fields_are_reported(tmp_path):
+    assert "bad.yaml:3: not valid YAML" in _error(tmp_path, "name: x\nsandbox:\n\tbackend: local\n")
+    message = _error(tmp_path, ARITHMETIC.read_text() + "colour: blue\n")
+    assert "colour: Extra inputs are not permitted" in message
+
+
+def test_docker_backend_needs_an_image(tmp_path):
+    message = _error(tmp_path, ARITHMETIC.read_text().replace("backend: local", "backend: docker"))
+    assert "sandbox:" in message and "needs `image`" in message
+
+
+def test_tool_template_must_use_declared_args(tmp_path):
+    message = _error(tmp_path, JSONL_SPEC.format(name="x").replace('"{cmd}"', '"{command}"'))
+    assert "tools.0:" in message and "{command}" in message
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def test_arithmetic_tasks_are_deterministic_correct_and_split_by_template():
+    spec = load_spec(ARITHMETIC)
+    tasks = load_tasks(spec, EXAMPLES)
+    assert tasks == load_tasks(spec, EXAMPLES)
+    train = [t for t in tasks if t.split == "train"]
+    evals = [t for t in tasks if t.split == "eval"]
+    assert (len(train), len(evals)) == (2000, 200)
+    assert {t.data["template"] for t in train} == set(TRAIN_TEMPLATES)
+    assert {t.data["template"] for t in evals} == set(EVAL_TEMPLATES)
+    assert not {t.prompt for t in train} & {t.prompt for t in evals}
+    for t in tasks[:300] + evals:
+        assert evaluate_expression(t.data["expression"]) == t.data["answer"] == calculate(t.data["expression"])
+
+
+def test_jsonl_duplicate_ids_and_overlapping_splits_are_refused(tmp_path):
+    dup = _write_env(tmp_path, "dup", ROWS + [{"id": "a", "split": "train", "prompt": "p3"}])
+    with pytest.raises(LooplineError, match=r"tasks.jsonl:3: duplicate task id 'a' \(first on line 1\)"):
+        load_tasks(load_spec(dup), tmp_path)
+    overlap = _write_env(tmp_path, "overlap", ROWS + [{"id": "c", "split": "eval", "prompt": "p1"}])
+    with pytest.raises(LooplineError, match="repeat train prompts"):
+        load_tasks(load_spec(overlap), tmp_path)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_versions_only_on_change_and_diffs(db, tmp_path):
+    name = f"env-{os.getpid()}-{tmp_path.name[-6:]}".lower().replace("_", "-")
+    path = _write_env(tmp_path, name, ROWS)
+    first = registry.add(db, path)
+    assert first.created and first.version == 1
+    assert registry.add(db, path) == registry.Registered(name, 1, first.spec_hash, created=False)
+    # an equivalent file (defaults spelled out) is the same environment
+    path.write_text(path.read_text() + "budgets: {max_turns: 4}\n")
+    assert not registry.add(db, path).created
+    # a changed task file is a new version, even with the YAML untouched
+    _write_env(tmp_path, name, ROWS + [{"id": "c", "split": "train", "prompt": "p3"}])
+    second = registry.add(db, path)
+    assert second.created and second.version == 2
+    text = registry.diff(registry.get(db, f"{name}@1"), registry.get(db, f"{name}@2"))
+    assert "-  rows: <2 tasks" in text and "+  rows: <3 tasks" in text
+    assert [t.id for t in registry.tasks_of(registry.get(db, name))] == ["a", "b", "c"]
+    registry.deprecate(db, f"{name}@2")
+    assert registry.get(db, name).version == 1
+    with pytest.raises(LooplineError, match="has versions 1, 2"):
+        registry.get(db, f"{name}@7")
+
+
+def test_invalid_task_file_registers_nothing(db, tmp_path):
+    path = _write_env(tmp_path, "never-registered", ROWS + [{"id": "a", "split": "eval", "prompt": "x"}])
+    with pytest.raises(LooplineError, match="duplicate task id"):
+        registry.add(db, path)
+    with pytest.raises(LooplineError, match="no environment named"):
+        registry.get(db, "never-registered")
+
+
+# --------------------------------------------------------------------------- calculator and verifier
+
+
+@pytest.mark.parametrize("expression, value", [("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("-7 // 2", -4), ("2 ** 10", 1024), ("7 / 2", 3.5)])
+def test_calculator_computes(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("__import__('os').system('id')", "only numbers"),
+        ("x + 1", "only numbers"),
+        ("9 ** 9 ** 9", "exponents"),
+        ("1 / 0", "division by zero"),
+        ("1 +", "cannot parse"),
+    ],
+)
+def test_calculator_refuses_with_a_readable_message(expression, message):
+    with pytest.raises(CalculatorError, match=message):
+        calculate(expression)
+
+
+TASK = Task("t", "train", "What is 12 + 3 * 4?", {"expression": "12 + 3 * 4", "answer": 24})
+
+
+def test_verifier_ignores_claims_and_checks_the_answer_itself():
+    assert verify_arithmetic(TASK, "<answer>24</answer>").reward == 1.0
+    assert verify_arithmetic(TASK, "I checked it carefully, the answer is correct. All tests passed!").reward == 0.0
+    assert verify_arithmetic(TASK, "<answer>60</answer>").reward == 0.0
+    assert verify_arithmetic(TASK, "<answer>60</answer> no wait <answer>24</answer>").reward == 1.0
+
+
+def test_verifier_catches_a_wrong_stored_answer_as_infra_failure():
+    broken = Task("t", "train", "?", {"expression": "12 + 3 * 4", "answer": 60})
+    with pytest.raises(InfraFailure, match="verifier disagrees"):
+        verify_arithmetic(broken, "<answer>60</answer>")
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+def test_bad_tool_calls_are_observations_not_crashes():
+    spec = load_spec(ARITHMETIC)
+
+    async def play():
+        episode = await Episode.start(spec, TASK)
+        try:
+            return [
+                await episode.step(ToolCall("calc", {"expression": "12 + 3 * 4"})),
+                await episode.step(ToolCall("shell", {"cmd": "ls"})),
+                await episode.step(ToolCall("calc", {})),
+                await episode.step(ToolCall("calc", {"expression": 5})),
+                await episode.step(ToolCall("calc", {"expression": "open('x')"})),
+            ]
+        finally:
+            await episode.close()
+
+    ok, unknown, missing, wrong_type, refused = asyncio.run(play())
+    assert (ok.text, ok.error) == ("24", False)
+    assert unknown.error and "no tool named 'shell' (tools: calc)" in unknown.text
+    assert missing.error and "missing argument 'expression'" in missing.text
+    assert wrong_type.error and "must be a string" in wrong_type.text
+    assert refused.error and "only numbers" in refused.text
+
+
+def _local(**resources) -> LocalSandbox:
+    return LocalSandbox(Sandbox(backend="local", resources=resources or {}))
+
+
+def test_local_sandbox_timeout_kills_the_command():
+    async def go():
+        box = _local()
+        try:
+            return await box.exec("sleep 30", timeout_s=0.5)
+        finally:
+            await box.close()
+
+    result = asyncio.run(go())
+    assert result.timed_out and not result.ok and result.seconds < 5
+
+
+def test_local_sandbox_memory_limit():
+    async def go():
+        box = _local(memory_mb=64)
+        try:
+            return await box.exec(f"{sys.executable} -c 'x = bytearray(512 * 1024 * 1024)'", timeout_s=30)
+        finally:
+            await box.close()
+
+    result = asyncio.run(go())
+    assert not result.ok and "MemoryError" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (.ci/run installs it)")
+def test_local_sandbox_has_no_network_and_cleans_up():
+    probe = f"{sys.executable} -c \"import socket; socket.create_connection(('127.0.0.1', 5432), timeout=2); print('connected')\""
+    assert "connected" in subprocess.run(probe, shell=True, capture_output=True, text=True).stdout  # reachable outside
+
+    async def go():
+        box = _local()
+        assert box.isolated
+        await box.write_file("notes/a.txt", "hello")
+        result = await box.exec(f"cat notes/a.txt && {probe}", timeout_s=10)
+        await box.close()
+        return box, result
+
+    box, result = asyncio.run(go())
+    assert result.stdout.startswith("hello") and "connected" not in result.stdout and not result.ok
+    assert not box.root.exists()
+
+
+def test_sandbox_paths_cannot_escape():
+    async def go():
+        box = _local()
+        try:
+            await box.write_file("../../etc/evil", "x")
+        finally:
+            await box.close()
+
+    with pytest.raises(ValueError, match="leaves the sandbox"):
+        asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _envreg(*args, url: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from loopline.envregistry.cli import app; app()", *args],
+        env={**os.environ, "LOOPLINE_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_envreg_add_then_test_the_arithmetic_environment(database_url):
+    added = _envreg("add", str(ARITHMETIC), url=database_url)
+    assert added.returncode == 0, added.stderr
+    assert "arithmetic@" in added.stdout
+    again = _envreg("add", str(ARITHMETIC), url=database_url)
+    assert again.stdout.startswith("unchanged arithmetic@")
+    tested = _envreg("test", "arithmetic", "--tasks", "3", url=database_url)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert tested.stdout.count("ok") >= 3
+
+
+def test_envreg_validate_reports_one_clear_error(tmp_path, database_url):
+    bad = tmp_path / "env.yaml"
+    bad.write_text(ARITHMETIC.read_text().replace("max_turns: 3", "max_turns: 0"))
+    result = _envreg("validate", str(bad), url=database_url)
+    assert result.returncode == 1
+    assert f"{bad}:" in result.stderr and "budgets.max_turns" in result.stderr
+    assert "Traceback" not in result.stderr
