@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from loopline.cli_support import console, friendly_errors
-from loopline.envregistry import registry
+from loopline.envregistry import images, registry
 from loopline.envregistry.smoke import run_smoke
 from loopline.envregistry.spec import json_schema, load_spec
 from loopline.envregistry.tasks import load_tasks
@@ -22,6 +22,33 @@ from loopline.store.migrate import open_ledger
 from loopline.store.models import Environment
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
+image_app = typer.Typer(help="Sandbox images, built without any image registry.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Running sandboxes.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@image_app.command("build")
+@friendly_errors
+def image_build(tag: str = typer.Option(images.PYTHON_IMAGE, help="Image name:tag to create.")) -> None:
+    """Build the Python sandbox image the examples use (debootstrap + docker import; ~1 minute, needs root)."""
+    with console.status(f"building {tag} (debootstrap of a minimal Debian with python3)..."):
+        images.build_python_image(tag)
+    console.print(f"built {tag}")
+
+
+@sandbox_app.command("gc")
+@friendly_errors
+def sandbox_gc() -> None:
+    """Remove Docker sandboxes left behind by processes that crashed."""
+    from loopline.envregistry.sandbox.base import InfraFailure
+    from loopline.envregistry.sandbox.docker import cleanup_orphans
+
+    try:
+        removed = cleanup_orphans()
+    except InfraFailure as exc:
+        raise LooplineError(str(exc)) from None
+    console.print(f"removed {len(removed)} orphaned sandbox(es)" + (f": {', '.join(removed)}" if removed else ""))
 
 
 @app.command("validate")

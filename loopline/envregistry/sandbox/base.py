@@ -48,6 +48,10 @@ async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = N
         from loopline.envregistry.sandbox.local import LocalSandbox
 
         sandbox: Sandbox = LocalSandbox(spec)
+    elif spec.backend == "docker":
+        from loopline.envregistry.sandbox.docker import DockerSandbox
+
+        sandbox = await DockerSandbox.create(spec, labels)
     else:
         raise InfraFailure(
             f"the {spec.backend} sandbox backend is not available in this version of loopline; use backend: local"

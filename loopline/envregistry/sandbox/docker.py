@@ -1,0 +1,182 @@
+"""The Docker backend: one hardened container per episode, driven through the docker SDK.
+
+No network, a non-root user, a read-only root with a tmpfs working directory,
+memory / cpu / pids limits, and a per-command timeout (`timeout -s KILL`,
+since exec has none). Containers carry labels naming their owner process, so
+`cleanup_orphans` removes those whose owner died without closing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import shlex
+import socket
+import time
+
+from loopline.envregistry import spec as env_spec
+from loopline.envregistry.images import BUILD_COMMAND
+from loopline.envregistry.sandbox.base import ExecResult, InfraFailure
+
+LABEL = "loopline.sandbox"
+OUTPUT_LIMIT = 64 * 1024
+_WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel's per-argument limit
+
+
+def _client():
+    import docker
+    from docker.errors import DockerException
+
+    try:
+        client = docker.from_env(timeout=60)
+        client.ping()
+    except DockerException as exc:
+        raise InfraFailure(
+            f"the Docker daemon is not reachable ({exc}); start it (e.g. `dockerd &`) or use another backend"
+        ) from None
+    return client
+
+
+class DockerSandbox:
+    def __init__(self, spec: env_spec.Sandbox, container, client):
+        self.spec, self.container, self.client = spec, container, client
+        self._oom_baseline = self._oom_kills()
+
+    @classmethod
+    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> "DockerSandbox":
+        return await asyncio.to_thread(cls._create, spec, labels or {})
+
+    @classmethod
+    def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str]) -> "DockerSandbox":
+        from docker.errors import APIError, ImageNotFound
+
+        client = _client()
+        try:
+            client.images.get(spec.image)
+        except ImageNotFound:
+            raise InfraFailure(f"sandbox image {spec.image!r} is missing; build it with `{BUILD_COMMAND}`") from None
+        res = spec.resources
+        try:
+            container = client.containers.run(
+                spec.image,
+                ["sleep", "infinity"],
+                detach=True,
+                init=True,
+                user="1000:1000",
+                working_dir=spec.workdir,
+                network_mode="bridge" if spec.network else "none",
+                read_only=True,
+                tmpfs={spec.workdir: f"rw,exec,size={res.disk_mb}m,mode=1777", "/tmp": f"rw,size={res.disk_mb}m,mode=1777"},
+                mem_limit=f"{res.memory_mb}m",
+                memswap_limit=f"{res.memory_mb}m",
+                nano_cpus=int(res.cpus * 1e9),
+                pids_limit=res.pids,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                labels={LABEL: "1", "loopline.owner_pid": str(os.getpid()), "loopline.owner_host": socket.gethostname(), **labels},
+            )
+        except APIError as exc:
+            raise InfraFailure(f"could not start a sandbox container: {exc.explanation or exc}") from None
+        return cls(spec, container, client)
+
+    def _oom_kills(self) -> int:
+        """The container cgroup's OOM-kill counter: an exec'd process killed by OOM exits 137 without OOMKilled."""
+        for path in (
+            f"/sys/fs/cgroup/memory/docker/{self.container.id}/memory.oom_control",
+            f"/sys/fs/cgroup/system.slice/docker-{self.container.id}.scope/memory.events",
+        ):
+            try:
+                with open(path) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value)
+            except OSError:
+                continue
+        return 0
+
+    def _exec(self, command: str, timeout_s: float, limit: int | None = OUTPUT_LIMIT) -> ExecResult:
+        from docker.errors import APIError, NotFound
+
+        start = time.monotonic()
+        wrapped = ["timeout", "-s", "KILL", f"{timeout_s:g}", "sh", "-c", command]
+        try:
+            code, (out, err) = self.container.exec_run(wrapped, demux=True, workdir=self.spec.workdir, user="1000:1000")
+        except (APIError, NotFound) as exc:
+            raise InfraFailure(f"sandbox container failed: {exc}") from None
+        seconds = time.monotonic() - start
+        oom = self._oom_kills()
+        oom_killed, self._oom_baseline = oom > self._oom_baseline, oom
+        return ExecResult(
+            exit_code=code,
+            stdout=(out or b"")[:limit].decode(errors="replace"),
+            stderr=(err or b"")[:limit].decode(errors="replace"),
+            seconds=seconds,
+            timed_out=code == 137 and not oom_killed and seconds >= timeout_s * 0.9,
+            oom_killed=oom_killed,
+        )
+
+    async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
+        if stdin is not None:
+            await self.write_file("/tmp/.loopline-stdin", stdin)
+            command = f"({command}) < /tmp/.loopline-stdin"
+        return await asyncio.to_thread(self._exec, command, timeout_s)
+
+    async def write_file(self, path: str, content: str) -> None:
+        # put_archive cannot write into a tmpfs under a read-only root, so files go through exec arguments.
+        target = shlex.quote(path)
+        data = base64.b64encode(content.encode()).decode()
+        chunks = [data[i : i + _WRITE_CHUNK] for i in range(0, len(data), _WRITE_CHUNK)] or [""]
+        parent = shlex.quote(os.path.dirname(path) or ".")
+        for i, chunk in enumerate(chunks):
+            redirect = ">" if i == 0 else ">>"
+            result = await asyncio.to_thread(
+                self._exec, f"mkdir -p {parent} && printf %s {chunk} | base64 -d {redirect} {target}", 30
+            )
+            if not result.ok:
+                raise InfraFailure(f"could not write {path} in the sandbox: {result.stderr.strip()}")
+
+    async def read_file(self, path: str) -> str:
+        result = await asyncio.to_thread(self._exec, f"cat {shlex.quote(path)}", 30, None)
+        if not result.ok:
+            raise FileNotFoundError(f"{path}: {result.stderr.strip()}")
+        return result.stdout
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
+        from docker.errors import NotFound
+
+        try:
+            self.container.remove(force=True)
+        except NotFound:
+            pass
+
+
+def cleanup_orphans() -> list[str]:
+    """Remove sandbox containers on this host whose owning process is gone (it crashed before closing them)."""
+    client = _client()
+    removed = []
+    host = socket.gethostname()
+    for container in client.containers.list(all=True, filters={"label": LABEL}):
+        labels = container.labels
+        if labels.get("loopline.owner_host") != host:
+            continue
+        pid = int(labels.get("loopline.owner_pid", "0"))
+        if pid and _alive(pid):
+            continue
+        container.remove(force=True)
+        removed.append(container.short_id)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
