@@ -8,6 +8,7 @@ model; a sandbox problem raises `InfraFailure`.
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +88,7 @@ class Episode:
                 text, error = f"error: {exc}", True
             return Observation(text, error, time.monotonic() - start)
         fill = {name: str(value) for name, value in call.args.items()}
-        command = tool.command.format(**fill)
+        command = tool.command.format(**{name: shlex.quote(value) for name, value in fill.items()})
         stdin = tool.stdin.format(**fill) if tool.stdin else None
         result = await self.sandbox.exec(command, timeout_s=tool.timeout_s, stdin=stdin)
         text = (result.stdout + result.stderr)[-MAX_OBSERVATION_CHARS:]

@@ -89,7 +89,9 @@ class Tool(_Strict):
     description: str
     args: dict[str, ToolArg] = Field(default_factory=dict)
     builtin: Literal["calculator"] | None = Field(None, description="a handler loopline runs itself")
-    command: str | None = Field(None, description="a command template run in the sandbox, e.g. 'python3 {path}'")
+    command: str | None = Field(
+        None, description="a command template run in the sandbox, e.g. 'python3 {path}'; values are shell-quoted"
+    )
     stdin: str | None = Field(None, description="template whose value is fed to the command's stdin")
     timeout_s: float = Field(10.0, gt=0)
 
@@ -118,6 +120,7 @@ class Verifier(_Strict):
     builtin: Literal["arithmetic_answer"] | None = None
     command: str | None = Field(None, description="run in the sandbox after hidden files are copied in")
     hidden_files: dict[str, str] = Field(default_factory=dict, description="path -> task field, copied in only to verify")
+    support_files: dict[str, str] = Field(default_factory=dict, description="path -> literal text, copied in only to verify")
     timeout_s: float = Field(60.0, gt=0)
 
     @model_validator(mode="after")

@@ -105,6 +105,8 @@ async def verify_with_command(spec: Verifier, task: Task, sandbox: Sandbox) -> V
     The command prints e.g. {"passed": 3, "total": 4}; reward = passed / total.
     A crash of the verifier itself (no verdict line) is an infra failure, not a reward of 0.
     """
+    for path, text in spec.support_files.items():
+        await sandbox.write_file(path, text)
     for path, task_field in spec.hidden_files.items():
         await sandbox.write_file(path, str(task.data[task_field]))
     result = await sandbox.exec(spec.command, timeout_s=spec.timeout_s)
