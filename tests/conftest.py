@@ -89,3 +89,25 @@ def db(engine):
 def run(db):
     """A fresh run (with policy version 0) per test, so tests never see each other's rows."""
     return ledger.create_run(db, f"test-{uuid.uuid4().hex[:8]}", {"seed": 0}, "file:///weights/v0")
+
+
+@pytest.fixture(scope="session")
+def docker_image():
+    """The Docker engine and the sandbox image; in CI their absence fails the test instead of skipping it."""
+    from loopline.envregistry.images import PYTHON_IMAGE, build_python_image
+    from loopline.envregistry.sandbox.base import InfraFailure
+    from loopline.envregistry.sandbox.docker import _client
+
+    try:
+        client = _client()
+    except InfraFailure as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the Docker tests: {exc}")
+        pytest.skip(str(exc))
+    from docker.errors import ImageNotFound
+
+    try:
+        client.images.get(PYTHON_IMAGE)
+    except ImageNotFound:
+        build_python_image(PYTHON_IMAGE)
+    return PYTHON_IMAGE

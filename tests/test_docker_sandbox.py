@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
-import sys
 
 import pytest
 
-from loopline.envregistry.images import PYTHON_IMAGE, build_python_image
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.docker import DockerSandbox, cleanup_orphans, _client
 from loopline.envregistry.spec import Sandbox
-
-
-@pytest.fixture(scope="module")
-def docker_image():
-    try:
-        client = _client()
-    except InfraFailure as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the Docker tests: {exc}")
-        pytest.skip(str(exc))
-    from docker.errors import ImageNotFound
-
-    try:
-        client.images.get(PYTHON_IMAGE)
-    except ImageNotFound:
-        build_python_image(PYTHON_IMAGE)
-    return PYTHON_IMAGE
 
 
 def _spec(image: str, **resources) -> Sandbox:
