@@ -378,3 +378,19 @@ def test_resume_state_reports_checkpoint_version_and_pending_batch(db, run):
     assert state.consumed_trajectories == 2
     assert state.pending_learner_groups == pending.group_ids
     assert state.group_states == {"consumed": 1, "claimed": 1}
+
+
+def test_runs_are_found_by_name_or_id_and_track_status_and_publication(db, run):
+    assert ledger.get_run(db, run.name).id == run.id == ledger.get_run(db, str(run.id)).id
+    with pytest.raises(LooplineError, match="no run named 'nope'"):
+        ledger.get_run(db, "nope")
+    ledger.set_run_status(db, run.id, "running")
+    assert ledger.get_run(db, run.name).status == "running"
+    with pytest.raises(IntegrityError, match="ck_run_status"):
+        ledger.set_run_status(db, run.id, "exploded")
+    _complete_step(db, run, tasks=("a",))
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
+    ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
+    assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is None
+    ledger.mark_published(db, run.id, 1)
+    assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is not None

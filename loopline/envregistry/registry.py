@@ -107,7 +107,7 @@ def get(session: Session, ref: str) -> Environment:
         query = query.where(Environment.deprecated.is_(False)).order_by(Environment.version.desc()).limit(1)
     else:
         query = query.where(Environment.version == version)
-    row = session.execute(query).scalar_one_or_none()
+    row = session.execute(query.execution_options(populate_existing=True)).scalar_one_or_none()
     session.commit()  # ends the read; with expire_on_commit=False the row stays usable
     if row is None:
         known = session.execute(

@@ -8,12 +8,11 @@ import operator
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks
 from loopline.store.errors import LooplineError
-
-Split = Literal["train", "eval"]
+from loopline.store.records import Split
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlmodel import Session
 
 from loopline.store.errors import DatabaseUnavailable, LooplineError
@@ -129,11 +129,15 @@ def check_connection(engine: Engine) -> None:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
     except OperationalError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise DatabaseUnavailable(
-            f"cannot connect to {describe_url(engine.url)}: {reason}; "
+            f"cannot connect to {describe_url(engine.url)}: {error_reason(exc)}; "
             f"check {DATABASE_URL_ENV} (or unset it to use the embedded server)"
         ) from None
+
+
+def error_reason(exc: DBAPIError) -> str:
+    """The driver's first line ("connection refused", "relation exists"), without SQLAlchemy's wrapping."""
+    return str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
 
 
 def session(engine: Engine) -> Session:

@@ -116,7 +116,8 @@ def get_run(session: Session, name_or_id: str | uuid.UUID) -> Run:
         condition = Run.id == uuid.UUID(str(name_or_id))
     except ValueError:
         condition = Run.name == str(name_or_id)
-    run = session.execute(sa.select(Run).where(condition)).scalar_one_or_none()
+    # populate_existing: a long-lived session must see status changes made by other calls or processes
+    run = session.execute(sa.select(Run).where(condition).execution_options(populate_existing=True)).scalar_one_or_none()
     session.commit()  # ends the read; with expire_on_commit=False the row stays usable
     if run is None:
         raise LooplineError(f"no run named {name_or_id!r}; `loopline runs` lists them")

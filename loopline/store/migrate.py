@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from loopline.store.db import describe_url, make_engine
+from loopline.store.db import describe_url, error_reason, make_engine
 from loopline.store.errors import LooplineError, SchemaOutOfDate
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -84,10 +84,9 @@ def upgrade(engine: Engine, revision: str = "head") -> UpgradeResult:
             command.upgrade(config, revision)
             conn.commit()
     except DBAPIError as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise LooplineError(
             f"upgrading {before.url} failed and nothing was applied (it is still at "
-            f"{before.current or 'no revision'}): {reason}"
+            f"{before.current or 'no revision'}): {error_reason(exc)}"
         ) from exc
     return UpgradeResult(config.attributes.get("applied_from"), schema_status(engine))
 
