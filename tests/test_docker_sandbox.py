@@ -92,3 +92,31 @@ def test_sandboxes_of_a_crashed_process_are_cleaned_up(docker_image):
     assert client.containers.get(container_id).status == "running"  # left behind by the crash
     assert container_id[:12] in cleanup_orphans()
     assert all(c.id != container_id for c in client.containers.list(all=True))
+
+
+def test_fork_bomb_is_contained_by_the_pids_limit(docker_image):
+    async def body(box):
+        bomb = await box.exec("f() { f | f & }; f; sleep 3; echo survived", 8)
+        return bomb, await box.exec("echo alive", 10)
+
+    bomb, after = _with_box(_spec(docker_image, pids=32), body)
+    assert "Cannot fork" in bomb.stderr  # the pids limit refused the bomb's forks
+    assert after.ok and after.stdout.strip() == "alive"
+
+
+def test_setup_commands_run_once_at_start(docker_image):
+    from loopline.envregistry.sandbox.base import open_sandbox
+
+    spec = Sandbox(backend="docker", image=docker_image, setup=("echo ready > marker",))
+
+    async def go():
+        box = await open_sandbox(spec)
+        try:
+            return await box.read_file("marker")
+        finally:
+            await box.close()
+
+    assert asyncio.run(go()) == "ready\n"
+    broken = Sandbox(backend="docker", image=docker_image, setup=("exit 7",))
+    with pytest.raises(InfraFailure, match="setup command 'exit 7' failed"):
+        asyncio.run(open_sandbox(broken))
