@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable, TypeVar
 
@@ -24,8 +25,6 @@ def friendly_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except LooplineError as exc:
-            import os
-
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
