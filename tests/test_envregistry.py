@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import time
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from loopline.envregistry.calculator import CalculatorError, calculate
 from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.local import LocalSandbox
+from loopline.envregistry.sandbox.local import cleanup_orphans as local_cleanup_orphans
 from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
 from loopline.envregistry.verifiers import evaluate_expression, verify_arithmetic
@@ -264,6 +267,29 @@ def test_local_sandbox_has_no_network_and_cleans_up():
     box, result = asyncio.run(go())
     assert result.stdout.startswith("hello") and "connected" not in result.stdout and not result.ok
     assert not box.root.exists()
+
+
+def _hold_local_sandbox(out) -> None:
+    box = LocalSandbox(Sandbox(backend="local"))
+    out.put(str(box.root))
+    time.sleep(600)
+
+
+def test_local_sandbox_of_a_crashed_process_is_cleaned_up():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_hold_local_sandbox, args=(out,), daemon=True)
+    proc.start()
+    root = Path(out.get(timeout=60))
+    proc.kill()
+    proc.join(timeout=10)
+    mine = LocalSandbox(Sandbox(backend="local"))  # a live owner's sandbox must survive
+    try:
+        assert root.exists()
+        assert str(root) in local_cleanup_orphans()
+        assert not root.exists() and mine.root.exists()
+    finally:
+        asyncio.run(mine.close())
 
 
 def test_sandbox_paths_cannot_escape():

@@ -40,14 +40,15 @@ def image_build(tag: str = typer.Option(images.PYTHON_IMAGE, help="Image name:ta
 @sandbox_app.command("gc")
 @friendly_errors
 def sandbox_gc() -> None:
-    """Remove Docker sandboxes left behind by processes that crashed."""
+    """Remove sandboxes (local directories, Docker containers) left behind by processes that crashed."""
+    from loopline.envregistry.sandbox import docker, local
     from loopline.envregistry.sandbox.base import InfraFailure
-    from loopline.envregistry.sandbox.docker import cleanup_orphans
 
+    removed = local.cleanup_orphans()
     try:
-        removed = cleanup_orphans()
+        removed += docker.cleanup_orphans()
     except InfraFailure as exc:
-        raise LooplineError(str(exc)) from None
+        console.print(f"skipped Docker: {exc}")
     console.print(f"removed {len(removed)} orphaned sandbox(es)" + (f": {', '.join(removed)}" if removed else ""))
 
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 from loopline.envregistry import spec as env_spec
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process on this host still exists (used to find sandboxes whose owner crashed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class InfraFailure(Exception):
@@ -53,9 +65,9 @@ async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = N
 
         sandbox = await DockerSandbox.create(spec, labels)
     else:
-        raise InfraFailure(
-            f"the {spec.backend} sandbox backend is not available in this version of loopline; use backend: local"
-        )
+        from loopline.envregistry.sandbox.e2b import E2BSandbox
+
+        sandbox = await E2BSandbox.create(spec, labels)
     try:
         for command in spec.setup:
             result = await sandbox.exec(command, timeout_s=300)

@@ -17,7 +17,7 @@ import time
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
-from loopline.envregistry.sandbox.base import ExecResult, InfraFailure
+from loopline.envregistry.sandbox.base import ExecResult, InfraFailure, process_alive
 
 LABEL = "loopline.sandbox"
 OUTPUT_LIMIT = 64 * 1024
@@ -165,18 +165,9 @@ def cleanup_orphans() -> list[str]:
         if labels.get("loopline.owner_host") != host:
             continue
         pid = int(labels.get("loopline.owner_pid", "0"))
-        if pid and _alive(pid):
+        if pid and process_alive(pid):
             continue
         container.remove(force=True)
         removed.append(container.short_id)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -18,15 +18,17 @@ import time
 from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import ExecResult, InfraFailure
+from loopline.envregistry.sandbox.base import ExecResult, InfraFailure, process_alive
 
 OUTPUT_LIMIT = 64 * 1024
+PREFIX = "loopline-sandbox-"
 
 
 class LocalSandbox:
     def __init__(self, spec: env_spec.Sandbox):
         self.spec = spec
-        self.root = Path(tempfile.mkdtemp(prefix="loopline-sandbox-"))
+        # The owner's pid in the name lets `cleanup_orphans` find directories of processes that crashed.
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         self.isolated = not spec.network and shutil.which("bwrap") is not None
 
     def _resolve(self, path: str) -> Path:
@@ -89,3 +91,14 @@ class LocalSandbox:
 
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def cleanup_orphans() -> list[str]:
+    """Remove local sandbox directories whose owning process is gone."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed

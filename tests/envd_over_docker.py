@@ -1,0 +1,139 @@
+"""A local stand-in for E2B's in-sandbox daemon (envd), backed by a real Docker container.
+
+E2B's cloud is unreachable from here. With `E2B_DEBUG=true` the real `e2b`
+SDK skips the cloud API and talks straight to envd on localhost:49983; this
+module serves the part of envd's protocol the SDK uses — the Connect RPC
+`process.Process/Start` (with the SDK's own server-side classes) and the
+`/files` HTTP API — and carries every call out in a Docker container. So the
+E2B backend's real SDK code path runs against a real sandbox; only the cloud
+control plane is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shlex
+import threading
+import time
+from email.parser import BytesParser
+from email.policy import default as email_policy
+from urllib.parse import parse_qs
+
+import uvicorn
+from e2b.envd.process import process_pb
+from e2b.envd.process.process_connect import Process, ProcessASGIApplication
+from protobuf import Oneof
+
+from loopline.envregistry.sandbox.docker import DockerSandbox
+from loopline.envregistry.spec import Sandbox
+
+ENVD_PORT = 49983  # e2b.ConnectionConfig.envd_port: where the SDK looks for envd in debug mode
+
+
+class _DockerProcess(Process):
+    def __init__(self, box: DockerSandbox):
+        self.box = box
+
+    async def start(self, request, ctx):
+        config = request.process
+        argv = [config.cmd, *config.args]
+        cwd = config.cwd if config.has_field("cwd") and config.cwd else self.box.spec.workdir
+        command = f"cd {shlex.quote(cwd)} && exec {shlex.join(argv)}"
+        yield _event("start", process_pb.ProcessEvent.StartEvent(pid=1))
+        result = await asyncio.to_thread(self.box._exec, command, 3600, None)
+        for stream in ("stdout", "stderr"):
+            text = getattr(result, stream)
+            if text:
+                yield _event("data", process_pb.ProcessEvent.DataEvent(output=Oneof(stream, text.encode())))
+        end = process_pb.ProcessEvent.EndEvent(
+            exit_code=result.exit_code, exited=True, status=f"exit status {result.exit_code}"
+        )
+        yield _event("end", end)
+
+
+def _event(field: str, value) -> process_pb.StartResponse:
+    return process_pb.StartResponse(event=process_pb.ProcessEvent(event=Oneof(field, value)))
+
+
+class EnvdOverDocker:
+    """Serves envd on 127.0.0.1:49983 for one Docker container (debug-mode sandboxes all share it)."""
+
+    def __init__(self, image: str):
+        self.image = image
+        self.requests: list[str] = []
+
+    def _new_container(self) -> DockerSandbox:
+        spec = Sandbox(backend="docker", image=self.image)
+        return asyncio.run(DockerSandbox.create(spec, {"loopline.purpose": "envd-shim"}))
+
+    def reset(self) -> None:
+        """A fresh container: debug-mode sandboxes are never created or killed through the API, so they share one."""
+        old, self.box = self.box, self._new_container()
+        self.process.box = self.box
+        asyncio.run(old.close())
+
+    def __enter__(self) -> "EnvdOverDocker":
+        self.box = self._new_container()
+        self.process = _DockerProcess(self.box)
+        rpc = ProcessASGIApplication(self.process)
+
+        async def app(scope, receive, send):
+            self.requests.append(scope["path"])
+            if scope["path"].startswith("/process.Process/"):
+                await rpc(scope, receive, send)
+            elif scope["path"] == "/files":
+                await self._files(scope, receive, send)
+            elif scope["path"] == "/health":
+                await _respond(send, 204, b"")
+            else:
+                await _respond(send, 404, b"not implemented by the local envd")
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=ENVD_PORT, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"local envd did not start on port {ENVD_PORT}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        asyncio.run(self.box.close())
+
+    async def _files(self, scope, receive, send) -> None:
+        query = {k: v[0] for k, v in parse_qs(scope["query_string"].decode()).items()}
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["method"] == "GET":
+            result = await asyncio.to_thread(self.box._exec, f"base64 {shlex.quote(query['path'])}", 30, None)
+            if not result.ok:
+                await _respond(send, 404, json.dumps({"message": result.stderr.strip(), "code": 404}).encode())
+                return
+            await _respond(send, 200, base64.b64decode(result.stdout), "application/octet-stream")
+            return
+        headers = dict(scope["headers"])
+        content_type = headers.get(b"content-type", b"").decode()
+        message = BytesParser(policy=email_policy).parsebytes(
+            f"Content-Type: {content_type}\r\n\r\n".encode() + body
+        )
+        written = []
+        for part in message.iter_parts():
+            path = query.get("path") or part.get_filename()
+            await self.box.write_file(path, part.get_payload(decode=True).decode())
+            written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+        await _respond(send, 200, json.dumps(written).encode(), "application/json")
+
+
+async def _respond(send, status: int, body: bytes, content_type: str = "application/json") -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type.encode())]})
+    await send({"type": "http.response.body", "body": body})
