@@ -111,3 +111,16 @@ def docker_image():
     except ImageNotFound:
         build_python_image(PYTHON_IMAGE)
     return PYTHON_IMAGE
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Two tiny random-init policies with the same tokenizer (v0, v1), and one of another shape."""
+    from tests.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "v0": build_tiny(root / "v0", seed=0),
+        "v1": build_tiny(root / "v1", seed=1),
+        "other": build_tiny(root / "other", seed=0, hidden=32),
+    }

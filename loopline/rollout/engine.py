@@ -1,0 +1,101 @@
+"""The engine protocol: token ids in, token ids and their logprobs out, with the policy version that made them.
+
+Both engines (`LocalEngine` in-process, `SGLangEngine` over HTTP) return the
+same `Generation`, so the harness and the learner never care which produced
+a trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol, Sequence
+
+# What `Generation.logprobs` holds. SGLang's default, and ours: the sampled
+# token's log-probability under softmax(logits / T) over the full vocabulary;
+# top-k / top-p truncation is NOT in it (seed §6.2).
+FULL_VOCAB_TEMPERED = "log_softmax(logits/T)"
+# With truncated sampling, the behaviour policy's real probability: renormalised over the kept tokens.
+TRUNCATED_RENORMALISED = "log_softmax(logits/T) truncated by top_k/top_p and renormalised"
+
+FinishReason = Literal["stop", "length", "abort"]
+InFlightPolicy = Literal["finish", "abort", "continue"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # below 1e-6 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k truncation
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens [start, end) of a generation were produced by policy `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # FULL_VOCAB_TEMPERED, aligned with token_ids
+    finish_reason: FinishReason
+    version_spans: tuple[VersionSpan, ...]
+    logprob_semantics: str = FULL_VOCAB_TEMPERED
+    # With top-k/top-p: the renormalised behaviour logprobs (TRUNCATED_RENORMALISED); else None.
+    sampling_logprobs: tuple[float, ...] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def policy_version(self) -> int:
+        """The version that started the request (the spans say if it changed)."""
+        return self.version_spans[0].version if self.version_spans else -1
+
+    @property
+    def mixed_versions(self) -> bool:
+        return len({s.version for s in self.version_spans}) > 1
+
+
+def spans_from_versions(token_versions: Sequence[int]) -> tuple[VersionSpan, ...]:
+    spans: list[VersionSpan] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1].version == v:
+            spans[-1] = VersionSpan(v, spans[-1].start, i + 1)
+        else:
+            spans.append(VersionSpan(v, i, i + 1))
+    return tuple(spans)
+
+
+class EngineError(Exception):
+    """The engine failed (down, 4xx/5xx, crashed): an infra failure, never a reward."""
+
+
+class ContextOverflow(ValueError):
+    """The prompt plus the requested tokens exceed the model's context: the episode's budget is spent."""
+
+
+class Engine(Protocol):
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation: ...
+
+    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> None:
+        """Serve `version` from now on; in-flight requests finish on the old weights, are aborted, or continue."""
+
+    def version(self) -> int: ...
+
+    async def close(self) -> None: ...
