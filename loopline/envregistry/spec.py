@@ -112,6 +112,7 @@ class Reset(_Strict):
     system_prompt: str = ""
     prompt: str = Field("{prompt}", description="the first user message; {prompt} is the task's prompt")
     files: dict[str, str] = Field(default_factory=dict, description="path -> task field whose text is written there")
+    observation: str = Field("{output}", description="how a tool's output is shown to the model, e.g. <result>{output}</result>")
 
 
 class Verifier(_Strict):

@@ -1,0 +1,66 @@
+"""Turns in token space: the first prompt from the chat template, and observations appended as ids.
+
+The history is never re-tokenised: each model call's prompt is the previous
+prompt + the ids the engine generated + the ids of the new observation turn,
+so what the learner trains on is exactly what the model saw and said (seed
+§6.1–6.2). The observation turn's spelling is read off the tokenizer's own
+chat template once, at construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+_ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
+_OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    tokenizer: object  # a transformers tokenizer with a chat template
+    turn_close: str  # what the template writes after an assistant message, e.g. "<|im_end|>\n"
+    observation_prefix: str  # from the end of an assistant turn to the observation text
+    observation_suffix: str  # from the observation text to the start of the next assistant message
+    observation_role: str
+    version: str
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, observation_role: str = "user") -> "ChatFormat":
+        def render(messages, generation_prompt):
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
+        with_assistant = render(base, False)
+        with_observation = render(base + [{"role": observation_role, "content": _OBSERVATION}], True)
+        if not with_observation.startswith(with_assistant):
+            raise ValueError("the chat template rewrites earlier turns; observations cannot be appended as ids")
+        turn_close = with_assistant.split(_ASSISTANT, 1)[1]
+        prefix, suffix = with_observation[len(with_assistant) :].split(_OBSERVATION)
+        digest = hashlib.sha256(
+            json.dumps([tokenizer.chat_template, sorted(tokenizer.get_vocab().items())]).encode()
+        ).hexdigest()[:16]
+        return cls(tokenizer, turn_close, prefix, suffix, observation_role, f"{type(tokenizer).__name__}:{digest}")
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def initial_ids(self, system: str, user: str) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self._encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def observation_ids(self, text: str, generated_ids: list[int]) -> list[int]:
+        """Ids to append after an assistant turn: the rest of its closing, the observation turn, the next opening."""
+        close = self.turn_close
+        eos_text = self.tokenizer.decode([self.eos_id]) if generated_ids and generated_ids[-1] == self.eos_id else ""
+        if eos_text and close.startswith(eos_text):
+            close = close[len(eos_text) :]
+        return self._encode(close + self.observation_prefix + text + self.observation_suffix)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,138 @@
+"""The agent harness: one multi-turn episode of a task, as token-exact segments.
+
+Each model call is a segment holding the exact prompt ids the engine saw and
+the ids it generated (loss mask 1 on every generated token; prompts, tool
+output and template tokens are context, mask 0). Budgets end an episode as
+`truncated`; an engine or sandbox fault raises (`EngineError`,
+`InfraFailure`) so the slot is retried, never scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+from loopline.envregistry.episode import Episode
+from loopline.envregistry.spec import EnvSpec
+from loopline.envregistry.tasks import Task
+from loopline.rollout.actions import Answer, Call, NoAction, Unparsable, parse_action
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
+from loopline.store.records import SegmentRecord, TrajectoryRecord
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    spec: EnvSpec
+    env_version: int  # the registered version number (name@version)
+    chat: ChatFormat
+    sampling: SamplingParams
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
+    """Play one task to the end and return its trajectory (the caller commits it)."""
+    budgets = setup.spec.budgets
+    started = time.monotonic()
+    episode = await Episode.start(setup.spec, task, labels)
+    segments: list[SegmentRecord] = []
+    state = {"final": "", "end": "turns", "generated": 0}
+    try:
+        reset = await episode.reset()
+        ids = setup.chat.initial_ids(reset.system_prompt, reset.prompt)
+        try:
+            await asyncio.wait_for(
+                _turns(engine, setup, episode, ids, request_id, segments, state), timeout=budgets.wall_time_s
+            )
+        except asyncio.TimeoutError:
+            state["end"] = "wall_time"
+        verify_started = time.monotonic()
+        verdict = await episode.verify(state["final"])
+        verify_seconds = time.monotonic() - verify_started
+    finally:
+        await episode.close()
+    if not segments:
+        raise EngineError(f"episode {request_id} ended before the first model call ({state['end']})")
+    terminated = state["end"] == "answer"
+    truncated = not terminated
+    return TrajectoryRecord(
+        env_name=setup.spec.name,
+        env_version=setup.env_version,
+        verifier_version=setup.spec.versions.verifier,
+        harness_version=setup.spec.versions.harness,
+        reward=verdict.reward,
+        terminated=terminated,
+        truncated=truncated,
+        failure_type="truncated" if truncated else (None if verdict.passed else "task_failed"),
+        segments=segments,
+        timings={"episode_s": time.monotonic() - started, "verify_s": verify_seconds},
+        info={"verdict": verdict.details, "end": state["end"], "generated_tokens": state["generated"]},
+    )
+
+
+async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id, segments, state) -> None:
+    budgets = setup.spec.budgets
+    for turn in range(budgets.max_turns):
+        remaining = budgets.max_generated_tokens - state["generated"]
+        if remaining <= 0:
+            state["end"] = "tokens"
+            return
+        sampling = replace(setup.sampling, max_new_tokens=min(setup.sampling.max_new_tokens, remaining))
+        # prefix-free request ids: SGLang aborts by prefix ("r-1" would also match "r-10")
+        rid = f"{request_id}/t{turn}/"
+        started = _now()
+        try:
+            gen = await engine.generate(ids, sampling, rid)
+        except ContextOverflow:
+            state["end"] = "context"
+            return
+        if gen.finish_reason == "abort":
+            raise EngineError(f"request {rid} was aborted by the engine (weight update or shutdown)")
+        generated = list(gen.token_ids)
+        state["generated"] += len(generated)
+        text = setup.chat.decode(generated)
+        action = parse_action(text, setup.spec.tools)
+        events: list[dict] = []
+        segment = SegmentRecord(
+            request_id=rid,
+            policy_version=gen.policy_version,
+            tokenizer_version=setup.chat.version,
+            prompt_ids=list(ids),
+            generated_ids=generated,
+            action_loss_mask=[1] * len(generated),
+            rollout_logprobs=list(gen.logprobs),
+            logprob_semantics=gen.logprob_semantics,
+            sampling_config=sampling.to_dict(),
+            tool_events=events,
+            version_spans=[vars(s) for s in gen.version_spans] if gen.mixed_versions else None,
+            started_at=started,
+            ended_at=_now(),
+        )
+        segments.append(segment)
+        if gen.finish_reason == "length":
+            state["end"] = "tokens"
+            state["final"] = text
+            return
+        if isinstance(action, Answer):
+            state["end"], state["final"] = "answer", text
+            return
+        if isinstance(action, NoAction):
+            state["end"], state["final"] = "answer", text  # the model ended its turn without a tool: that is its answer
+            return
+        if isinstance(action, Unparsable):
+            observation, error, seconds, call = action.message, True, 0.0, None
+        else:
+            result = await episode.step(action.call)
+            observation, error, seconds, call = result.text, result.error, result.seconds, action.call
+        events.append(
+            {"tool": call.name if call else None, "args": call.args if call else None, "output": observation, "error": error, "seconds": seconds}
+        )
+        shown = setup.spec.reset.observation.replace("{output}", observation)
+        ids = ids + generated + setup.chat.observation_ids(shown, generated)
+        state["final"] = text
+    state["end"] = "turns"

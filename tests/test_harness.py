@@ -1,0 +1,147 @@
+"""The agent harness: token-exact segments, masks, observations as ids, budgets and failure classes."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from loopline.envregistry.spec import load_spec
+from loopline.envregistry.tasks import Task
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import EngineError, Generation, SamplingParams, VersionSpan
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.local_engine import LocalEngine, load_model
+from loopline.store import ledger
+
+ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_env.yaml"
+TASK = Task("t1", "train", "What is 12 + 3 * 4?", {"expression": "12 + 3 * 4", "answer": 24})
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_dirs):
+    return ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(tiny_dirs["v0"]))
+
+
+def _setup(chat, **budgets):
+    spec = load_spec(ARITHMETIC)
+    if budgets:
+        spec = spec.model_copy(update={"budgets": spec.budgets.model_copy(update=budgets)})
+    return EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=48, seed=0))
+
+
+class ScriptedEngine:
+    """A test double for the harness's control flow: it 'generates' scripted texts (real token ids, fake logprobs)."""
+
+    def __init__(self, chat: ChatFormat, turns: list[str], finish: str = "stop"):
+        self.chat, self.turns, self.finish, self.prompts = chat, list(turns), finish, []
+
+    def version(self) -> int:
+        return 3
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.prompts.append(list(prompt_ids))
+        ids = self.chat.tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
+        if self.finish == "stop":
+            ids.append(self.chat.eos_id)
+        ids = ids[: sampling.max_new_tokens]
+        return Generation(tuple(ids), tuple([-1.0] * len(ids)), self.finish, (VersionSpan(3, 0, len(ids)),))
+
+
+def test_multi_turn_episode_appends_observations_as_ids(chat):
+    engine = ScriptedEngine(chat, ["<calc>12 + 3 * 4</calc>", "<calc>oops(</calc>", "so <answer>24</answer>"])
+    traj = asyncio.run(run_episode(engine, _setup(chat), TASK, "ep1"))
+    assert (traj.reward, traj.terminated, traj.truncated, traj.failure_type) == (1.0, True, False, None)
+    first, second, third = traj.segments
+    # never re-tokenised: each prompt is the previous prompt + its generated ids + the observation turn
+    for before, after, shown in ((first, second, "<result>24</result>"), (second, third, "<result>error: cannot parse 'oops('</result>")):
+        head = list(before.prompt_ids) + list(before.generated_ids)
+        assert list(after.prompt_ids[: len(head)]) == head
+        tail = chat.tokenizer.decode(after.prompt_ids[len(head) :])
+        assert tail == f"\n<|im_start|>user\n{shown}<|im_end|>\n<|im_start|>assistant\n"
+    assert engine.prompts == [list(s.prompt_ids) for s in traj.segments]
+    assert all(list(s.action_loss_mask) == [1] * len(s.generated_ids) for s in traj.segments)
+    assert first.tool_events[0]["tool"] == "calc" and first.tool_events[0]["output"] == "24"
+    assert second.tool_events[0]["error"] and first.policy_version == 3
+    assert {s.request_id for s in traj.segments} == {"ep1/t0/", "ep1/t1/", "ep1/t2/"}
+
+
+def test_budgets_end_an_episode_as_truncated(chat):
+    turns = asyncio.run(run_episode(ScriptedEngine(chat, ["<calc>1+1</calc>"] * 3), _setup(chat), TASK, "e"))
+    assert (turns.truncated, turns.failure_type, turns.info["end"], len(turns.segments)) == (True, "truncated", "turns", 3)
+    tokens = asyncio.run(run_episode(ScriptedEngine(chat, ["<calc>1+1</calc> " * 20], "length"), _setup(chat, max_generated_tokens=10), TASK, "e"))
+    assert tokens.truncated and tokens.info["end"] == "tokens" and len(tokens.segments[0].generated_ids) == 10
+    assert tokens.reward == 0.0
+
+
+def test_unclosed_tool_call_is_told_to_the_model(chat):
+    engine = ScriptedEngine(chat, ["<calc>1 + 1", "<answer>2</answer>"])
+    traj = asyncio.run(run_episode(engine, _setup(chat), TASK, "e"))
+    assert traj.segments[0].tool_events[0]["output"] == "error: <calc> was opened but never closed with </calc>"
+    assert traj.reward == 0.0 and traj.failure_type == "task_failed"
+
+
+def test_aborted_generation_is_an_engine_error_not_a_reward(chat):
+    with pytest.raises(EngineError, match="aborted"):
+        asyncio.run(run_episode(ScriptedEngine(chat, ["partial"], "abort"), _setup(chat), TASK, "e"))
+
+
+class Recorder:
+    """Passes every call through to the real engine and keeps what it returned."""
+
+    def __init__(self, engine):
+        self.engine, self.returned = engine, {}
+
+    def version(self):
+        return self.engine.version()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        gen = await self.engine.generate(prompt_ids, sampling, request_id)
+        self.returned[request_id] = gen
+        return gen
+
+
+def test_groups_on_local_engine_are_token_exact_in_the_ledger(tiny_dirs, chat, db, run):
+    """The Done-when test of issue 4: real engine, real environment, committed and read back token by token."""
+    setup = _setup(chat)
+    tasks = [Task(f"t{i}", "train", f"What is {i} + {i}?", {"expression": f"{i} + {i}", "answer": 2 * i}) for i in range(3)]
+    ledger.plan_step(db, run.id, 1, [t.id for t in tasks], group_size=2)
+    leases = ledger.claim_slots(db, run.id, "w", 6, split="train")
+    by_id = {t.id: t for t in tasks}
+    engine = Recorder(LocalEngine(tiny_dirs["v0"]))
+
+    async def play():
+        return await asyncio.gather(*(run_episode(engine, setup, by_id[l.task_id], f"{l.attempt_id}") for l in leases))
+
+    trajectories = asyncio.run(play())
+    outcomes = ledger.commit_trajectories(db, list(zip([l.attempt_id for l in leases], trajectories)))
+    assert all(o.committed for o in outcomes)
+    rows = db.execute(
+        sa.text(
+            "SELECT s.request_id, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.policy_version "
+            "FROM segment s JOIN trajectory t ON t.id = s.trajectory_id WHERE t.run_id = :r"
+        ),
+        {"r": run.id},
+    ).all()
+    db.rollback()
+    assert len(rows) == sum(len(t.segments) for t in trajectories) >= 6
+    model = load_model(tiny_dirs["v0"])
+    worst = 0.0
+    for row in rows:
+        gen = engine.returned[row.request_id]
+        assert row.generated_ids == list(gen.token_ids)  # trained tokens are the engine's tokens
+        assert row.rollout_logprobs == list(gen.logprobs)  # and its logprobs, bit for bit
+        assert row.action_loss_mask == [1] * len(row.generated_ids) and row.policy_version == 0
+        ids = torch.tensor([row.prompt_ids + row.generated_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(row.prompt_ids) - 1 : -1] / setup.sampling.temperature
+        recomputed = F.log_softmax(logits, -1).gather(1, torch.tensor(row.generated_ids)[:, None])[:, 0]
+        worst = max(worst, float((recomputed - torch.tensor(row.rollout_logprobs)).abs().max()))
+    print(f"max |recomputed - rollout logprob| = {worst:.2e}")
+    assert worst < 1e-4, worst  # same weights, fp32 CPU
