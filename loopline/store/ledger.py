@@ -728,6 +728,13 @@ def commit_learner_step(
     return LearnerCommit(k, new_version, consumed)
 
 
+def latest_policy_version(session: Session, run_id: uuid.UUID) -> int:
+    """The learner's newest version (what the staleness gate compares the engines' versions with)."""
+    version = _q(session, "SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r", r=run_id).scalar_one()
+    session.rollback()
+    return version
+
+
 def mark_published(session: Session, run_id: uuid.UUID, version: int) -> None:
     """Record that every engine now serves `version` (weight sync finished)."""
     with _transaction(session):

@@ -1,0 +1,207 @@
+"""Rollout schedulers: claim slots from the ledger, play them through the harness, commit or fail them.
+
+- barrier: claim a batch, play it all, wait for the slowest, repeat (simple; idles on long tails).
+- continuous: keep `concurrency` episodes in flight and refill as each finishes, behind a staleness
+  gate (no new work while the engine's weights are more than `max_staleness` versions behind the
+  learner's) and backpressure (no new work while `max_complete_groups` groups wait for the learner).
+
+Both only talk to the ledger, so any number of workers in any number of processes can share a run.
+Ledger calls are blocking SQL; they run in threads with a session each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import sqlalchemy as sa
+from sqlmodel import Session
+
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.tasks import Task
+from loopline.rollout.engine import Engine, EngineError
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.store import ledger
+from loopline.store.records import Lease, Split
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    run_id: uuid.UUID
+    worker: str
+    split: Split = "train"
+    concurrency: int = 8
+    lease_seconds: float = 120.0
+    max_staleness: int | None = None
+    max_complete_groups: int | None = None
+    poll_s: float = 0.25
+
+
+@dataclass
+class RolloutStats:
+    committed: int = 0
+    refused: int = 0  # a racing attempt committed the slot first, or its group was dropped
+    infra_failed: int = 0
+    lost_leases: int = 0
+    busy_s: float = 0.0  # sum of episode durations
+    wall_s: float = 0.0
+    gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "backpressure": 0})
+    episode_s: list[float] = field(default_factory=list)
+    task_ids: list[str] = field(default_factory=list)  # in commit order
+
+    def utilisation(self, concurrency: int) -> float:
+        return self.busy_s / (self.wall_s * concurrency) if self.wall_s else 0.0
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a worker needs to play a run's slots: the environment setup and its tasks by id."""
+
+    setup: EpisodeSetup
+    tasks: dict[str, Task]
+
+
+class _Ledger:
+    """Blocking ledger calls, each in a worker thread with its own session."""
+
+    def __init__(self, session_factory: Callable[[], Session]):
+        self.session_factory = session_factory
+
+    async def call(self, fn, *args, **kwargs):
+        def run():
+            with self.session_factory() as s:
+                return fn(s, *args, **kwargs)
+
+        return await asyncio.to_thread(run)
+
+
+async def _play(engine: Engine, binding: Binding, lease: Lease, db: _Ledger, stats: RolloutStats) -> None:
+    started = time.monotonic()
+    labels = {"loopline.run": str(lease.run_id), "loopline.attempt": str(lease.attempt_id)}
+    try:
+        task = binding.tasks[lease.task_id]
+        trajectory = await run_episode(engine, binding.setup, task, str(lease.attempt_id), labels)
+    except (InfraFailure, EngineError) as exc:
+        stats.infra_failed += 1
+        await db.call(ledger.fail_attempt, lease.attempt_id, type(exc).__name__, str(exc)[:2000])
+        return
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug is never the agent's fault: retry the slot, keep the worker alive
+        log.exception("episode %s crashed", lease.attempt_id)
+        stats.infra_failed += 1
+        await db.call(ledger.fail_attempt, lease.attempt_id, type(exc).__name__, str(exc)[:2000])
+        return
+    finally:
+        elapsed = time.monotonic() - started
+        stats.busy_s += elapsed
+    outcome = await db.call(ledger.commit_trajectory, lease.attempt_id, trajectory)
+    if outcome.committed:
+        stats.committed += 1
+        stats.episode_s.append(elapsed)
+        stats.task_ids.append(lease.task_id)
+    else:
+        stats.refused += 1
+
+
+class _Renewer:
+    """Keeps the leases of in-flight episodes alive; cancels an episode whose lease was lost."""
+
+    def __init__(self, db: _Ledger, lease_seconds: float):
+        self.db, self.lease_seconds, self.inflight = db, lease_seconds, {}
+
+    async def run(self, stats: RolloutStats) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            for attempt_id, task in list(self.inflight.items()):
+                if not await self.db.call(ledger.renew_lease, attempt_id, self.lease_seconds):
+                    stats.lost_leases += 1
+                    task.cancel()
+
+
+async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig) -> RolloutStats:
+    """Claim up to `concurrency` slots, play them all, wait for every one, repeat until none are pending."""
+    db, stats, start = _Ledger(session_factory), RolloutStats(), time.monotonic()
+    renewer = _Renewer(db, cfg.lease_seconds)
+    keeper = asyncio.create_task(renewer.run(stats))
+    try:
+        while leases := await db.call(
+            ledger.claim_slots, cfg.run_id, cfg.worker, cfg.concurrency, cfg.split, cfg.lease_seconds
+        ):
+            tasks = {l.attempt_id: asyncio.create_task(_play(engine, binding, l, db, stats)) for l in leases}
+            renewer.inflight.update(tasks)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            renewer.inflight.clear()
+    finally:
+        keeper.cancel()
+        stats.wall_s = time.monotonic() - start
+    return stats
+
+
+async def run_continuous(
+    engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: asyncio.Event | None = None
+) -> RolloutStats:
+    """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set)."""
+    db, stats, start = _Ledger(session_factory), RolloutStats(), time.monotonic()
+    stop = stop or asyncio.Event()
+    renewer = _Renewer(db, cfg.lease_seconds)
+    keeper = asyncio.create_task(renewer.run(stats))
+    inflight = renewer.inflight
+    try:
+        while not stop.is_set():
+            gate = await _gate(engine, db, cfg)
+            free = cfg.concurrency - len(inflight)
+            if gate is not None:
+                stats.gate_waits[gate] += 1
+            elif free > 0:
+                for lease in await db.call(ledger.claim_slots, cfg.run_id, cfg.worker, free, cfg.split, cfg.lease_seconds):
+                    task = asyncio.create_task(_play(engine, binding, lease, db, stats))
+                    inflight[lease.attempt_id] = task
+                    task.add_done_callback(lambda _, a=lease.attempt_id: inflight.pop(a, None))
+            if inflight:
+                await asyncio.wait(list(inflight.values()), timeout=cfg.poll_s, return_when=asyncio.FIRST_COMPLETED)
+            elif not await _unfinished(db, cfg):
+                break  # nothing pending, and nobody holds a lease whose slot could come back
+            else:
+                await asyncio.sleep(cfg.poll_s)  # gates closed, or other workers' slots may return
+    finally:
+        keeper.cancel()
+        stopped = dict(inflight)
+        for task in stopped.values():
+            task.cancel()
+        await asyncio.gather(*stopped.values(), return_exceptions=True)
+        for attempt_id in stopped:  # hand the slots back now rather than when their leases expire
+            await db.call(ledger.release_attempt, attempt_id, "worker stopped")
+        stats.wall_s = time.monotonic() - start
+    return stats
+
+
+async def _unfinished(db: _Ledger, cfg: WorkerConfig) -> bool:
+    def count(session: Session) -> int:
+        n = session.execute(
+            sa.text("SELECT count(*) FROM slot WHERE run_id = :r AND split = :s AND state IN ('pending', 'leased')"),
+            {"r": cfg.run_id, "s": cfg.split},
+        ).scalar_one()
+        session.rollback()
+        return n
+
+    return await db.call(count) > 0
+
+
+async def _gate(engine: Engine, db: _Ledger, cfg: WorkerConfig) -> Literal["staleness", "backpressure"] | None:
+    """Why no new work may start now, or None."""
+    if cfg.max_staleness is not None:
+        latest = await db.call(ledger.latest_policy_version, cfg.run_id)
+        if engine.version() < latest - cfg.max_staleness:
+            return "staleness"
+    if cfg.max_complete_groups is not None:
+        states = await db.call(ledger.group_states, cfg.run_id)
+        if states.get("complete", 0) >= cfg.max_complete_groups:
+            return "backpressure"
+    return None

@@ -1,0 +1,123 @@
+"""Barrier and continuous schedulers over the ledger, with the real LocalEngine and arithmetic environment."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from transformers import AutoTokenizer
+
+from loopline.envregistry.spec import load_spec
+from loopline.envregistry.tasks import Task
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness import EpisodeSetup
+from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.scheduler import Binding, WorkerConfig, run_barrier, run_continuous
+from loopline.store import ledger
+from loopline.store.db import session as new_session
+
+ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_env.yaml"
+TASKS = {f"t{i}": Task(f"t{i}", "train", f"What is {i} + 1?", {"expression": f"{i} + 1", "answer": i + 1}) for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def binding(tiny_dirs):
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(tiny_dirs["v0"]))
+    setup = EpisodeSetup(load_spec(ARITHMETIC), 1, chat, SamplingParams(temperature=1.0, max_new_tokens=12))
+    return Binding(setup, TASKS)
+
+
+def _count(db, sql, **params):
+    value = db.execute(sa.text(sql), params).scalar_one()
+    db.rollback()
+    return value
+
+
+def test_barrier_plays_every_slot_once(tiny_dirs, binding, engine, db, run):
+    ledger.plan_step(db, run.id, 1, ["t0", "t1", "t2", "t3"], group_size=2)
+    cfg = WorkerConfig(run.id, "barrier", concurrency=4)
+    stats = asyncio.run(run_barrier(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg))
+    assert (stats.committed, stats.refused, stats.infra_failed) == (8, 0, 0)
+    assert ledger.group_states(db, run.id) == {"complete": 4}
+
+
+def test_two_continuous_workers_share_a_run(tiny_dirs, binding, engine, db, run):
+    ledger.plan_step(db, run.id, 1, list(TASKS), group_size=2)
+    local = LocalEngine(tiny_dirs["v0"])
+
+    async def both():
+        return await asyncio.gather(
+            *(run_continuous(local, binding, lambda: new_session(engine), WorkerConfig(run.id, f"w{i}", concurrency=3)) for i in range(2))
+        )
+
+    a, b = asyncio.run(both())
+    assert a.committed + b.committed == 12 and a.committed > 0 and b.committed > 0
+    assert a.refused + b.refused == 0
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r", r=run.id) == 12
+    assert ledger.group_states(db, run.id) == {"complete": 6}
+
+
+def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, engine, db, run):
+    broken_spec = binding.setup.spec.model_copy(
+        update={"sandbox": binding.setup.spec.sandbox.model_copy(update={"backend": "docker", "image": "loopline-missing:0"})}
+    )
+    broken = Binding(EpisodeSetup(broken_spec, 1, binding.setup.chat, binding.setup.sampling), TASKS)
+    ledger.plan_step(db, run.id, 1, ["t0"], group_size=2, max_attempts=2)
+    stats = asyncio.run(run_continuous(LocalEngine(tiny_dirs["v0"]), broken, lambda: new_session(engine), WorkerConfig(run.id, "w", concurrency=2)))
+    assert stats.committed == 0 and stats.infra_failed >= 2
+    assert ledger.group_states(db, run.id) == {"dropped": 1}
+    assert _count(db, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run.id) == 0  # never a reward of 0
+
+
+def test_staleness_gate_holds_work_until_the_engine_catches_up(tiny_dirs, binding, engine, db, run):
+    ledger.plan_step(db, run.id, 1, ["t0"], group_size=2)
+    for v in (1, 2):  # the learner has published versions 1 and 2
+        db.execute(sa.text("INSERT INTO policy_version (run_id, version, learner_step, weights_uri) VALUES (:r, :v, :v, 'x')"), {"r": run.id, "v": v})
+    db.commit()
+    local = LocalEngine(tiny_dirs["v0"])
+    cfg = WorkerConfig(run.id, "w", concurrency=2, max_staleness=1, poll_s=0.05)
+
+    async def go():
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_continuous(local, binding, lambda: new_session(engine), cfg, stop))
+        await asyncio.sleep(1.0)
+        held = _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r", r=run.id)
+        await local.update_weights(1, tiny_dirs["v1"])  # now 1 version behind: within max_staleness
+        return held, await worker
+
+    held, stats = asyncio.run(go())
+    assert held == 0 and stats.gate_waits["staleness"] > 0
+    assert stats.committed == 2
+    lags = db.execute(sa.text("SELECT policy_version_min FROM trajectory WHERE run_id = :r"), {"r": run.id}).scalars().all()
+    db.rollback()
+    assert lags == [1, 1]
+
+
+def test_backpressure_stops_new_work_while_groups_wait_for_the_learner(tiny_dirs, binding, engine, db, run):
+    ledger.plan_step(db, run.id, 1, ["t0", "t1", "t2"], group_size=2)
+    cfg = WorkerConfig(run.id, "w", concurrency=2, max_complete_groups=1, poll_s=0.05)
+    local = LocalEngine(tiny_dirs["v0"])
+
+    async def go():
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_continuous(local, binding, lambda: new_session(engine), cfg, stop))
+        while ledger.group_states(db, run.id).get("complete", 0) < 1:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        states = ledger.group_states(db, run.id)
+        claimed = _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r", r=run.id)
+        batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)  # the learner takes the waiting group
+        ledger.commit_learner_step(db, batch, "w1", "c1")
+        while ledger.group_states(db, run.id).get("complete", 0) < 1:  # the gate reopened: work resumed
+            await asyncio.sleep(0.05)
+        stop.set()
+        return states, claimed, await worker
+
+    states, claimed, stats = asyncio.run(go())
+    assert states.get("complete") == 1 and claimed <= 3 and stats.gate_waits["backpressure"] > 0
+    assert ledger.group_states(db, run.id).get("consumed") == 1 and stats.committed >= 4
+    # stopping handed unfinished slots back instead of leaving them leased
+    assert _count(db, "SELECT count(*) FROM slot WHERE run_id = :r AND state = 'leased'", r=run.id) == 0
