@@ -1,0 +1,190 @@
+"""SGLangEngine: SGLang's native HTTP API, token ids in and out (shared/notes/sglang.md).
+
+One client for one or more servers (replicas, or a single router URL).
+Requests go to the replica with the fewest in flight; each replica's weight
+version is tracked, and `version()` is the oldest one serving, so a staleness
+gate never trusts a replica that has not been updated yet.
+
+Weight versions are integers in loopline and strings in SGLang (`"3"`); a
+server that still reports its startup version (`"default"`) serves
+`initial_version`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from loopline.rollout.engine import (
+    FULL_VOCAB_TEMPERED,
+    TRUNCATED_RENORMALISED,
+    ContextOverflow,
+    EngineError,
+    Generation,
+    InFlightPolicy,
+    SamplingParams,
+    VersionSpan,
+)
+
+# in_flight policy -> /pause_generation mode (None: no pause; the update waits for in-flight requests)
+_PAUSE_MODE = {"finish": None, "abort": "abort", "continue": "retract"}
+
+
+@dataclass
+class Replica:
+    url: str
+    version: int
+    inflight: int = 0
+
+
+def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        body["sampling_seed"] = sampling.seed
+    return body
+
+
+class SGLangEngine:
+    def __init__(self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = 600.0):
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        self.initial_version = initial_version
+        self.replicas = [Replica(u.rstrip("/"), initial_version) for u in urls]
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    def version(self) -> int:
+        return min(r.version for r in self.replicas)
+
+    def _parse_version(self, value: str | None) -> int:
+        try:
+            return int(value) if value is not None else self.initial_version
+        except ValueError:
+            return self.initial_version  # "default": the weights the server started with
+
+    async def _post(self, replica: Replica, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self.client.post(f"{replica.url}{path}", json=body)
+        except httpx.TimeoutException:
+            raise EngineError(f"SGLang at {replica.url} did not answer {path} in time") from None
+        except httpx.HTTPError as exc:
+            raise EngineError(f"SGLang at {replica.url} is unreachable ({type(exc).__name__}: {exc})") from None
+
+    @staticmethod
+    def _error_text(response: httpx.Response) -> str:
+        try:
+            payload = response.json()
+        except ValueError:
+            return response.text[:300]
+        if isinstance(payload, dict):
+            error = payload.get("error") or payload.get("message") or payload
+            return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+        return str(payload)[:300]
+
+    async def refresh_versions(self) -> list[int]:
+        """Ask every replica which weights it serves (GET /model_info)."""
+        for replica in self.replicas:
+            try:
+                response = await self.client.get(f"{replica.url}/model_info")
+            except httpx.HTTPError as exc:
+                raise EngineError(f"SGLang at {replica.url} is unreachable ({type(exc).__name__}: {exc})") from None
+            if response.status_code != 200:
+                raise EngineError(f"SGLang at {replica.url} answered /model_info with {response.status_code}")
+            replica.version = self._parse_version(response.json().get("weight_version"))
+        return [r.version for r in self.replicas]
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
+        replica = min(self.replicas, key=lambda r: r.inflight)
+        body: dict[str, Any] = {
+            "input_ids": list(prompt_ids),
+            "rid": request_id,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "sampling_params": sampling_body(sampling),
+        }
+        if sampling.truncated:
+            body["return_sampling_mask"] = True
+        replica.inflight += 1
+        try:
+            response = await self._post(replica, "/generate", body)
+        finally:
+            replica.inflight -= 1
+        if response.status_code != 200:
+            message = self._error_text(response)
+            if response.status_code == 400 and "context length" in message.lower():
+                raise ContextOverflow(message)
+            raise EngineError(f"SGLang at {replica.url} answered /generate with {response.status_code}: {message}")
+        return self._generation(response.json(), request_id, replica)
+
+    def _generation(self, payload: dict[str, Any], request_id: str, replica: Replica) -> Generation:
+        meta = payload.get("meta_info") or {}
+        ids = tuple(payload.get("output_ids") or ())
+        entries = meta.get("output_token_logprobs") or []
+        if len(entries) != len(ids) or any(int(e[1]) != t for e, t in zip(entries, ids)):
+            raise EngineError(f"SGLang response for {request_id}: output_token_logprobs do not align with output_ids")
+        finish = (meta.get("finish_reason") or {}).get("type", "abort")
+        if finish not in ("stop", "length", "abort"):
+            raise EngineError(f"SGLang response for {request_id}: unknown finish reason {finish!r}")
+        spans = meta.get("weight_versions") or []
+        if spans:
+            version_spans = tuple(VersionSpan(self._parse_version(s["version"]), s["start"], s["end"]) for s in spans)
+        else:
+            version_spans = (VersionSpan(self._parse_version(meta.get("weight_version")), 0, len(ids)),) if ids else ()
+        sampling_lp = meta.get("output_token_sampling_logprobs")
+        return Generation(
+            token_ids=ids,
+            logprobs=tuple(float(e[0]) for e in entries),
+            finish_reason=finish,
+            version_spans=version_spans,
+            logprob_semantics=FULL_VOCAB_TEMPERED,
+            sampling_logprobs=tuple(float(e[0] if isinstance(e, list) else e) for e in sampling_lp) if sampling_lp else None,
+            meta={
+                "request_id": request_id,
+                "replica": replica.url,
+                "sampling_logprob_semantics": TRUNCATED_RENORMALISED if sampling_lp else None,
+            },
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one request on every replica. SGLang matches rids by prefix: loopline's rids end with '/'."""
+        for replica in self.replicas:
+            response = await self._post(replica, "/abort_request", {"rid": request_id})
+            if response.status_code != 200:
+                raise EngineError(f"SGLang at {replica.url} refused /abort_request: {self._error_text(response)}")
+
+    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> None:
+        """Load `weights_dir` as `version` on every replica, one at a time; raises on the first that fails."""
+        mode = _PAUSE_MODE[in_flight]
+        for replica in self.replicas:
+            if mode is not None:
+                await self._expect_ok(replica, "/pause_generation", {"mode": mode})
+            try:
+                await self._expect_ok(
+                    replica,
+                    "/update_weights_from_disk",
+                    {"model_path": str(weights_dir), "weight_version": str(version), "flush_cache": True},
+                )
+            finally:
+                if mode is not None:
+                    await self._expect_ok(replica, "/continue_generation", {})
+        versions = await self.refresh_versions()
+        if any(v != version for v in versions):
+            raise EngineError(f"after the update the replicas serve versions {versions}, not {version}")
+
+    async def _expect_ok(self, replica: Replica, path: str, body: dict[str, Any]) -> None:
+        response = await self._post(replica, path, body)
+        payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        if response.status_code != 200 or (isinstance(payload, dict) and payload.get("success") is False):
+            raise EngineError(f"SGLang at {replica.url} refused {path} ({response.status_code}): {self._error_text(response)}")
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,152 @@
+"""SGLangEngine against the protocol-faithful test server (no real SGLang can run here; see the server's docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+
+from loopline.rollout.engine import ContextOverflow, EngineError, SamplingParams, VersionSpan
+from loopline.rollout.sglang_engine import SGLangEngine
+
+
+@pytest.fixture
+def server():
+    from tests.sglang_protocol_server import SGLangProtocolServer, load_api_types
+
+    if load_api_types() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the SGLang protocol tests: pip install --no-deps sglang==0.5.23 msgspec")
+        pytest.skip("sglang's schema classes are not installed")
+    with SGLangProtocolServer() as s:
+        yield s
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _with(urls, body, **kw):
+    engine = SGLangEngine(urls, **kw)
+    try:
+        return await body(engine)
+    finally:
+        await engine.close()
+
+
+def test_sglang_client_against_protocol_server_generates_token_ids_with_logprobs(server, tmp_path):
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=20, seed=7, stop_token_ids=(999,))
+
+    async def body(engine):
+        return await engine.generate([1, 2, 3], sampling, "ep/t0/")
+
+    gen = _run(_with([server.url], body))
+    sent = server.requests[-1]  # it passed SGLang's own GenerateRequest schema
+    assert sent["input_ids"] == [1, 2, 3] and sent["return_logprob"] is True and sent["rid"] == "ep/t0/"
+    assert sent["sampling_params"] == {"max_new_tokens": 20, "temperature": 0.8, "top_p": 1.0, "stop_token_ids": [999], "sampling_seed": 7}
+    assert len(gen.token_ids) == len(gen.logprobs) == 20 and gen.finish_reason == "length"
+    assert gen.version_spans == (VersionSpan(0, 0, 20),)  # "default" is the initial version
+    assert gen.logprob_semantics == "log_softmax(logits/T)"
+
+
+def test_sglang_client_against_protocol_server_unknown_sampling_key_is_400(server):
+    response = httpx.post(f"{server.url}/generate", json={"input_ids": [1], "sampling_params": {"top_kk": 3}})
+    assert response.status_code == 400 and "unknown field `top_kk`" in response.json()["error"]["message"]
+
+
+def test_sglang_client_against_protocol_server_maps_errors(server):
+    async def too_long(engine):
+        await engine.generate([1] * 500, SamplingParams(max_new_tokens=100), "r/")
+
+    with pytest.raises(ContextOverflow, match="maximum context length"):
+        _run(_with([server.url], too_long))
+
+    async def bad_weights(engine):
+        await engine.update_weights(1, "/does/not/exist")
+
+    with pytest.raises(EngineError, match="refused /update_weights_from_disk .*not a directory"):
+        _run(_with([server.url], bad_weights))
+
+    async def down(engine):
+        await engine.generate([1], SamplingParams(max_new_tokens=2), "r/")
+
+    with pytest.raises(EngineError, match="unreachable"):
+        _run(_with(["http://127.0.0.1:9"], down))
+
+
+@pytest.mark.parametrize("policy", ["finish", "abort", "continue"])
+def test_sglang_client_against_protocol_server_weight_update_policies(server, tmp_path, policy):
+    async def body(engine):
+        inflight = asyncio.create_task(engine.generate([5, 6], SamplingParams(max_new_tokens=60), "old/"))
+        while not server.running:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await engine.update_weights(1, str(tmp_path), in_flight=policy)
+        after = await engine.generate([5, 6], SamplingParams(max_new_tokens=3), "new/")
+        return await inflight, after, engine.version()
+
+    old, new, version = _run(_with([server.url], body))
+    assert version == 1 and new.version_spans == (VersionSpan(1, 0, 3),)
+    if policy == "finish":  # the update waited for the in-flight request
+        assert old.finish_reason == "length" and old.version_spans == (VersionSpan(0, 0, 60),)
+    elif policy == "abort":  # HTTP 200 with the partial ids
+        assert old.finish_reason == "abort" and 0 < len(old.token_ids) < 60 and not old.mixed_versions
+    else:  # retract: the request resumed under the new weights, and the spans say so
+        assert old.finish_reason == "length" and [s.version for s in old.version_spans] == [0, 1]
+
+
+def test_sglang_client_against_protocol_server_in_place_flush_is_refused(server, tmp_path):
+    async def body(engine):
+        inflight = asyncio.create_task(engine.generate([5], SamplingParams(max_new_tokens=50), "r/"))
+        while not server.running:
+            await asyncio.sleep(0.005)
+        async with httpx.AsyncClient() as raw:
+            await raw.post(f"{server.url}/pause_generation", json={"mode": "in_place"})
+            refused = await raw.post(
+                f"{server.url}/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "1", "flush_cache": True}
+            )
+            no_body = await raw.post(f"{server.url}/pause_generation")
+            await raw.post(f"{server.url}/continue_generation", json={})
+        await inflight
+        return refused, no_body, await engine.refresh_versions()
+
+    refused, no_body, versions = _run(_with([server.url], body))
+    assert refused.status_code == 400 and "not flushed" in refused.json()["message"]
+    assert versions == [0]  # the version did not advance
+    assert no_body.status_code == 400
+
+
+def test_sglang_client_against_protocol_server_abort_matches_prefix_free_rids(server):
+    async def body(engine):
+        first = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=80), "ep/t1/"))
+        other = asyncio.create_task(engine.generate([2], SamplingParams(max_new_tokens=80), "ep/t10/"))
+        while len(server.running) < 2:
+            await asyncio.sleep(0.005)
+        await engine.abort("ep/t1/")
+        return await first, await other
+
+    first, other = _run(_with([server.url], body))
+    assert first.finish_reason == "abort" and other.finish_reason == "length"
+
+
+def test_sglang_client_against_protocol_server_tracks_each_replica(tmp_path):
+    from tests.sglang_protocol_server import SGLangProtocolServer, load_api_types
+
+    if load_api_types() is None:
+        pytest.skip("sglang's schema classes are not installed")
+    with SGLangProtocolServer() as a, SGLangProtocolServer() as b:
+        a.weight_version = "2"
+
+        async def body(engine):
+            before = await engine.refresh_versions()
+            oldest = engine.version()
+            gens = await asyncio.gather(*(engine.generate([i], SamplingParams(max_new_tokens=5), f"r{i}/") for i in range(4)))
+            await engine.update_weights(3, str(tmp_path))
+            return before, oldest, gens, engine.version()
+
+        before, oldest, gens, after = _run(_with([a.url, b.url], body))
+    assert before == [2, 0] and oldest == 0 and after == 3
+    assert {g.meta["replica"] for g in gens} == {a.url, b.url}  # load was spread
+    assert a.weight_version == b.weight_version == "3"
