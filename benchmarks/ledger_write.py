@@ -1,6 +1,6 @@
 """Ledger write and claim throughput, measured side by side in one run.
 
-    python benchmarks/ledger_write.py [--trajectories 256] [--rounds 3]
+    python -m benchmarks.ledger_write [--trajectories 256] [--rounds 3]
 
 Commits trajectories of 4 segments (each a 256-token prompt and 256
 generated tokens with mask and logprobs) through binary COPY and through
@@ -22,13 +22,13 @@ import statistics
 import time
 import uuid
 
-import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks._scratch import scratch_database
+
 from loopline.store import ledger
-from loopline.store.db import make_engine, resolve_url, session
-from loopline.store.migrate import upgrade
+from loopline.store.db import make_engine, session
 from loopline.store.records import SegmentRecord, TrajectoryRecord
 
 TOKENS = 256
@@ -104,16 +104,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    server = resolve_url()
-    name = f"loopline_bench_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = server.set(database=name).render_as_string(hide_password=False)
     console = Console()
-    try:
-        engine = make_engine(url)
-        upgrade(engine)
+    with scratch_database() as (url, engine):
         rng = random.Random(0)
         rates: dict[tuple[int, str], list[float]] = {}
         for _ in range(args.rounds):
@@ -139,11 +131,6 @@ def main() -> None:
         claims.add_row("1", f"{one:.0f}")
         claims.add_row("4", f"{four:.0f} ({four / one:.2f}x of 1)")
         console.print(claims)
-        engine.dispose()
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def docker_image():
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """Two tiny random-init policies with the same tokenizer (v0, v1), and one of another shape."""
-    from tests.tiny import build_tiny
+    from loopline.trainer.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {

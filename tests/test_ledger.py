@@ -71,6 +71,7 @@ def test_claims_lease_each_slot_once_and_open_attempts(db, run):
     assert ledger.claim_slots(db, run.id, "w3", 4, split="train") == []
     # samples of one group are handed out together (group integrity starts at the claim)
     assert [l.sample_index for l in first[:3]] == [0, 1, 2] and len({l.group_id for l in first[:3]}) == 1
+    assert [l.task_id for l in first + second] == ["a"] * 3 + ["b"] * 3  # groups in plan order (FIFO)
     assert _scalar(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status = 'running'", r=run.id) == 6
 
 

@@ -52,6 +52,8 @@ def parse_action(text: str, tools: tuple[Tool, ...]) -> Action:
         return Unparsable(f"error: <{name}> was opened but never closed with </{name}>")
     inner = text[opening.end() : close]
     tool = next(t for t in tools if t.name == name)
+    if not tool.args:
+        return Call(ToolCall(name, {}))
     single = [arg for arg, spec in tool.args.items() if spec.type == "string"]
     if len(tool.args) == 1 and single:
         return Call(ToolCall(name, {single[0]: inner.strip()}))

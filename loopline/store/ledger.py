@@ -210,9 +210,11 @@ def claim_slots(
     with _transaction(session):
         rows = _q(
             session,
-            "SELECT id, group_id, step, task_id, sample_index FROM slot "
-            "WHERE run_id = :run AND split = :split AND state = 'pending' "
-            "ORDER BY step, group_id, sample_index LIMIT :n FOR UPDATE SKIP LOCKED",
+            # plan order (step, group, sample): groups are handed out first-in first-out and stay together
+            "SELECT s.id, s.group_id, s.step, s.task_id, s.sample_index FROM slot s "
+            "JOIN rollout_group g ON g.id = s.group_id "
+            "WHERE s.run_id = :run AND s.split = :split AND s.state = 'pending' "
+            "ORDER BY s.step, g.group_index, s.sample_index LIMIT :n FOR UPDATE OF s SKIP LOCKED",
             run=run_id,
             split=split,
             n=n,

@@ -1,7 +1,8 @@
-"""A tiny random-init Llama with its own byte-level BPE tokenizer and ChatML template, built in a second.
+"""A tiny Llama with its own byte-level BPE tokenizer and ChatML template, built in seconds.
 
-For tests of the engine and harness: the weights are random, so what it says
-is noise, but every token it emits is real and every invariant can be checked.
+Random-init here (for tests and benchmarks of the engine and harness: what it
+says is noise, but every token it emits is real and every invariant can be
+checked); `loopline models build-tiny` will warm-start it with SFT.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _corpus(n: int = 400) -> list[str]:
 
 
 def build_tiny(directory: Path, seed: int = 0, layers: int = 2, hidden: int = 64, context: int = 1024) -> Path:
+    """Write a random-init model and its tokenizer to `directory` (a Hugging Face model directory)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
