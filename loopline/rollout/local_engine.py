@@ -86,7 +86,7 @@ class _Request:
     future: asyncio.Future
     generator: torch.Generator
     stop_ids: frozenset[int]
-    cache: object = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, shape [1, heads, length, dim]
     next_logits: torch.Tensor | None = None
     logits_version: int = -1
     tokens: list[int] = field(default_factory=list)
@@ -246,11 +246,8 @@ class LocalEngine:
     def _step(self, admit: list[_Request]) -> list[_Request]:
         from transformers import DynamicCache
 
-        for request in admit:
-            out = self.model(
-                torch.tensor([request.prompt_ids]), cache=DynamicCache(config=self.model.config), use_cache=True
-            )
-            request.cache, request.next_logits, request.logits_version = out.past_key_values, out.logits[0, -1], self._version
+        if admit:
+            self._prefill(admit)
         self._active.extend(admit)
 
         finished, running = [], []
@@ -272,6 +269,21 @@ class LocalEngine:
             self._decode(running)
         return finished
 
+    def _prefill(self, batch: list[_Request]) -> None:
+        """One forward over the new prompts, left-padded together; each request keeps its unpadded cache."""
+        from transformers import DynamicCache
+
+        longest = max(len(r.prompt_ids) for r in batch)
+        ids = torch.tensor([[0] * (longest - len(r.prompt_ids)) + r.prompt_ids for r in batch])
+        mask = torch.tensor([[0] * (longest - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(config=self.model.config), use_cache=True)
+        layers = out.past_key_values.layers
+        for i, request in enumerate(batch):
+            pad = longest - len(request.prompt_ids)
+            request.kv = [(l.keys[i : i + 1, :, pad:], l.values[i : i + 1, :, pad:]) for l in layers]
+            request.next_logits, request.logits_version = out.logits[i, -1], self._version
+
     def _decode(self, batch: list[_Request]) -> None:
         """One forward for every running request, on caches left-padded to a common length."""
         from transformers import DynamicCache
@@ -279,9 +291,9 @@ class LocalEngine:
         lengths = [r.length - 1 for r in batch]  # cached positions (all but the token just sampled)
         longest = max(lengths)
         cache = DynamicCache(config=self.model.config)
-        for layer in range(len(batch[0].cache.layers)):
-            keys = [F.pad(r.cache.layers[layer].keys, (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
-            values = [F.pad(r.cache.layers[layer].values, (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
+        for layer in range(len(batch[0].kv)):
+            keys = [F.pad(r.kv[layer][0], (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
+            values = [F.pad(r.kv[layer][1], (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
             cache.update(torch.cat(keys), torch.cat(values), layer)
         mask = torch.tensor([[0] * (longest - n) + [1] * (n + 1) for n in lengths])
         out = self.model(
@@ -291,8 +303,8 @@ class LocalEngine:
             position_ids=torch.tensor([[n] for n in lengths]),
             use_cache=True,
         )
+        layers = out.past_key_values.layers
         for i, (request, n) in enumerate(zip(batch, lengths)):
-            own = DynamicCache(config=self.model.config)
-            for layer, state in enumerate(out.past_key_values.layers):
-                own.update(state.keys[i : i + 1, :, longest - n :], state.values[i : i + 1, :, longest - n :], layer)
-            request.cache, request.next_logits, request.logits_version = own, out.logits[i, -1], self._version
+            # n + 1 positions now: the padding on the left is dropped again
+            request.kv = [(l.keys[i : i + 1, :, longest - n :], l.values[i : i + 1, :, longest - n :]) for l in layers]
+            request.next_logits, request.logits_version = out.logits[i, -1], self._version
