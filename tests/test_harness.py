@@ -145,3 +145,16 @@ def test_groups_on_local_engine_are_token_exact_in_the_ledger(tiny_dirs, chat, d
         worst = max(worst, float((recomputed - torch.tensor(row.rollout_logprobs)).abs().max()))
     print(f"max |recomputed - rollout logprob| = {worst:.2e}")
     assert worst < 1e-4, worst  # same weights, fp32 CPU
+
+
+def test_context_overflow_ends_the_episode_as_truncated(chat):
+    from loopline.rollout.engine import ContextOverflow
+
+    class Overflowing(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling, request_id):
+            if self.prompts:
+                raise ContextOverflow("prompt too long")
+            return await super().generate(prompt_ids, sampling, request_id)
+
+    traj = asyncio.run(run_episode(Overflowing(chat, ["<calc>1+1</calc>"]), _setup(chat), TASK, "e"))
+    assert traj.truncated and traj.info["end"] == "context" and len(traj.segments) == 1
