@@ -1,0 +1,72 @@
+"""Group advantages (seed §6.3): GRPO, mean-only (Dr. GRPO), RLOO.
+
+Inputs are per-trajectory rewards and the group each belongs to; the output
+is one advantage per trajectory (the learner broadcasts it over that
+trajectory's action tokens). A group whose rewards are all equal carries no
+signal: it is flagged, and either dropped or kept with zero advantage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+Estimator = Literal["grpo", "dr_grpo", "rloo"]
+StdKind = Literal["population", "sample"]
+DegenerateHandling = Literal["drop", "zero"]
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: Estimator = "grpo"
+    std: StdKind = "population"  # GRPO's divisor: population (1/n) or sample (1/(n-1)) standard deviation
+    eps: float = 1e-6
+    degenerate: DegenerateHandling = "zero"
+
+
+@dataclass(frozen=True)
+class Advantages:
+    values: torch.Tensor  # [n_trajectories], float64
+    keep: torch.Tensor  # [n_trajectories] bool: False for trajectories of dropped degenerate groups
+    degenerate_groups: int
+    groups: int
+
+
+def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], config: AdvantageConfig = AdvantageConfig()) -> Advantages:
+    r = torch.as_tensor(list(rewards), dtype=torch.float64)
+    if r.numel() == 0:
+        raise ValueError("no rewards: an empty batch has no advantages")
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards contain NaN or inf; refusing to compute advantages")
+    if len(group_ids) != r.numel():
+        raise ValueError(f"{r.numel()} rewards but {len(group_ids)} group ids")
+    values = torch.zeros_like(r)
+    keep = torch.ones(r.numel(), dtype=torch.bool)
+    order: dict[object, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        order.setdefault(g, []).append(i)
+    degenerate = 0
+    for members in order.values():
+        idx = torch.tensor(members)
+        group = r[idx]
+        if group.numel() < 2 or bool((group == group[0]).all()):
+            degenerate += 1
+            if config.degenerate == "drop":
+                keep[idx] = False
+            continue  # zero advantage
+        values[idx] = _group_advantage(group, config)
+    return Advantages(values, keep, degenerate, len(order))
+
+
+def _group_advantage(group: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
+    n = group.numel()
+    if config.estimator == "rloo":
+        # each sample's baseline is the mean of the OTHER samples of its group
+        return group - (group.sum() - group) / (n - 1)
+    centred = group - group.mean()
+    if config.estimator == "dr_grpo":
+        return centred
+    std = group.std(correction=0 if config.std == "population" else 1)
+    return centred / (std + config.eps)
