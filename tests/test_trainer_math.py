@@ -112,3 +112,15 @@ def test_logprob_gap():
     gap = logprob_gap(_t(-1.0, -2.0), _t(-1.1, -2.0), _t(1, 1))
     assert gap["logprob_abs_diff"] == pytest.approx(0.05)
     assert gap["logprob_kl"] == pytest.approx((math.exp(0.1) - 0.1 - 1) / 2)
+
+
+@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_micro_batch_shares_add_up_to_the_whole_batch_loss(how):
+    torch.manual_seed(0)
+    per_token = torch.randn(5, 7, dtype=torch.float64)
+    mask = (torch.rand(5, 7) > 0.3).long()
+    mask[2] = 0  # a sequence without action tokens counts for nothing
+    whole = aggregate(per_token, mask, how)
+    tokens, seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+    parts = [aggregate(per_token[r], mask[r], how, tokens, seqs) for r in (slice(0, 2), slice(2, 5))]
+    assert float(sum(parts)) == pytest.approx(float(whole))

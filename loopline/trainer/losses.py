@@ -36,19 +36,30 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation) -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar; how each trajectory is weighted differs (see tests)."""
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    how: Aggregation,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+) -> torch.Tensor:
+    """Reduce a [B, T] loss to a scalar; how each trajectory is weighted differs (see tests).
+
+    With `total_tokens` / `total_sequences` (the whole step's counts) a micro-batch's result is its
+    share of the step's loss, so the shares of all micro-batches add up to the loss of the whole batch.
+    """
     per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))  # padding may hold anything
     mask = mask.to(per_token.dtype)
     if how == "token_mean":  # every action token weighs the same: long trajectories weigh more
-        return per_token.sum() / mask.sum().clamp(min=1)
+        return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
     tokens = mask.sum(-1)
     sums = per_token.sum(-1)
     has_tokens = tokens > 0
+    count = total_sequences if total_sequences is not None else has_tokens.sum().clamp(min=1)
     if how == "seq_mean_token_sum":  # each trajectory weighs its token count (unnormalised length bias)
-        return sums[has_tokens].mean()
+        return sums[has_tokens].sum() / count
     if how == "seq_mean_token_mean":  # each trajectory weighs the same, whatever its length
-        return (sums[has_tokens] / tokens[has_tokens]).mean()
+        return (sums[has_tokens] / tokens[has_tokens]).sum() / count
     raise ValueError(f"unknown aggregation {how!r}")
 
 
@@ -74,6 +85,8 @@ def policy_loss(
     mask: torch.Tensor,
     config: LossConfig = LossConfig(),
     ref_logp: torch.Tensor | None = None,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
 ) -> LossOutput:
     """Decoupled PPO: -min(r A, clip(r) A) with r = π_θ/π_old, weighted by the π_old/μ correction.
 
@@ -106,7 +119,7 @@ def policy_loss(
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         kl = kl_penalty(logp, ref_logp, config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-    loss = aggregate(per_token, mask, config.aggregation)
+    loss = aggregate(per_token, mask, config.aggregation, total_tokens, total_sequences)
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)

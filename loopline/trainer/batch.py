@@ -1,0 +1,117 @@
+"""From committed trajectories to training sequences, token-exact.
+
+A trajectory's segments form one prefix chain (each prompt is the previous
+prompt + its generated ids + an observation), so the training sequence is the
+last segment's prompt + generated ids, and the action mask and behaviour
+logprobs are placed at each segment's generated positions. A chain that does
+not hold is refused rather than silently re-aligned.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import sqlalchemy as sa
+import torch
+from sqlmodel import Session
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    trajectory_id: uuid.UUID | None
+    group_id: object
+    reward: float
+    input_ids: tuple[int, ...]
+    action_mask: tuple[int, ...]  # 1 where input_ids[i] is a generated action token
+    behaviour_logprobs: tuple[float, ...]  # μ at action positions, 0.0 elsewhere
+    policy_version: int = 0
+
+    @property
+    def action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+
+def sequence_from_segments(segments: Sequence[dict], trajectory_id=None, group_id=None, reward: float = 0.0, policy_version: int = 0) -> TrainSequence:
+    if not segments:
+        raise ValueError(f"trajectory {trajectory_id} has no segments")
+    for before, after in zip(segments, segments[1:]):
+        head = list(before["prompt_ids"]) + list(before["generated_ids"])
+        if list(after["prompt_ids"][: len(head)]) != head:
+            raise ValueError(f"trajectory {trajectory_id}: segment {after['seq']} does not extend segment {before['seq']}")
+    last = segments[-1]
+    ids = list(last["prompt_ids"]) + list(last["generated_ids"])
+    mask, logprobs = [0] * len(ids), [0.0] * len(ids)
+    for seg in segments:
+        start = len(seg["prompt_ids"])
+        for i, (m, lp) in enumerate(zip(seg["action_loss_mask"], seg["rollout_logprobs"])):
+            mask[start + i], logprobs[start + i] = int(m), float(lp)
+    return TrainSequence(trajectory_id, group_id, reward, tuple(ids), tuple(mask), tuple(logprobs), policy_version)
+
+
+def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
+    """The learner's view of a claimed batch, in the batch's order."""
+    rows = session.execute(
+        sa.text(
+            "SELECT t.id, t.group_id, t.reward, t.policy_version_min, s.seq, s.prompt_ids, s.generated_ids, "
+            "s.action_loss_mask, s.rollout_logprobs FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
+            "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq"
+        ),
+        {"ids": list(trajectory_ids)},
+    ).mappings().all()
+    session.rollback()
+    by_trajectory: dict[uuid.UUID, list] = {}
+    for row in rows:
+        by_trajectory.setdefault(row["id"], []).append(row)
+    missing = [t for t in trajectory_ids if t not in by_trajectory]
+    if missing:
+        raise ValueError(f"trajectories not in the ledger: {missing[:3]}")
+    out = []
+    for tid in trajectory_ids:
+        segs = by_trajectory[tid]
+        first = segs[0]
+        out.append(sequence_from_segments(segs, tid, first["group_id"], first["reward"], first["policy_version_min"]))
+    return out
+
+
+def micro_batches(sequences: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:
+    """Indices grouped so that each padded micro-batch (count x longest) stays within `token_budget`."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].input_ids))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([len(sequences[j].input_ids) for j in current] + [len(sequences[i].input_ids)])
+        if current and longest * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class Padded:
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    target_mask: torch.Tensor  # [B, L-1]: 1 where the token predicted at that position is an action
+    behaviour_logprobs: torch.Tensor  # [B, L-1]
+    rows: list[int]  # indices into the step's sequences
+
+
+def pad(sequences: Sequence[TrainSequence], rows: list[int], pad_id: int = 0) -> Padded:
+    longest = max(len(sequences[i].input_ids) for i in rows)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), longest), dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    mu = torch.zeros((len(rows), longest), dtype=torch.float32)
+    for b, i in enumerate(rows):
+        s = sequences[i]
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        attn[b, :n] = 1
+        mask[b, :n] = torch.tensor(s.action_mask)
+        mu[b, :n] = torch.tensor(s.behaviour_logprobs)
+    # logits at position t predict token t+1: targets and their masks shift by one
+    return Padded(ids, attn, mask[:, 1:], mu[:, 1:], list(rows))
