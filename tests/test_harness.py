@@ -158,3 +158,23 @@ def test_context_overflow_ends_the_episode_as_truncated(chat):
 
     traj = asyncio.run(run_episode(Overflowing(chat, ["<calc>1+1</calc>"]), _setup(chat), TASK, "e"))
     assert traj.truncated and traj.info["end"] == "context" and len(traj.segments) == 1
+
+
+def test_learner_reads_committed_multi_turn_trajectories_token_exact(chat, db, run):
+    from loopline.trainer.batch import load_sequences
+
+    ledger.plan_step(db, run.id, 1, ["t1"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    engine = ScriptedEngine(chat, ["<calc>12 + 3 * 4</calc>", "so <answer>24</answer>"])
+    traj = asyncio.run(run_episode(engine, _setup(chat), TASK, "ep"))
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, traj)
+    (seq,) = load_sequences(db, [outcome.trajectory_id])
+    first, second = traj.segments
+    assert list(seq.input_ids) == list(second.prompt_ids) + list(second.generated_ids)
+    starts = [len(first.prompt_ids), len(second.prompt_ids)]
+    expected_mask = [0] * len(seq.input_ids)
+    for start, seg in zip(starts, traj.segments):
+        expected_mask[start : start + len(seg.generated_ids)] = [1] * len(seg.generated_ids)
+    assert list(seq.action_mask) == expected_mask  # the observation between the turns is context (mask 0)
+    assert [lp for lp, m in zip(seq.behaviour_logprobs, seq.action_mask) if m] == [-1.0] * sum(expected_mask)
+    assert seq.reward == 1.0 and seq.group_id == lease.group_id
