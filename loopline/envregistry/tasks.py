@@ -29,8 +29,8 @@ class Task:
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # Train and eval use disjoint templates, so no eval problem can appear in training (seed §10.1).
-TRAIN_TEMPLATES = ("a o b", "a o b o c")
-EVAL_TEMPLATES = ("(a o b) o c", "a o (b o c)")
+TRAIN_TEMPLATES = ("a o b", "a o b o c", "a o (b o c)")
+EVAL_TEMPLATES = ("(a o b) o c",)
 
 
 def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:

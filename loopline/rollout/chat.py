@@ -9,6 +9,7 @@ chat template once, at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -25,6 +26,22 @@ class ChatFormat:
     observation_suffix: str  # from the observation text to the start of the next assistant message
     observation_role: str
     version: str
+    # Demonstration turns placed before every task (a policy's few-shot prompt), as chat messages.
+    few_shot: tuple[dict, ...] = ()
+
+    @classmethod
+    def for_policy(cls, model_dir) -> "ChatFormat":
+        """The tokenizer of a policy directory, with its few-shot turns from `loopline_prompt.json` if any."""
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        chat = cls.from_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+        prompt = Path(model_dir) / "loopline_prompt.json"
+        if prompt.is_file():
+            few_shot = tuple(json.loads(prompt.read_text()).get("few_shot", ()))
+            return dataclasses.replace(chat, few_shot=few_shot)
+        return chat
 
     @classmethod
     def from_tokenizer(cls, tokenizer, observation_role: str = "user") -> "ChatFormat":
@@ -51,7 +68,7 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def initial_ids(self, system: str, user: str) -> list[int]:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        messages = ([{"role": "system", "content": system}] if system else []) + list(self.few_shot) + [{"role": "user", "content": user}]
         return self._encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
     def observation_ids(self, text: str, generated_ids: list[int]) -> list[int]:

@@ -40,6 +40,8 @@ class LearnerError(ValueError):
 @dataclass(frozen=True)
 class LearnerConfig:
     lr: float = 1e-5
+    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
+    decay_steps: int | None = None  # cosine decay to 10% of lr by this step (None: constant after warm-up)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
@@ -81,6 +83,7 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         if backend == "deepspeed":
             _distributed_defaults()
             import deepspeed
@@ -96,12 +99,24 @@ class Learner:
                 "steps_per_print": 10**9,
                 "wall_clock_breakdown": False,
             }
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            )
             self.model = self.engine.module
         else:
             self.engine, self.optimizer, self.model = None, optimizer, model.to(self.device)
+            self.scheduler = scheduler
         self.steps_done = 0
         self._broken: str | None = None
+
+    def _lr_factor(self, step: int) -> float:
+        c = self.config
+        if c.warmup_steps and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay_steps:
+            progress = min(1.0, (step - c.warmup_steps) / max(1, c.decay_steps - c.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
 
     # ------------------------------------------------------------------ forward
 
@@ -154,6 +169,7 @@ class Learner:
                 metrics.append(m)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
             self.optimizer.step()
+            self.scheduler.step()
         return metrics
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
@@ -262,7 +278,10 @@ class Learner:
         if self.engine is not None:
             self.engine.save_checkpoint(str(tmp), tag="state", client_state={"loopline": state})
         else:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "loopline": state}, tmp / "state.pt")
+            torch.save(
+                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "loopline": state},
+                tmp / "state.pt",
+            )
         torch.save(rng, tmp / "rng.pt")
         self.model.config.to_json_file(tmp / "model_config.json")
         marker = {**state, "backend": self.backend, "learner": asdict(self.config) | {"advantage": asdict(self.config.advantage), "loss": asdict(self.config.loss)}}
@@ -291,6 +310,7 @@ class Learner:
             blob = torch.load(path / "state.pt", weights_only=False)
             self.model.load_state_dict(blob["model"])
             self.optimizer.load_state_dict(blob["optimizer"])
+            self.scheduler.load_state_dict(blob["scheduler"])
             state = blob["loopline"]
         rng = torch.load(path / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])

@@ -1,14 +1,16 @@
-"""A tiny Llama with its own byte-level BPE tokenizer and ChatML template, built in seconds.
+"""A tiny Llama with its own byte-level BPE tokenizer and ChatML template.
 
-Random-init here (for tests and benchmarks of the engine and harness: what it
-says is noise, but every token it emits is real and every invariant can be
-checked); `loopline models build-tiny` will warm-start it with SFT.
+`build_tiny` makes a random-init one in seconds (for tests and benchmarks of
+the engine and learner: what it says is noise, but every token it emits is
+real). `loopline models build-tiny` (see `starter.py`) trains the tokenizer on
+calculator transcripts and warm-starts the model with SFT.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -29,30 +31,44 @@ def _corpus(n: int = 400) -> list[str]:
     return lines
 
 
-def build_tiny(directory: Path, seed: int = 0, layers: int = 2, hidden: int = 64, context: int = 1024) -> Path:
-    """Write a random-init model and its tokenizer to `directory` (a Hugging Face model directory)."""
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
+    """A byte-level BPE (any text encodes) with the ChatML special tokens and template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # digits stay single tokens (as in SmolLM2): copying a number is then one regular token-by-token copy
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None, chat_template=CHATML
     )
+
+
+def random_model(directory: Path, tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, context: int = 1024) -> Path:
+    """Write a random-init Llama sized for `tokenizer`, and the tokenizer, to `directory`."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    fast.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
+
+
+def build_tiny(directory: Path, seed: int = 0, layers: int = 2, hidden: int = 64, context: int = 1024) -> Path:
+    """A random-init tiny policy (tests, benchmarks)."""
+    return random_model(directory, train_tokenizer(_corpus()), seed=seed, layers=layers, hidden=hidden, context=context)

