@@ -28,9 +28,12 @@ class Task:
 # --------------------------------------------------------------------------- arithmetic generator
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-# Train and eval use disjoint templates, so no eval problem can appear in training (seed §10.1).
-TRAIN_TEMPLATES = ("a o b", "a o b o c", "a o (b o c)")
-EVAL_TEMPLATES = ("(a o b) o c",)
+TEMPLATES = ("a o b", "a o b o c", "(a o b) o c", "a o (b o c)")
+# split: templates -> train and eval use disjoint templates (eval needs a form never seen in training);
+# split: operands  -> the same templates, but every eval problem has an operand >= eval_min_operand and
+#                     no train operand reaches it (eval is harder numbers, never a seen problem).
+TRAIN_TEMPLATES = ("a o b", "a o b o c", "(a o b) o c")
+EVAL_TEMPLATES = ("a o (b o c)",)
 
 
 def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:
@@ -52,13 +55,26 @@ def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:
 
 def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
     max_operand = int(source.params.get("max_operand", 99))
+    split_rule = source.params.get("split", "templates")
+    if split_rule not in ("templates", "operands"):
+        raise LooplineError(f"tasks.params.split must be 'templates' or 'operands', not {split_rule!r}")
+    threshold = int(source.params.get("eval_min_operand", 80))
+    if split_rule == "operands" and not 1 < threshold <= max_operand:
+        raise LooplineError(f"tasks.params.eval_min_operand must be in 2..max_operand ({max_operand})")
     tasks = []
-    for split, templates, size in (("train", TRAIN_TEMPLATES, source.train_size), ("eval", EVAL_TEMPLATES, source.eval_size)):
+    for split, size in (("train", source.train_size), ("eval", source.eval_size)):
+        templates = TEMPLATES if split_rule == "operands" else (TRAIN_TEMPLATES if split == "train" else EVAL_TEMPLATES)
         rng = random.Random(f"{source.seed}/{split}")
         for i in range(size):
             template = templates[i % len(templates)]
             n = 2 if template == "a o b" else 3
-            nums = [rng.randint(1, max_operand) for _ in range(n)]
+            if split_rule == "templates":
+                nums = [rng.randint(1, max_operand) for _ in range(n)]
+            elif split == "train":
+                nums = [rng.randint(1, threshold - 1) for _ in range(n)]
+            else:  # at least one operand at or above the threshold
+                nums = [rng.randint(1, max_operand) for _ in range(n)]
+                nums[rng.randrange(n)] = rng.randint(threshold, max_operand)
             ops = [rng.choice(list(_OPS)) for _ in range(n - 1)]
             expression, answer = _apply(template, nums, ops)
             tasks.append(

