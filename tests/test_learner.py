@@ -55,7 +55,7 @@ def test_rl_step_updates_the_policy_and_reports_why(tiny_dirs, batch):
     assert m["logprob_abs_diff"] < 1e-4 and abs(m["logprob_kl"]) < 1e-6
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # one minibatch: π_θ == π_old at the first forward
     assert m["tokens_trained"] == sum(s.action_tokens for s in batch) and m["degenerate_groups"] == 0
-    assert {"loss", "clip_fraction", "advantage_mean", "advantage_std", "correction_capped_fraction"} <= set(m)
+    assert {"loss", "kl_ref", "clip_fraction", "advantage_mean", "advantage_std", "correction_capped_fraction"} <= set(m)
 
 
 def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch):

@@ -181,6 +181,7 @@ class Learner:
                 sum(m["ratio_mean"] * m["tokens"] for m in step_metrics),
                 sum(m["clip_fraction"] * m["tokens"] for m in step_metrics),
                 sum(m["correction_capped_fraction"] * m["tokens"] for m in step_metrics),
+                sum(m["kl_ref"] * m["tokens"] for m in step_metrics),
             ],
             dtype=torch.float64,
         )
@@ -188,9 +189,16 @@ class Learner:
         if self._world()[0] > 1:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
-        loss, tokens, ratio, clip, capped = sums.tolist()
+        loss, tokens, ratio, clip, capped, kl = sums.tolist()
         n = max(tokens, 1.0)
-        return {"loss": loss, "ratio_mean": ratio / n, "ratio_max": float(ratio_max), "clip_fraction": clip / n, "correction_capped_fraction": capped / n}
+        return {
+            "loss": loss,
+            "kl_ref": kl / n,
+            "ratio_mean": ratio / n,
+            "ratio_max": float(ratio_max),
+            "clip_fraction": clip / n,
+            "correction_capped_fraction": capped / n,
+        }
 
     # ------------------------------------------------------------------ steps
 
