@@ -102,23 +102,31 @@ def test_tool_template_must_use_declared_args(tmp_path):
 # --------------------------------------------------------------------------- tasks
 
 
-def test_arithmetic_tasks_are_deterministic_correct_and_split_by_operands():
-    spec = load_spec(ARITHMETIC)
-    tasks = load_tasks(spec, EXAMPLES)
-    assert tasks == load_tasks(spec, EXAMPLES)
+def test_arithmetic_problem_split_holds_out_problems(tmp_path):
+    path = tmp_path / "env.yaml"
+    path.write_text(ARITHMETIC.read_text().replace("split: operands, eval_min_operand: 80", "split: problems"))
+    spec = load_spec(path)
+    tasks = load_tasks(spec, tmp_path)
+    assert tasks == load_tasks(spec, tmp_path)
     train = [t for t in tasks if t.split == "train"]
     evals = [t for t in tasks if t.split == "eval"]
     assert (len(train), len(evals)) == (2000, 200)
-    numbers = lambda t: [int(x) for x in re.findall(r"\d+", t.data["expression"])]  # noqa: E731
-    assert all(max(numbers(t)) < 80 for t in train) and all(max(numbers(t)) >= 80 for t in evals)
     assert not {t.prompt for t in train} & {t.prompt for t in evals}
+    assert {t.data["template"] for t in evals} == {t.data["template"] for t in train}
     for t in tasks[:300] + evals:
         assert evaluate_expression(t.data["expression"]) == t.data["answer"] == calculate(t.data["expression"])
 
 
+def test_arithmetic_operand_split_holds_out_larger_numbers():
+    tasks = load_tasks(load_spec(ARITHMETIC), EXAMPLES)
+    numbers = lambda t: [int(x) for x in re.findall(r"\d+", t.data["expression"])]  # noqa: E731
+    assert all(max(numbers(t)) < 80 for t in tasks if t.split == "train")
+    assert all(max(numbers(t)) >= 80 for t in tasks if t.split == "eval")
+
+
 def test_arithmetic_template_split_holds_out_a_whole_form(tmp_path):
     path = tmp_path / "env.yaml"
-    path.write_text(ARITHMETIC.read_text().replace("split: operands", "split: templates"))
+    path.write_text(ARITHMETIC.read_text().replace("split: operands, eval_min_operand: 80", "split: templates"))
     tasks = load_tasks(load_spec(path), tmp_path)
     assert {t.data["template"] for t in tasks if t.split == "train"} == set(TRAIN_TEMPLATES)
     assert {t.data["template"] for t in tasks if t.split == "eval"} == set(EVAL_TEMPLATES)

@@ -31,7 +31,8 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 TEMPLATES = ("a o b", "a o b o c", "(a o b) o c", "a o (b o c)")
 # split: templates -> train and eval use disjoint templates (eval needs a form never seen in training);
 # split: operands  -> the same templates, but every eval problem has an operand >= eval_min_operand and
-#                     no train operand reaches it (eval is harder numbers, never a seen problem).
+#                     no train operand reaches it (eval is harder numbers, never a seen problem);
+# split: problems  -> one distribution for both; an eval problem never appears in train (held-out problems).
 TRAIN_TEMPLATES = ("a o b", "a o b o c", "(a o b) o c")
 EVAL_TEMPLATES = ("a o (b o c)",)
 
@@ -56,19 +57,23 @@ def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:
 def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
     max_operand = int(source.params.get("max_operand", 99))
     split_rule = source.params.get("split", "templates")
-    if split_rule not in ("templates", "operands"):
-        raise LooplineError(f"tasks.params.split must be 'templates' or 'operands', not {split_rule!r}")
+    if split_rule not in ("templates", "operands", "problems"):
+        raise LooplineError(f"tasks.params.split must be 'templates', 'operands' or 'problems', not {split_rule!r}")
     threshold = int(source.params.get("eval_min_operand", 80))
     if split_rule == "operands" and not 1 < threshold <= max_operand:
         raise LooplineError(f"tasks.params.eval_min_operand must be in 2..max_operand ({max_operand})")
     tasks = []
+    seen: set[str] = set()
     for split, size in (("train", source.train_size), ("eval", source.eval_size)):
-        templates = TEMPLATES if split_rule == "operands" else (TRAIN_TEMPLATES if split == "train" else EVAL_TEMPLATES)
+        templates = TRAIN_TEMPLATES if split == "train" else EVAL_TEMPLATES
+        if split_rule != "templates":
+            templates = TEMPLATES
         rng = random.Random(f"{source.seed}/{split}")
-        for i in range(size):
+        i = 0
+        while i < size:
             template = templates[i % len(templates)]
             n = 2 if template == "a o b" else 3
-            if split_rule == "templates":
+            if split_rule in ("templates", "problems"):
                 nums = [rng.randint(1, max_operand) for _ in range(n)]
             elif split == "train":
                 nums = [rng.randint(1, threshold - 1) for _ in range(n)]
@@ -77,6 +82,9 @@ def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
                 nums[rng.randrange(n)] = rng.randint(threshold, max_operand)
             ops = [rng.choice(list(_OPS)) for _ in range(n - 1)]
             expression, answer = _apply(template, nums, ops)
+            if split_rule == "problems" and split == "eval" and expression in seen:
+                continue  # held out means never trained on
+            seen.add(expression)
             tasks.append(
                 Task(
                     f"arith-{split}-{i:05d}",
@@ -85,6 +93,7 @@ def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
                     {"expression": expression, "answer": answer, "template": template},
                 )
             )
+            i += 1
     return tasks
 
 
