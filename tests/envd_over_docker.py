@@ -15,19 +15,17 @@ import asyncio
 import base64
 import json
 import shlex
-import threading
-import time
 from email.parser import BytesParser
 from email.policy import default as email_policy
 from urllib.parse import parse_qs
 
-import uvicorn
 from e2b.envd.process import process_pb
 from e2b.envd.process.process_connect import Process, ProcessASGIApplication
 from protobuf import Oneof
 
 from loopline.envregistry.sandbox.docker import DockerSandbox
 from loopline.envregistry.spec import Sandbox
+from tests.asgi import BackgroundServer, read_body
 
 ENVD_PORT = 49983  # e2b.ConnectionConfig.envd_port: where the SDK looks for envd in debug mode
 
@@ -90,30 +88,17 @@ class EnvdOverDocker:
             else:
                 await _respond(send, 404, b"not implemented by the local envd")
 
-        config = uvicorn.Config(app, host="127.0.0.1", port=ENVD_PORT, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"local envd did not start on port {ENVD_PORT}")
-            time.sleep(0.05)
+        self.server = BackgroundServer(app, ENVD_PORT)
+        self.server.start(f"local envd on port {ENVD_PORT}")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.server.stop()
         asyncio.run(self.box.close())
 
     async def _files(self, scope, receive, send) -> None:
         query = {k: v[0] for k, v in parse_qs(scope["query_string"].decode()).items()}
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["method"] == "GET":
             result = await asyncio.to_thread(self.box._exec, f"base64 {shlex.quote(query['path'])}", 30, None)
             if not result.ok:

@@ -20,12 +20,10 @@ import json
 import os
 import random
 import socket
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
+from tests.asgi import BackgroundServer, read_body
 
 
 def load_api_types():
@@ -67,19 +65,12 @@ class SGLangProtocolServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", interface="asgi3"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("protocol server did not start")
-            time.sleep(0.02)
+        self.server = BackgroundServer(self.app, self.port)
+        self.server.start("SGLang protocol server")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.server.stop()
 
     # ------------------------------------------------------------------ ASGI
 
@@ -88,12 +79,7 @@ class SGLangProtocolServer:
             self._resumed, self._idle = asyncio.Event(), asyncio.Event()
             self._resumed.set()
             self._idle.set()
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         route = (scope["method"], scope["path"])
         handlers = {
             ("POST", "/generate"): self.generate,
