@@ -56,6 +56,32 @@ def db_status() -> None:
     console.print(counts)
 
 
+@app.command("check")
+@friendly_errors
+def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id.")) -> None:
+    """Verify the six invariants of DESIGN.md on a run's ledger; exit 1 (naming the rows) on a violation."""
+    from loopline.store.check import check_run
+    from loopline.store.ledger import get_run
+
+    engine = migrate.open_ledger()
+    with store_db.session(engine) as s:
+        found = get_run(s, run)
+        name = found.name
+        report = check_run(s, found.id)
+    stats = Table("measure", "value", title=f"run {name}", box=None)
+    for key, value in report.stats.items():
+        stats.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
+    console.print(stats)
+    if report.ok:
+        console.print("[green]all invariants hold[/]")
+        return
+    for v in report.violations:  # plain lines, so they can be grepped and never wrap mid-id
+        console.print(f"[red]invariant {v.invariant}:[/] {v.message}", highlight=False)
+        for row_id in v.ids:
+            console.print(f"    {row_id}", highlight=False)
+    raise typer.Exit(1)
+
+
 @models_app.command("build-tiny")
 @friendly_errors
 def models_build_tiny(

@@ -1,0 +1,200 @@
+"""`loopline check RUN`: the seed's six invariants (DESIGN.md), verified on a run's ledger.
+
+Some invariants are also database constraints (one trajectory per slot, one
+consumption per trajectory, no eval consumption); they are checked here too,
+because a ledger can be restored from a dump, edited by hand, or written by an
+older version. Each violation names the rows involved.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlmodel import Session
+
+LOGPROB_GAP_TOLERANCE = 1e-2  # mean |recomputed - rollout| per step above this is reported (invariant 3)
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: int
+    message: str
+    ids: tuple[str, ...] = ()
+
+
+@dataclass
+class CheckReport:
+    run_id: uuid.UUID
+    violations: list[Violation] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def add(self, invariant: int, message: str, ids=()) -> None:
+        self.violations.append(Violation(invariant, message, tuple(str(i) for i in list(ids)[:10])))
+
+
+def _rows(session: Session, sql: str, **params):
+    return session.execute(sa.text(sql), params).all()
+
+
+def check_run(session: Session, run_id: uuid.UUID) -> CheckReport:
+    report = CheckReport(run_id)
+    try:
+        _tokens_and_masks(session, run_id, report)
+        _logprob_gap(session, run_id, report)
+        _groups(session, run_id, report)
+        _exactly_once(session, run_id, report)
+        _reporting(session, run_id, report)
+    finally:
+        session.rollback()
+    return report
+
+
+def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
+    """1: recorded logprobs are real logprobs with named semantics; 2: masks are 0/1 on generated tokens only,
+    and each trajectory is one prefix chain (tool output and prompts only ever appear as context)."""
+    rows = _rows(
+        session,
+        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, "
+        "s.logprob_semantics FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
+        "WHERE t.run_id = :r ORDER BY s.trajectory_id, s.seq",
+        r=run_id,
+    )
+    bad_logprobs, unnamed, bad_masks, broken_chains = set(), set(), set(), set()
+    previous = None
+    for row in rows:
+        if any(not math.isfinite(x) or x > 1e-6 for x in row.rollout_logprobs):
+            bad_logprobs.add(row.trajectory_id)
+        if not row.logprob_semantics:
+            unnamed.add(row.trajectory_id)
+        if any(m not in (0, 1) for m in row.action_loss_mask) or len(row.action_loss_mask) != len(row.generated_ids):
+            bad_masks.add(row.trajectory_id)
+        if previous is not None and previous.trajectory_id == row.trajectory_id:
+            head = list(previous.prompt_ids) + list(previous.generated_ids)
+            if list(row.prompt_ids[: len(head)]) != head:
+                broken_chains.add(row.trajectory_id)
+        previous = row
+    if bad_logprobs:
+        report.add(1, f"{len(bad_logprobs)} trajectories hold logprobs that are not finite log-probabilities (> 0 or NaN)", bad_logprobs)
+    if unnamed:
+        report.add(1, f"{len(unnamed)} trajectories do not name their logprob semantics", unnamed)
+    if bad_masks:
+        report.add(2, f"{len(bad_masks)} trajectories have loss masks other than 0/1 over their generated tokens", bad_masks)
+    if broken_chains:
+        report.add(2, f"{len(broken_chains)} trajectories re-tokenised their history (a segment does not extend the previous one)", broken_chains)
+    report.stats["segments"] = len(rows)
+
+
+def _logprob_gap(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
+    """3: every learner step recorded the rollout-vs-recomputed logprob gap, and it is small."""
+    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM checkpoint WHERE run_id = :r AND complete", r=run_id)]
+    gaps = dict(_rows(session, "SELECT step, value FROM metric WHERE run_id = :r AND name = 'logprob_abs_diff'", r=run_id))
+    missing = [s for s in steps if s not in gaps]
+    if missing:
+        report.add(3, f"{len(missing)} learner steps recorded no logprob gap (metric logprob_abs_diff)", missing)
+    large = [s for s, g in gaps.items() if g > LOGPROB_GAP_TOLERANCE]
+    if large:
+        report.add(3, f"{len(large)} learner steps had a mean logprob gap above {LOGPROB_GAP_TOLERANCE:g}", large)
+    report.stats["max_logprob_gap"] = max(gaps.values(), default=0.0)
+
+
+def _groups(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
+    """4: a group holds samples of one task, complete before training; zero-variance groups are counted."""
+    mixed = _rows(
+        session,
+        "SELECT g.id FROM rollout_group g JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
+        "GROUP BY g.id HAVING count(DISTINCT t.task_id) > 1 OR bool_or(t.task_id <> g.task_id)",
+        r=run_id,
+    )
+    if mixed:
+        report.add(4, f"{len(mixed)} groups mix samples of different tasks", [r.id for r in mixed])
+    incomplete = _rows(
+        session,
+        "SELECT g.id FROM rollout_group g LEFT JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
+        "AND g.state IN ('complete', 'claimed', 'consumed') GROUP BY g.id, g.size HAVING count(t.id) <> g.size",
+        r=run_id,
+    )
+    if incomplete:
+        report.add(4, f"{len(incomplete)} groups were handed to the learner without all their samples", [r.id for r in incomplete])
+    degenerate = _rows(
+        session,
+        "SELECT g.id FROM rollout_group g JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
+        "AND g.state = 'consumed' GROUP BY g.id HAVING count(DISTINCT t.reward) = 1",
+        r=run_id,
+    )
+    report.stats["degenerate_groups_trained"] = len(degenerate)
+
+
+def _exactly_once(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
+    """5: nothing consumed twice or partially, nothing committed lost, no eval trained, versions monotonic."""
+    twice = _rows(session, "SELECT trajectory_id FROM consumption WHERE run_id = :r GROUP BY trajectory_id HAVING count(*) > 1", r=run_id)
+    if twice:
+        report.add(5, f"{len(twice)} trajectories were consumed more than once", [r.trajectory_id for r in twice])
+    evals = _rows(
+        session,
+        "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id WHERE c.run_id = :r AND t.split <> 'train'",
+        r=run_id,
+    )
+    if evals:
+        report.add(5, f"{len(evals)} eval trajectories were trained on", [r.trajectory_id for r in evals])
+    partial = _rows(
+        session,
+        "SELECT t.group_id FROM trajectory t JOIN rollout_group g ON g.id = t.group_id "
+        "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id "
+        "WHERE t.run_id = :r AND g.state = 'consumed' GROUP BY t.group_id HAVING count(c.trajectory_id) <> count(t.id)",
+        r=run_id,
+    )
+    if partial:
+        report.add(5, f"{len(partial)} consumed groups were only partly trained", [r.group_id for r in partial])
+    stray = _rows(
+        session,
+        "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id "
+        "JOIN rollout_group g ON g.id = t.group_id WHERE c.run_id = :r AND g.state <> 'consumed'",
+        r=run_id,
+    )
+    if stray:
+        report.add(5, f"{len(stray)} trajectories were consumed outside a consumed group", [r.trajectory_id for r in stray])
+    lost = _rows(
+        session,
+        "SELECT s.id FROM slot s LEFT JOIN trajectory t ON t.slot_id = s.id WHERE s.run_id = :r AND s.state = 'done' AND t.id IS NULL",
+        r=run_id,
+    )
+    if lost:
+        report.add(5, f"{len(lost)} slots are done but their trajectory is missing", [r.id for r in lost])
+    versions = [r.version for r in _rows(session, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)]
+    if versions != list(range(len(versions))):
+        report.add(5, f"policy versions are not 0..{len(versions) - 1} without gaps: {versions[:12]}")
+    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM checkpoint WHERE run_id = :r ORDER BY learner_step", r=run_id)]
+    if steps != list(range(1, len(steps) + 1)):
+        report.add(5, f"learner steps are not 1..{len(steps)} without gaps: {steps[:12]}")
+    wrong_version = _rows(
+        session,
+        "SELECT c.trajectory_id FROM consumption c JOIN checkpoint k ON k.run_id = c.run_id AND k.learner_step = c.learner_step "
+        "WHERE c.run_id = :r AND c.policy_version <> k.policy_version - 1",
+        r=run_id,
+    )
+    if wrong_version:
+        report.add(5, f"{len(wrong_version)} consumptions name a policy version other than the one their step trained", [r.trajectory_id for r in wrong_version])
+    report.stats["trajectories"] = _rows(session, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run_id)[0][0]
+    report.stats["consumed"] = _rows(session, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0]
+    report.stats["policy_versions"] = len(versions)
+
+
+def _reporting(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
+    """6: failure classes and eval results are on record, not only training reward."""
+    classes = dict(
+        _rows(session, "SELECT status, count(*) FROM attempt WHERE run_id = :r GROUP BY status", r=run_id)
+    )
+    for status in ("ok", "task_failed", "infra_failed", "cancelled"):
+        report.stats[f"attempts_{status}"] = classes.get(status, 0)
+    truncated = _rows(session, "SELECT count(*) FROM trajectory WHERE run_id = :r AND truncated", r=run_id)[0][0]
+    report.stats["truncated"] = truncated
+    dropped = _rows(session, "SELECT count(*) FROM rollout_group WHERE run_id = :r AND state = 'dropped'", r=run_id)[0][0]
+    report.stats["groups_dropped"] = dropped
+    report.stats["eval_results"] = _rows(session, "SELECT count(*) FROM eval_result WHERE run_id = :r", r=run_id)[0][0]

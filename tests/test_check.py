@@ -1,0 +1,76 @@
+"""`loopline check`: passes on a clean run, names the rows of every corruption."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+from loopline.store import ledger
+from loopline.store.check import check_run
+from loopline.store.records import SegmentRecord, TrajectoryRecord
+
+
+def chained_trajectory(reward: float, seed: int) -> TrajectoryRecord:
+    """Two turns where the second prompt extends the first, as the harness writes them."""
+    first_prompt = [1, 2, 3, seed + 10]
+    first = SegmentRecord("r0/", 0, "tok", first_prompt, [7, 8, 9], [1, 1, 1], [-0.1, -0.2, -0.3], "log_softmax(logits/T)")
+    second_prompt = first_prompt + [7, 8, 9] + [40, 41]
+    second = SegmentRecord("r1/", 0, "tok", second_prompt, [5, 6], [1, 1], [-0.5, -0.6], "log_softmax(logits/T)")
+    return TrajectoryRecord("arithmetic", 1, "v1", "h1", reward, True, False, [first, second])
+
+
+@pytest.fixture
+def trained_run(db, run):
+    """A run with one learner step over two groups of two."""
+    ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=2)
+    leases = ledger.claim_slots(db, run.id, "w", 4, split="train")
+    ledger.commit_trajectories(db, [(l.attempt_id, chained_trajectory(float(i % 2), i)) for i, l in enumerate(leases)])
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=2)
+    ledger.commit_learner_step(db, batch, "file:///w1", "file:///c1", metrics={"logprob_abs_diff": 2e-7})
+    return run
+
+
+def _corrupt(db, sql, **params):
+    db.execute(sa.text(sql), params)
+    db.commit()
+
+
+def test_clean_run_passes(db, trained_run):
+    report = check_run(db, trained_run.id)
+    assert report.ok, report.violations
+    assert report.stats["consumed"] == 4 and report.stats["policy_versions"] == 2 and report.stats["attempts_ok"] == 4
+
+
+CORRUPTIONS = [
+    (1, "UPDATE segment SET rollout_logprobs[1] = 0.5 WHERE seq = 0 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "not finite log-probabilities"),
+    (2, "UPDATE segment SET action_loss_mask[1] = 2 WHERE seq = 0 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "loss masks other than 0/1"),
+    (2, "UPDATE segment SET prompt_ids[2] = 99 WHERE seq = 1 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "re-tokenised"),
+    (3, "DELETE FROM metric WHERE run_id = :r AND name = 'logprob_abs_diff'", "recorded no logprob gap"),
+    (4, "UPDATE trajectory SET task_id = 'other' WHERE id = (SELECT id FROM trajectory WHERE run_id = :r LIMIT 1)", "mix samples of different tasks"),
+    (5, "DELETE FROM consumption WHERE trajectory_id = (SELECT trajectory_id FROM consumption WHERE run_id = :r LIMIT 1)", "only partly trained"),
+    (5, "DELETE FROM trajectory WHERE id = (SELECT t.id FROM trajectory t LEFT JOIN consumption c ON c.trajectory_id = t.id WHERE t.run_id = :r LIMIT 1)", "trajectory is missing"),
+]
+
+
+@pytest.mark.parametrize("invariant, sql, message", CORRUPTIONS)
+def test_each_corruption_is_reported(db, trained_run, invariant, sql, message):
+    _corrupt(db, sql, r=trained_run.id)
+    report = check_run(db, trained_run.id)
+    assert not report.ok
+    assert any(v.invariant == invariant and message in v.message for v in report.violations), report.violations
+
+
+def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url}
+    ok = subprocess.run([sys.executable, "-m", "loopline.cli", "check", trained_run.name], env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "all invariants hold" in ok.stdout, ok.stdout + ok.stderr
+    _corrupt(db, CORRUPTIONS[5][1], r=trained_run.id)
+    bad = subprocess.run([sys.executable, "-m", "loopline.cli", "check", str(trained_run.id)], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "only partly trained" in bad.stdout
+    groups = {str(g) for g in db.execute(sa.text("SELECT group_id FROM trajectory WHERE run_id = :r"), {"r": trained_run.id}).scalars()}
+    db.rollback()
+    assert any(f"    {g}" in bad.stdout for g in groups)  # the offending group is named
