@@ -56,6 +56,23 @@ def db_status() -> None:
     console.print(counts)
 
 
+@app.command("train")
+@friendly_errors
+def train(config: Path = typer.Argument(..., help="Run config YAML, e.g. examples/arithmetic_quickstart.yaml")) -> None:
+    """Train (or resume) the run a config describes: embedded Postgres, LocalEngine and a starter policy by default."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from loopline.flows.config import load_config
+    from loopline.flows.train import train as train_flow
+
+    load_config(config)  # refuse a bad config before Prefect starts
+    summary = train_flow(str(config))
+    console.print(f"run {summary['run']}: policy v{summary['policy_version']}")
+    for version, success in summary["eval"]:
+        console.print(f"  v{version}: held-out success {success:.1%}")
+
+
 @app.command("check")
 @friendly_errors
 def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id.")) -> None:

@@ -8,6 +8,7 @@ it if committed), and re-publishes the version the ledger says is current.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from dataclasses import dataclass
@@ -85,6 +86,27 @@ async def sync_step(ctx: LoopContext, step: int) -> dict:
     commit = learn(ctx, step, max_groups=ctx.groups_per_step)
     version = await sync_weights(ctx)
     return {"step": step, "committed": stats.committed, "infra_failed": stats.infra_failed, "policy_version": version, "trained": commit is not None}
+
+
+async def evaluate(ctx: LoopContext, eval_tasks: list[Task], env_version: int, temperature: float, seed: int) -> float:
+    """Held-out success of the engine's current version (fixed tasks and seed); recorded once per version."""
+    import dataclasses
+
+    from loopline.rollout.engine import SamplingParams
+    from loopline.rollout.harness import run_episode
+
+    version = ctx.engine.version()
+    setup = dataclasses.replace(
+        ctx.binding.setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=ctx.binding.setup.sampling.max_new_tokens, seed=seed)
+    )
+    results = await asyncio.gather(*(run_episode(ctx.engine, setup, t, f"eval-v{version}-{t.id}/") for t in eval_tasks))
+    successes = sum(r.reward == 1.0 for r in results)
+    with ctx.session_factory() as s:
+        ledger.record_eval_result(
+            s, ctx.run_id, version, setup.spec.name, env_version, len(results), successes,
+            {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed},
+        )
+    return successes / len(results)
 
 
 def tasks_by_id(tasks: list[Task]) -> dict[str, Task]:

@@ -737,6 +737,28 @@ def latest_policy_version(session: Session, run_id: uuid.UUID) -> int:
     return version
 
 
+def record_eval_result(
+    session: Session,
+    run_id: uuid.UUID,
+    policy_version: int,
+    env_name: str,
+    env_version: int,
+    n_tasks: int,
+    n_success: int,
+    details: dict[str, Any] | None = None,
+) -> bool:
+    """Store a policy version's held-out success once; returns False if it was already recorded."""
+    with _transaction(session):
+        inserted = _q(
+            session,
+            "INSERT INTO eval_result (run_id, policy_version, env_name, env_version, n_tasks, n_success, success_rate, details) "
+            "VALUES (:r, :v, :e, :ev, :n, :k, :rate, :d) ON CONFLICT DO NOTHING",
+            r=run_id, v=policy_version, e=env_name, ev=env_version, n=n_tasks, k=n_success,
+            rate=n_success / n_tasks if n_tasks else 0.0, d=Jsonb(details or {}),
+        ).rowcount
+    return inserted == 1
+
+
 def mark_published(session: Session, run_id: uuid.UUID, version: int) -> None:
     """Record that every engine now serves `version` (weight sync finished)."""
     with _transaction(session):

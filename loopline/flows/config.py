@@ -1,0 +1,77 @@
+"""The run config: a YAML file validated up front, so a bad value fails before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from loopline.store.errors import LooplineError
+from loopline.trainer.advantages import AdvantageConfig
+from loopline.trainer.losses import LossConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0)
+    max_new_tokens: int = Field(48, ge=1)
+
+
+class LearnerSettings(_Strict):
+    lr: float = Field(3e-4, gt=0)
+    backend: Literal["deepspeed", "torch"] = "deepspeed"
+    zero_stage: int = Field(1, ge=0, le=3)
+    micro_batch_tokens: int = Field(16384, ge=64)
+    minibatches: int = Field(1, ge=1)
+    advantage: AdvantageConfig = AdvantageConfig()
+    loss: LossConfig = LossConfig()
+
+
+class EvalSettings(_Strict):
+    every: int = Field(4, ge=1, description="evaluate every N learner steps (and before the first)")
+    tasks: int = Field(100, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    seed: int = 1234
+
+
+class RunConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+    env: str = Field(description="environment YAML, relative to this file")
+    policy: str = Field("tiny", description="tiny (built on first use), smollm2-135m (pulled), or a model directory")
+    mode: Literal["sync"] = "sync"
+    steps: int = Field(8, ge=1)
+    groups_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=1)
+    concurrency: int = Field(32, ge=1)
+    max_attempts: int = Field(3, ge=1)
+    seed: int = 0
+    sampling: SamplingConfig = SamplingConfig()
+    learner: LearnerSettings = LearnerSettings()
+    eval: EvalSettings = EvalSettings()
+
+    @field_validator("group_size")
+    @classmethod
+    def _groups_need_two_samples(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
+        return value
+
+
+def load_config(path: str | Path) -> tuple[RunConfig, Path]:
+    """The validated config and the directory its relative paths start from."""
+    file = Path(path)
+    if not file.is_file():
+        raise LooplineError(f"{file}: no such run config")
+    try:
+        data = yaml.safe_load(file.read_text())
+        return RunConfig.model_validate(data), file.parent
+    except yaml.YAMLError as exc:
+        raise LooplineError(f"{file}: not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        lines = [f"{file}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        raise LooplineError("invalid run config\n" + "\n".join(lines)) from None
