@@ -56,21 +56,68 @@ def db_status() -> None:
     console.print(counts)
 
 
-@app.command("train")
-@friendly_errors
-def train(config: Path = typer.Argument(..., help="Run config YAML, e.g. examples/arithmetic_quickstart.yaml")) -> None:
-    """Train (or resume) the run a config describes: embedded Postgres, LocalEngine and a starter policy by default."""
+def _prefect_quiet() -> None:
     import os
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from loopline.flows.config import load_config
+
+
+@app.command("train")
+@friendly_errors
+def train(
+    config: Path = typer.Argument(None, help="Run config YAML, e.g. examples/arithmetic_quickstart.yaml"),
+    resume: str = typer.Option(None, "--resume", metavar="RUN", help="Continue RUN (with its stored config when no CONFIG is given)."),
+    fork: str = typer.Option(None, "--fork", metavar="NEW_NAME", help="The config changed: start NEW_NAME from the run's newest policy."),
+) -> None:
+    """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
+    _prefect_quiet()
+    from loopline.cli_progress import follow_run
+    from loopline.flows.train import run_config
     from loopline.flows.train import train as train_flow
 
-    load_config(config)  # refuse a bad config before Prefect starts
-    summary = train_flow(str(config))
+    path = str(config) if config is not None else None
+    settings, _ = run_config(path, resume)  # refuse a bad config before Prefect starts
+    with follow_run(fork or settings.name, settings.steps):
+        summary = train_flow(path, resume=resume, fork=fork)
     console.print(f"run {summary['run']}: policy v{summary['policy_version']}")
     for version, success in summary["eval"]:
         console.print(f"  v{version}: held-out success {success:.1%}")
+
+
+@app.command("eval")
+@friendly_errors
+def eval_(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    version: int = typer.Option(None, "--version", help="Policy version (default: the newest)."),
+) -> None:
+    """Held-out success of one policy version of a run (stored in the ledger; shown again if already measured)."""
+    _prefect_quiet()
+    from loopline.flows.evaluate import evaluate
+
+    result = evaluate(run, version)
+    console.print(f"run {result['run']} v{result['policy_version']}: held-out success {result['success']:.1%}")
+
+
+@app.command("runs")
+@friendly_errors
+def runs() -> None:
+    """The runs in the ledger: status, progress and held-out success first and last."""
+    from loopline.store.queries import list_runs
+
+    engine = migrate.open_ledger()
+    with store_db.session(engine) as s:
+        found = list_runs(s)
+    if not found:
+        console.print("no runs yet; start one with `loopline train examples/arithmetic_quickstart.yaml`")
+        return
+    table = Table("run", "status", "step", "version", "consumed", "eval first", "eval last", "started", box=None)
+    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    for r in found:
+        table.add_row(
+            r.name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed), pct(r.first_eval), pct(r.last_eval),
+            r.created_at.strftime("%Y-%m-%d %H:%M"),
+        )
+    console.print(table)
 
 
 @app.command("check")
@@ -102,21 +149,28 @@ def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id."))
 @models_app.command("build-tiny")
 @friendly_errors
 def models_build_tiny(
-    out: Path = typer.Option(None, help="Where to write the policy (default: LOOPLINE_HOME/models/tiny-SEED)."),
+    out: Path = typer.Option(None, help="Where to write it (default: where `loopline train` looks, under LOOPLINE_HOME/models)."),
     env: Path = typer.Option(Path("examples/arithmetic_env.yaml"), help="The arithmetic environment spec."),
     seed: int = typer.Option(0),
 ) -> None:
     """Build the tiny calculator policy: tokenizer, random Llama, SFT warm start, held-out success."""
     from rich.progress import Progress
 
-    from loopline.flows.starter import TinyRecipe, build_tiny_policy
+    from loopline.envregistry.registry import content_hash
+    from loopline.envregistry.spec import load_spec
+    from loopline.envregistry.tasks import load_tasks
+    from loopline.flows.starter import TinyRecipe, build_tiny_policy, tiny_policy_dir
 
     if not env.is_file():
         raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
-    target = out or store_db.loopline_home() / "models" / f"tiny-{seed}"
+    spec = load_spec(env)
+    target = out or tiny_policy_dir(content_hash(env), seed)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("SFT warm start", total=TinyRecipe().sft_steps)
-        report = build_tiny_policy(target, env, TinyRecipe(seed=seed), progress=lambda s, n, loss: progress.update(task, completed=s, description=f"SFT loss {loss:.3f}"))
+        report = build_tiny_policy(
+            target, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed),
+            progress=lambda s, n, loss: progress.update(task, completed=s, description=f"SFT loss {loss:.3f}"),
+        )
     console.print(f"built {report.directory} in {report.seconds:.0f} s; held-out success {report.eval_success:.0%} on {report.eval_tasks} eval tasks")
 
 

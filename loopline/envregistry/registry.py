@@ -56,6 +56,12 @@ def _hashed_part(stored: dict[str, Any]) -> dict[str, Any]:
     return part
 
 
+def content_hash(path: str | Path) -> str:
+    """The hash `add` registers a spec file under (equal files, equal hash, in any database)."""
+    file = Path(path)
+    return spec_hash(_hashed_part(stored_form(load_spec(file), file.parent)))
+
+
 def add(session: Session, path: str | Path) -> Registered:
     file = Path(path)
     spec = load_spec(file)

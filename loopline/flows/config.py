@@ -41,14 +41,21 @@ class EvalSettings(_Strict):
 
 class RunConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
-    env: str = Field(description="environment YAML, relative to this file")
+    env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
     policy: str = Field("tiny", description="tiny (built on first use), smollm2-135m (pulled), or a model directory")
-    mode: Literal["sync"] = "sync"
+    mode: Literal["sync", "async"] = Field("sync", description="sync: rollout, learn, sync in lock-step; async: rollouts overlap learning")
+    max_staleness: int = Field(
+        1, ge=0, description="async: train nothing generated more than this many versions before the version being trained"
+    )
+    in_flight: Literal["finish", "abort", "continue"] = Field(
+        "finish", description="at a weight sync, requests in flight finish on the old weights, are aborted, or continue on the new"
+    )
     steps: int = Field(8, ge=1)
     groups_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     concurrency: int = Field(32, ge=1)
     max_attempts: int = Field(3, ge=1)
+    lease_seconds: float = Field(60.0, gt=0, description="a dead worker's slots are retried after this long")
     seed: int = 0
     sampling: SamplingConfig = SamplingConfig()
     learner: LearnerSettings = LearnerSettings()
@@ -61,6 +68,18 @@ class RunConfig(_Strict):
             raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
         return value
 
+    @property
+    def env_is_file(self) -> bool:
+        return self.env.endswith((".yaml", ".yml"))
+
+
+def parse_config(data: object, where: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{where}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        raise LooplineError("invalid run config\n" + "\n".join(lines)) from None
+
 
 def load_config(path: str | Path) -> tuple[RunConfig, Path]:
     """The validated config and the directory its relative paths start from."""
@@ -69,9 +88,9 @@ def load_config(path: str | Path) -> tuple[RunConfig, Path]:
         raise LooplineError(f"{file}: no such run config")
     try:
         data = yaml.safe_load(file.read_text())
-        return RunConfig.model_validate(data), file.parent
     except yaml.YAMLError as exc:
         raise LooplineError(f"{file}: not valid YAML: {exc}") from None
-    except ValidationError as exc:
-        lines = [f"{file}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
-        raise LooplineError("invalid run config\n" + "\n".join(lines)) from None
+    config = parse_config(data, str(file))
+    if config.env_is_file and not (file.parent / config.env).is_file():
+        raise LooplineError(f"{file}: env: {config.env} not found (a YAML path is relative to the run config)")
+    return config, file.parent

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from loopline.envregistry.spec import EnvSpec, load_spec
-from loopline.envregistry.tasks import Task, load_tasks
+from loopline.envregistry.spec import EnvSpec
+from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
@@ -41,6 +41,13 @@ class TinyRecipe:
     batch_size: int = 32
     lr: float = 3e-3
     eval_tasks: int = 100
+
+
+def tiny_policy_dir(spec_hash: str, seed: int) -> Path:
+    """One tiny policy per (environment content, seed): it is built from that environment's tasks."""
+    from loopline.store.db import loopline_home
+
+    return loopline_home() / "models" / f"tiny-{spec_hash[:12]}-s{seed}"
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,11 @@ async def success_rate(model_dir: Path, spec: EnvSpec, tasks: Sequence[Task], te
     return sum(r.reward == 1.0 for r in results) / len(results)
 
 
-def build_tiny_policy(directory: str | Path, env_yaml: str | Path, recipe: TinyRecipe = TinyRecipe(), progress=None) -> StarterReport:
+def build_tiny_policy(
+    directory: str | Path, spec: EnvSpec, tasks: Sequence[Task], recipe: TinyRecipe = TinyRecipe(), progress=None
+) -> StarterReport:
     start = time.monotonic()
     directory = Path(directory)
-    env_yaml = Path(env_yaml)
-    spec = load_spec(env_yaml)
-    tasks = load_tasks(spec, env_yaml.parent)
     train = [t for t in tasks if t.split == "train"]
     evals = [t for t in tasks if t.split == "eval"][: recipe.eval_tasks]
     rng = random.Random(recipe.seed)

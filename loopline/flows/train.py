@@ -1,87 +1,128 @@
-"""The `train` flow (sync mode): plan -> rollout -> learn -> sync weights, step after step, resumable.
+"""The `train` flow: sync (rollout -> learn -> sync weights in lock-step) or async (rollouts overlap learning).
 
 Calling `train("run.yaml")` from Python runs it like any Prefect flow; `loopline train run.yaml` is the
 same call. Re-running it on an existing run continues from the ledger: the last committed checkpoint
-is restored, the engine serves the newest version, and every stage skips what is already done.
+is restored, the engine serves the newest version, and every stage skips what is already done. A run
+whose config changed since it started is refused unless it is forked into a new run.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from loopline.envregistry import registry
-from loopline.flows.config import RunConfig, load_config
-from loopline.flows.sync_loop import LoopContext, tasks_by_id
+from loopline.envregistry.spec import EnvSpec
+from loopline.envregistry.tasks import Task
+from loopline.flows.config import RunConfig, load_config, parse_config
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
+from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
+from loopline.store.errors import LedgerConflict, LooplineError
 from loopline.tasks import loop as tasks
+from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.trainer.learner import Learner, LearnerConfig
+
+FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 
 
 @dataclass
 class Prepared:
     config: RunConfig
     ctx: LoopContext
-    eval_tasks: list
+    eval_tasks: list[Task]
     env_version: int
     first_step: int
 
 
-def resolve_policy(config: RunConfig, env_yaml: Path) -> Path:
-    """tiny: built once per seed under the loopline home; smollm2-135m: pulled once; else a model directory."""
-    from loopline.flows.starter import TinyRecipe, build_tiny_policy, pull_smollm2
+def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_hash: str) -> Path:
+    """tiny: built once under the loopline home; smollm2-135m: pulled once; else a model directory."""
+    from loopline.flows.starter import TinyRecipe, build_tiny_policy, pull_smollm2, tiny_policy_dir
 
-    models = store_db.loopline_home() / "models"
     if config.policy == "tiny":
-        target = models / f"tiny-{config.seed}"
+        target = tiny_policy_dir(spec_hash, config.seed)
         if not (target / "config.json").is_file():
-            build_tiny_policy(target, env_yaml, TinyRecipe(seed=config.seed))
+            get_run_logger().info("building the tiny starter policy (once, ~2.5 min) in %s", target)
+            build_tiny_policy(target, spec, tasks, TinyRecipe(seed=config.seed))
         return target
     if config.policy == "smollm2-135m":
-        return pull_smollm2(models / "smollm2-135m")
+        return pull_smollm2(store_db.loopline_home() / "models" / "smollm2-135m")
     path = Path(config.policy).expanduser()
     if not (path / "config.json").is_file():
-        from loopline.store.errors import LooplineError
-
         raise LooplineError(f"policy {config.policy!r}: not 'tiny', 'smollm2-135m' or a model directory with config.json")
     return path
 
 
-def prepare(config_path: str | Path) -> Prepared:
-    config, base = load_config(config_path)
+def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, Path]:
+    """The config to run: the file's, or (resume without a file) the one the ledger stored for the run."""
+    if config_path is not None:
+        config, base = load_config(config_path)
+        if resume is not None and resume != config.name:
+            raise LooplineError(f"--resume {resume}: {config_path} describes run {config.name!r}")
+        return config, base
+    if resume is None:
+        raise LooplineError("pass a run config, or --resume RUN to continue a run from the ledger")
+    with store_db.session(migrate.open_ledger()) as s:
+        stored = dict(ledger.get_run(s, resume).config)
+    stored.pop(FORKED_FROM, None)
+    return parse_config(stored, f"run {resume} (stored config)"), Path.cwd()
+
+
+def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
+    """Create or continue the run; a changed config is refused unless `fork` names a new run."""
+    try:
+        return ledger.create_run(s, config.name, pinned, str(policy)), config
+    except LedgerConflict:
+        if fork is None:
+            raise LedgerConflict(
+                f"run {config.name!r} was started with another config (or another version of its environment); "
+                f"resume it unchanged, or fork it: loopline train CONFIG --fork NEW_NAME"
+            ) from None
+    parent = ledger.get_run(s, config.name)
+    state = ledger.resume_state(s, parent.id)
+    forked = config.model_copy(update={"name": fork})
+    stored = {**pinned, "name": fork, FORKED_FROM: {"run": config.name, "policy_version": state.policy_version}}
+    return ledger.create_run(s, fork, stored, state.weights_uri), forked
+
+
+def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     engine = store_db.make_engine()
     migrate.upgrade(engine)
-    env_yaml = (base / config.env).resolve()
     with store_db.session(engine) as s:
-        registered = registry.add(s, env_yaml)
-        row = registry.get(s, registered.ref)
+        ref = registry.add(s, base / config.env).ref if config.env_is_file else config.env
+        row = registry.get(s, ref)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
-    policy = resolve_policy(config, env_yaml)
+    train = [t for t in all_tasks if t.split == "train"]
+    policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
+    # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
+    pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(engine) as s:
-        run = ledger.create_run(s, config.name, config.model_dump(mode="json"), str(policy))
-        state = ledger.resume_state(s, run.id)
+        run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
+        run_id = run.id
+        state = ledger.resume_state(s, run_id)
+        initial = Path(ledger.initial_weights(s, run_id))  # a fork starts from its parent's weights
     learner_config = LearnerConfig(
         lr=config.learner.lr, temperature=config.sampling.temperature, micro_batch_tokens=config.learner.micro_batch_tokens,
         minibatches=config.learner.minibatches, zero_stage=config.learner.zero_stage, seed=config.seed,
         advantage=config.learner.advantage, loss=config.learner.loss,
     )
-    learner = Learner(policy, learner_config, backend=config.learner.backend)
+    learner = Learner(initial, learner_config, backend=config.learner.backend)
     if state.last_checkpoint is not None:
         learner.load_checkpoint(state.last_checkpoint.uri)
-    setup = EpisodeSetup(spec, row.version, ChatFormat.for_policy(policy), SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens))
-    train = [t for t in all_tasks if t.split == "train"]
+    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
+    setup = EpisodeSetup(spec, row.version, ChatFormat.for_policy(initial), sampling)
     ctx = LoopContext(
-        run_id=run.id,
+        run_id=run_id,
         session_factory=lambda: store_db.session(engine),
-        engine=LocalEngine(state.weights_uri, version=state.policy_version, max_batch=config.concurrency),
+        engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=config.concurrency)),
         binding=Binding(setup, tasks_by_id(train)),
         learner=learner,
         workdir=store_db.loopline_home() / "runs" / config.name,
@@ -89,37 +130,72 @@ def prepare(config_path: str | Path) -> Prepared:
         group_size=config.group_size,
         concurrency=config.concurrency,
         seed=config.seed,
+        in_flight=config.in_flight,
+        lease_seconds=config.lease_seconds,
     )
     evals = [t for t in all_tasks if t.split == "eval"][: config.eval.tasks]
     return Prepared(config, ctx, evals, row.version, state.next_learner_step)
 
 
 @flow(name="train")
-def train(config_path: str) -> dict:
+def train(config_path: str | None = None, resume: str | None = None, fork: str | None = None) -> dict:
     """Train a policy as the run config says; continue where the ledger says the run stands."""
     log = get_run_logger()
-    p = prepare(config_path)
+    config, base = run_config(config_path, resume)
+    p = prepare(config, base, fork)
     c, ctx = p.config, p.ctx
     history: list[tuple[int, float]] = []
 
     def evaluate():
-        success = tasks.evaluate(ctx, p.eval_tasks, p.env_version, c.eval.temperature, c.eval.seed, history)
+        success = tasks.evaluate(
+            ctx.run_id, ctx.engine, ctx.binding.setup, ctx.session_factory, p.eval_tasks, p.env_version, c.eval.temperature, c.eval.seed
+        )
         history.append((ctx.engine.version(), success))
         log.info("policy v%d: held-out success %.1f%% on %d tasks", ctx.engine.version(), 100 * success, len(p.eval_tasks))
 
-    with ctx.session_factory() as s:
-        ledger.set_run_status(s, ctx.run_id, "running")
-    if p.first_step == 1:
-        evaluate()
-    for step in range(p.first_step, c.steps + 1):
-        tasks.plan_step(ctx, step)
-        rolled = tasks.rollout_batch(ctx, step)
-        tasks.learner_step(ctx, step)
+    def after_step(step: int) -> None:
         version = tasks.sync_weights(ctx)
-        log.info("step %d: %d trajectories, %d infra failures, now serving v%d", step, rolled["committed"], rolled["infra_failed"], version)
+        log.info("step %d trained; now serving v%d", step, version)
         if step % c.eval.every == 0 or step == c.steps:
             evaluate()
+
+    with ctx.session_factory() as s:
+        ledger.set_run_status(s, ctx.run_id, "running")
+    try:
+        tasks.sync_weights(ctx)  # a resumed run may have committed a version it never published
+        if p.first_step == 1:
+            evaluate()
+        if c.mode == "sync":
+            for step in range(p.first_step, c.steps + 1):
+                tasks.plan_step(ctx, step)
+                rolled = tasks.rollout_batch(ctx, step)
+                log.info("step %d: %d trajectories, %d infra failures", step, rolled["committed"], rolled["infra_failed"])
+                tasks.learner_step(ctx, step)
+                after_step(step)
+        else:
+            _run_async(ctx, c, p.first_step, after_step)
+    finally:
+        ctx.engine.shutdown()
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "completed")
     return {"run": c.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
 
+
+def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> None:
+    """A rollout worker task runs beside the learner steps; slots are planned just as far ahead as they may start."""
+    s = c.max_staleness
+    for step in range(first_step, min(c.steps, first_step + s) + 1):
+        tasks.plan_step(ctx, step)
+    stop = threading.Event()
+    worker = tasks.rollout_worker.submit(ctx, stop, s, None)
+    producing = lambda: not worker.state.is_final()  # noqa: E731
+    try:
+        for step in range(first_step, c.steps + 1):
+            tasks.learner_step(ctx, step, max_staleness=s, producing=producing)
+            if step + 1 + s <= c.steps:  # version `step` may now start slots of step `step + 1 + s`
+                tasks.plan_step(ctx, step + 1 + s)
+            after_step(step)
+    finally:
+        stop.set()
+        worker.wait()
+    worker.result()  # a worker that failed fails the flow

@@ -3,7 +3,9 @@
 - barrier: claim a batch, play it all, wait for the slowest, repeat (simple; idles on long tails).
 - continuous: keep `concurrency` episodes in flight and refill as each finishes, behind a staleness
   gate (no new work while the engine's weights are more than `max_staleness` versions behind the
-  learner's) and backpressure (no new work while `max_complete_groups` groups wait for the learner).
+  learner's, and no slot of a step beyond `engine version + 1 + max_staleness`: learner step p
+  trains version p - 1, so a group of step p started on version v is p - 1 - v versions stale) and
+  backpressure (no new work while `max_complete_groups` groups wait for the learner).
 
 Both only talk to the ledger, so any number of workers in any number of processes can share a run.
 Ledger calls are blocking SQL; they run in threads with a session each.
@@ -126,14 +128,22 @@ class _Renewer:
 
 
 async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig) -> RolloutStats:
-    """Claim up to `concurrency` slots, play them all, wait for every one, repeat until none are pending."""
+    """Claim up to `concurrency` slots, play them all, wait for every one, repeat until every slot is done.
+
+    Slots leased by another worker are waited for: if that worker died, its leases expire and the
+    slots come back here, so the barrier never ends with a group left open.
+    """
     db, stats, start = _Ledger(session_factory), RolloutStats(), time.monotonic()
     renewer = _Renewer(db, cfg.lease_seconds)
     keeper = asyncio.create_task(renewer.run(stats))
     try:
-        while leases := await db.call(
-            ledger.claim_slots, cfg.run_id, cfg.worker, cfg.concurrency, cfg.split, cfg.lease_seconds
-        ):
+        while True:
+            leases = await db.call(ledger.claim_slots, cfg.run_id, cfg.worker, cfg.concurrency, cfg.split, cfg.lease_seconds)
+            if not leases:
+                if not await _unfinished(db, cfg):
+                    break
+                await asyncio.sleep(cfg.poll_s)
+                continue
             tasks = {l.attempt_id: asyncio.create_task(_play(engine, binding, l, db, stats)) for l in leases}
             renewer.inflight.update(tasks)
             await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -160,7 +170,10 @@ async def run_continuous(
             if gate is not None:
                 stats.gate_waits[gate] += 1
             elif free > 0:
-                for lease in await db.call(ledger.claim_slots, cfg.run_id, cfg.worker, free, cfg.split, cfg.lease_seconds):
+                ahead = engine.version() + 1 + cfg.max_staleness if cfg.max_staleness is not None else None
+                for lease in await db.call(
+                    ledger.claim_slots, cfg.run_id, cfg.worker, free, cfg.split, cfg.lease_seconds, max_step=ahead
+                ):
                     task = asyncio.create_task(_play(engine, binding, lease, db, stats))
                     inflight[lease.attempt_id] = task
                     task.add_done_callback(lambda _, a=lease.attempt_id: inflight.pop(a, None))

@@ -195,6 +195,10 @@ def _reporting(session: Session, run_id: uuid.UUID, report: CheckReport) -> None
         report.stats[f"attempts_{status}"] = classes.get(status, 0)
     truncated = _rows(session, "SELECT count(*) FROM trajectory WHERE run_id = :r AND truncated", r=run_id)[0][0]
     report.stats["truncated"] = truncated
-    dropped = _rows(session, "SELECT count(*) FROM rollout_group WHERE run_id = :r AND state = 'dropped'", r=run_id)[0][0]
-    report.stats["groups_dropped"] = dropped
+    for reason, n in _rows(
+        session,
+        "SELECT drop_reason, count(*) FROM rollout_group WHERE run_id = :r AND state = 'dropped' GROUP BY drop_reason",
+        r=run_id,
+    ):
+        report.stats[f"groups_dropped_{reason}"] = n
     report.stats["eval_results"] = _rows(session, "SELECT count(*) FROM eval_result WHERE run_id = :r", r=run_id)[0][0]

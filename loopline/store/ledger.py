@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Sequence
 
@@ -204,8 +205,13 @@ def claim_slots(
     n: int,
     split: Split,
     lease_seconds: float = 120.0,
+    max_step: int | None = None,
 ) -> list[Lease]:
-    """Lease up to `n` pending slots, opening one attempt each; expired leases are reclaimed first."""
+    """Lease up to `n` pending slots, opening one attempt each; expired leases are reclaimed first.
+
+    `max_step` bounds how far ahead of the learner a worker may generate (the
+    async staleness bound): slots of later steps stay pending.
+    """
     expire_leases(session, run_id)
     with _transaction(session):
         rows = _q(
@@ -214,10 +220,12 @@ def claim_slots(
             "SELECT s.id, s.group_id, s.step, s.task_id, s.sample_index FROM slot s "
             "JOIN rollout_group g ON g.id = s.group_id "
             "WHERE s.run_id = :run AND s.split = :split AND s.state = 'pending' "
+            "AND (CAST(:max_step AS int) IS NULL OR s.step <= :max_step) "
             "ORDER BY s.step, g.group_index, s.sample_index LIMIT :n FOR UPDATE OF s SKIP LOCKED",
             run=run_id,
             split=split,
             n=n,
+            max_step=max_step,
         ).all()
         if not rows:
             return []
@@ -367,7 +375,12 @@ def _record_infra_failure(
 
 
 def _drop_group(session: Session, group_id: uuid.UUID) -> None:
-    _q(session, "UPDATE rollout_group SET state = 'dropped' WHERE id = :g AND state = 'open'", g=group_id)
+    _q(
+        session,
+        "UPDATE rollout_group SET state = 'dropped', drop_reason = 'infra_retries_exhausted' "
+        "WHERE id = :g AND state = 'open'",
+        g=group_id,
+    )
     _q(
         session,
         "UPDATE attempt SET status = 'cancelled', error_class = 'GroupDropped', ended_at = now() "
@@ -630,17 +643,23 @@ def claim_learner_batch(
                 f"resume from step {last_step + 1}"
             )
         groups = _groups_of_step(session, run_id, learner_step, "claimed")
+        stale = 0
         if not groups:
-            oldest = latest - max_staleness if max_staleness is not None else None
+            if max_staleness is not None:  # too old to ever train: drop them so nothing waits on them
+                stale = _q(
+                    session,
+                    "UPDATE rollout_group g SET state = 'dropped', drop_reason = 'stale' "
+                    "WHERE g.run_id = :r AND g.split = 'train' AND g.state = 'complete' AND EXISTS ("
+                    "  SELECT 1 FROM trajectory t WHERE t.group_id = g.id AND t.policy_version_min < :oldest)",
+                    r=run_id,
+                    oldest=latest - max_staleness,
+                ).rowcount
             groups = tuple(
                 _q(
                     session,
                     "SELECT g.id FROM rollout_group g WHERE g.run_id = :r AND g.split = 'train' "
-                    "AND g.state = 'complete' AND (CAST(:oldest AS int) IS NULL OR NOT EXISTS ("
-                    "  SELECT 1 FROM trajectory t WHERE t.group_id = g.id AND t.policy_version_min < :oldest)) "
-                    "ORDER BY g.step, g.group_index LIMIT :n FOR UPDATE SKIP LOCKED",
+                    "AND g.state = 'complete' ORDER BY g.step, g.group_index LIMIT :n FOR UPDATE SKIP LOCKED",
                     r=run_id,
-                    oldest=oldest,
                     n=max_groups,
                 ).scalars().all()
             )
@@ -651,7 +670,7 @@ def claim_learner_batch(
                     k=learner_step,
                     g=list(groups),
                 )
-        return LearnerBatch(run_id, learner_step, latest, groups, _batch_trajectories(session, groups))
+        return LearnerBatch(run_id, learner_step, latest, groups, _batch_trajectories(session, groups), stale_dropped=stale)
 
 
 def commit_learner_step(
@@ -720,14 +739,58 @@ def commit_learner_step(
             v=new_version,
             uri=checkpoint_uri,
         )
-        if metrics:
-            session.execute(
-                sa.text(
-                    "INSERT INTO metric (run_id, step, name, value, policy_version) VALUES (:r, :k, :name, :value, :v)"
-                ),
-                [dict(r=run_id, k=k, name=name, value=float(value), v=new_version) for name, value in metrics.items()],
-            )
+        lag = _q(
+            session,
+            "SELECT avg(version_lag), max(version_lag) FROM consumption WHERE run_id = :r AND learner_step = :k",
+            r=run_id,
+            k=k,
+        ).one()
+        metrics = {**(metrics or {}), "version_lag_mean": float(lag[0] or 0), "version_lag_max": float(lag[1] or 0)}
+        session.execute(
+            sa.text("INSERT INTO metric (run_id, step, name, value, policy_version) VALUES (:r, :k, :name, :value, :v)"),
+            [dict(r=run_id, k=k, name=name, value=float(value), v=new_version) for name, value in metrics.items()],
+        )
     return LearnerCommit(k, new_version, consumed)
+
+
+def open_groups_through(session: Session, run_id: uuid.UUID, step: int) -> int:
+    """Train groups of steps <= `step` still being generated (the async learner waits for them)."""
+    n = _q(
+        session,
+        "SELECT count(*) FROM rollout_group WHERE run_id = :r AND split = 'train' AND step <= :k AND state = 'open'",
+        r=run_id,
+        k=step,
+    ).scalar_one()
+    session.rollback()
+    return n
+
+
+@dataclass(frozen=True)
+class VersionWeights:
+    version: int
+    uri: str
+
+
+def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
+    """Where a policy version's weights are (the newest version when `version` is None)."""
+    row = _q(
+        session,
+        "SELECT version, weights_uri FROM policy_version WHERE run_id = :r AND (CAST(:v AS int) IS NULL OR version = :v) "
+        "ORDER BY version DESC LIMIT 1",
+        r=run_id,
+        v=version,
+    ).first()
+    session.rollback()
+    if row is None:
+        raise LooplineError(f"run {run_id} has no policy version {version}")
+    return VersionWeights(row.version, row.weights_uri)
+
+
+def initial_weights(session: Session, run_id: uuid.UUID) -> str:
+    """Where the run's version 0 came from (the learner and tokenizer start there)."""
+    uri = _q(session, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run_id).scalar_one()
+    session.rollback()
+    return uri
 
 
 def latest_policy_version(session: Session, run_id: uuid.UUID) -> int:

@@ -138,7 +138,7 @@ class RolloutGroup(SQLModel, table=True):
     """The samples of one task that are normalised together; trained only when every sample is done.
 
     State: open -> complete -> claimed (by learner_step) -> consumed, or dropped
-    when a slot ran out of infra retries.
+    (`drop_reason`): a slot ran out of infra retries, or the group became too stale to train.
     """
 
     __tablename__ = "rollout_group"
@@ -152,6 +152,7 @@ class RolloutGroup(SQLModel, table=True):
             name="ck_group_learner_step",
         ),
         CheckConstraint("split = 'train' OR learner_step IS NULL", name="ck_group_eval_never_trained"),
+        CheckConstraint("(state = 'dropped') = (drop_reason IS NOT NULL)", name="ck_group_drop_reason"),
         Index("ix_group_run_state", "run_id", "state"),
     )
 
@@ -165,6 +166,7 @@ class RolloutGroup(SQLModel, table=True):
     max_attempts: int
     state: str = Field(default="open", sa_column=Column(Text, nullable=False, server_default="open"))
     learner_step: int | None = None
+    drop_reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime | None = _created_at()
     completed_at: datetime | None = _timestamp()
 

@@ -107,6 +107,7 @@ class LearnerBatch:
     group_ids: tuple[uuid.UUID, ...]
     trajectory_ids: tuple[uuid.UUID, ...]
     already_committed: bool = False
+    stale_dropped: int = 0  # complete groups this claim dropped as older than max_staleness
 
     @property
     def empty(self) -> bool:

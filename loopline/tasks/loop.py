@@ -1,46 +1,67 @@
 """Prefect tasks around the loop's stages: coarse (one batch, one learner step), retriable, idempotent.
 
-Each wraps a plain function of `loopline.flows.sync_loop`; the ledger, not Prefect's cache, is what
+Each wraps a plain function of `loopline.tasks.stages`; the ledger, not Prefect's cache, is what
 makes a retry or a re-run safe, so caching is off (the inputs hold live engines and learners).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from loopline.flows import sync_loop
+from loopline.rollout.engine import Engine
+from loopline.rollout.harness import EpisodeSetup
+from loopline.store import queries
+from loopline.tasks import stages
 
 
 @task(name="plan_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def plan_step(ctx: sync_loop.LoopContext, step: int) -> int:
-    return len(sync_loop.plan(ctx, step))
+def plan_step(ctx: stages.LoopContext, step: int) -> int:
+    return len(stages.plan(ctx, step))
 
 
 @task(name="rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def rollout_batch(ctx: sync_loop.LoopContext, step: int) -> dict:
-    stats = asyncio.run(sync_loop.rollout(ctx, step))
+def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
+    stats = asyncio.run(stages.rollout(ctx, step))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.concurrency)}
 
 
+@task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def rollout_worker(ctx: stages.LoopContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None) -> dict:
+    """Async mode's producer: runs until `stop`, alongside the learner steps."""
+    stats = asyncio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups))
+    return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
+
+
 @task(name="learner_step", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
-def learner_step(ctx: sync_loop.LoopContext, step: int) -> bool:
-    return sync_loop.learn(ctx, step, max_groups=ctx.groups_per_step) is not None
+def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
+    """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
+    stages.wait_for_groups(ctx, step, producing)
+    return stages.learn(ctx, step, max_groups=ctx.groups_per_step, max_staleness=max_staleness) is not None
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def sync_weights(ctx: sync_loop.LoopContext) -> int:
-    return asyncio.run(sync_loop.sync_weights(ctx))
+def sync_weights(ctx: stages.LoopContext) -> int:
+    return asyncio.run(stages.sync_weights(ctx))
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
-def evaluate(ctx: sync_loop.LoopContext, eval_tasks: list, env_version: int, temperature: float, seed: int, history: list) -> float:
-    success = asyncio.run(sync_loop.evaluate(ctx, eval_tasks, env_version, temperature, seed))
-    rows = "\n".join(f"| {v} | {s:.1%} |" for v, s in [*history, (ctx.engine.version(), success)])
+def evaluate(
+    run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
+    temperature: float, seed: int,
+) -> float:
+    """Held-out success of the version `engine` serves, stored in the ledger and shown as the run's eval table."""
+    success = asyncio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed))
+    with session_factory() as s:
+        rows = queries.eval_results(s, run_id)
+    table = "\n".join(f"| {v} | {n} | {rate:.1%} |" for v, n, rate in rows)
     create_markdown_artifact(
-        key="eval-success", markdown=f"| policy version | held-out success |\n|---|---|\n{rows}\n", description="Held-out success per version"
+        key="eval-success",
+        markdown=f"| policy version | tasks | held-out success |\n|---|---|---|\n{table}\n",
+        description="Held-out success per policy version (never used for training)",
     )
     return success

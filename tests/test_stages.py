@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.flows.sync_loop import LoopContext, sync_step, tasks_by_id
+from loopline.tasks.stages import LoopContext, sync_step, tasks_by_id
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.harness import EpisodeSetup

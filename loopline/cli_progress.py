@@ -1,0 +1,62 @@
+"""`loopline train`'s live progress: a bar fed by the ledger, so it shows what is committed, not what is hoped."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loopline.cli_support import console
+from loopline.store import db as store_db
+from loopline.store import ledger, queries
+
+
+def _describe(p: queries.RunProgress, rate: float) -> str:
+    parts = [f"v{p.policy_version}"]
+    if p.reward_mean is not None:
+        parts.append(f"reward {p.reward_mean:.2f}")
+    if p.eval_success is not None:
+        parts.append(f"eval {p.eval_success:.0%} (v{p.eval_version})")
+    if p.version_lag_mean is not None:
+        parts.append(f"lag {p.version_lag_mean:.1f}")
+    parts.append(f"{rate:.1f} traj/s")
+    return " · ".join(parts)
+
+
+@contextlib.contextmanager
+def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
+    """Show step, reward, eval success, version lag and throughput of run `name` while the body trains it."""
+    stop = threading.Event()
+    progress = Progress(
+        TextColumn("[bold]{task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    )
+    bar = progress.add_task("starting", total=steps, run=name)
+
+    def poll() -> None:
+        engine = store_db.make_engine()
+        first: tuple[float, int] | None = None
+        while not stop.wait(every_s):
+            try:
+                with store_db.session(engine) as s:
+                    run_id = ledger.get_run(s, name).id
+                    now = queries.run_progress(s, run_id)
+            except Exception:  # the run is not created yet, or the ledger is busy: the next poll will tell
+                continue
+            first = first or (time.monotonic(), now.trajectories)
+            elapsed = time.monotonic() - first[0]
+            rate = (now.trajectories - first[1]) / elapsed if elapsed > 0 else 0.0
+            progress.update(bar, completed=now.learner_step, description=_describe(now, rate))
+        engine.dispose()
+
+    watcher = threading.Thread(target=poll, name="loopline-progress", daemon=True)
+    with progress:
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join(timeout=5)

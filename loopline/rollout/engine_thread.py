@@ -1,0 +1,54 @@
+"""EngineThread: one engine shared by callers on different event loops.
+
+An engine belongs to the event loop that first drove it (LocalEngine's decode loop, SGLangEngine's
+HTTP client). The training flows call it from several threads at once: the rollout worker, the
+evaluation and the weight sync each run as a Prefect task with its own loop. This proxy owns a
+loop in a daemon thread, runs the engine there, and forwards every call to it, so all callers see
+one engine, one batch and one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Coroutine, Sequence, TypeVar
+
+from loopline.rollout.engine import Engine, Generation, InFlightPolicy, SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    def __init__(self, engine: Engine):
+        self.inner = engine
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loopline-engine", daemon=True)
+        self._thread.start()
+
+    async def _call(self, coro: Coroutine[object, object, T]) -> T:
+        # a cancelled caller cancels the call on the engine's loop too (wrap_future propagates it)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
+        return await self._call(self.inner.generate(prompt_ids, sampling, request_id))
+
+    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> None:
+        await self._call(self.inner.update_weights(version, weights_dir, in_flight))
+
+    def version(self) -> int:
+        return self.inner.version()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Close the engine and stop its loop (from any thread); calls made afterwards fail."""
+        if not self._loop.is_running():
+            return
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()

@@ -1,0 +1,157 @@
+"""The loop's stages as plain functions over the ledger (the Prefect tasks in `loop.py` wrap them).
+
+Sync: plan -> rollout (barrier) -> learn -> checkpoint + export -> commit (one transaction) -> sync
+weights. Async: a rollout worker (`rollout_continuous`) keeps generating behind the staleness bound
+while the learner waits for each step's groups (`wait_for_groups`), trains, commits and syncs.
+Every stage is idempotent against the ledger: re-running a step after a crash plans nothing new,
+rolls out only what is not committed, retrains exactly the batch claimed for the step (or skips
+it if committed), and re-publishes the version the ledger says is current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from sqlmodel import Session
+
+from loopline.envregistry.tasks import Task
+from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
+from loopline.store import ledger
+from loopline.trainer.batch import load_sequences
+from loopline.trainer.learner import Learner
+
+
+@dataclass
+class LoopContext:
+    run_id: uuid.UUID
+    session_factory: Callable[[], Session]
+    engine: Engine
+    binding: Binding
+    learner: Learner
+    workdir: Path  # checkpoints and exported weights live under here
+    groups_per_step: int
+    group_size: int
+    concurrency: int = 16
+    seed: int = 0
+    in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
+    lease_seconds: float = 60.0
+
+
+class StopFlag(Protocol):
+    """threading.Event or asyncio.Event: the worker only polls it."""
+
+    def is_set(self) -> bool: ...
+
+
+log = logging.getLogger(__name__)
+
+
+def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
+    """The step's groups: task choice is a pure function of (seed, step), so a re-plan is identical."""
+    train = sorted(t for t, task in ctx.binding.tasks.items() if task.split == "train")
+    chosen = random.Random(f"{ctx.seed}/{step}").sample(train, ctx.groups_per_step)
+    with ctx.session_factory() as s:
+        return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.group_size)
+
+
+async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
+    return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, f"sync-{step}", concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds))
+
+
+async def rollout_continuous(
+    ctx: LoopContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
+) -> RolloutStats:
+    """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
+    cfg = WorkerConfig(
+        ctx.run_id, worker, concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
+        max_staleness=max_staleness, max_complete_groups=max_complete_groups,
+    )
+    return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop)
+
+
+def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] | None = None, poll_s: float = 0.2) -> float:
+    """Block until no train group of steps <= `step` is still open; returns the seconds waited.
+
+    `producing` says whether a rollout worker is still alive; without one (workers on other
+    machines) the wait is unbounded.
+    """
+    started = time.monotonic()
+    while True:
+        with ctx.session_factory() as s:
+            if ledger.open_groups_through(s, ctx.run_id, step) == 0:
+                return time.monotonic() - started
+        if producing is not None and not producing():
+            raise RuntimeError(f"the rollout worker stopped while groups of step {step} were still open")
+        time.sleep(poll_s)
+
+
+def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> ledger.LearnerCommit | None:
+    """Train on the groups claimed for `step` and commit consumption + checkpoint + version atomically."""
+    with ctx.session_factory() as s:
+        batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
+        if batch.already_committed:
+            return None
+        if batch.empty:
+            raise RuntimeError(f"learner step {step}: no complete group to train on")
+        sequences = load_sequences(s, batch.trajectory_ids)
+    if batch.stale_dropped:
+        log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
+    result = ctx.learner.rl_step(sequences)
+    version = batch.policy_version + 1
+    checkpoint = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
+    weights = ctx.workdir / "weights" / f"v{version:06d}"
+    digest = ctx.learner.export_weights(weights)
+    with ctx.session_factory() as s:
+        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics={**result.metrics, "groups_stale_dropped": batch.stale_dropped})
+
+
+async def sync_weights(ctx: LoopContext) -> int:
+    """Serve the ledger's newest version on the engine, then record it as published."""
+    with ctx.session_factory() as s:
+        state = ledger.resume_state(s, ctx.run_id)
+    if ctx.engine.version() < state.policy_version:
+        await ctx.engine.update_weights(state.policy_version, state.weights_uri, ctx.in_flight)
+    with ctx.session_factory() as s:
+        ledger.mark_published(s, ctx.run_id, state.policy_version)
+    return state.policy_version
+
+
+async def sync_step(ctx: LoopContext, step: int) -> dict:
+    plan(ctx, step)
+    stats = await rollout(ctx, step)
+    commit = learn(ctx, step, max_groups=ctx.groups_per_step)
+    version = await sync_weights(ctx)
+    return {"step": step, "committed": stats.committed, "infra_failed": stats.infra_failed, "policy_version": version, "trained": commit is not None}
+
+
+async def evaluate(
+    run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory: Callable[[], Session],
+    eval_tasks: list[Task], env_version: int, temperature: float, seed: int,
+) -> float:
+    """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version."""
+    version = engine.version()
+    setup = dataclasses.replace(
+        setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=setup.sampling.max_new_tokens, seed=seed)
+    )
+    results = await asyncio.gather(*(run_episode(engine, setup, t, f"eval-v{version}-{t.id}/") for t in eval_tasks))
+    successes = sum(r.reward == 1.0 for r in results)
+    with session_factory() as s:
+        ledger.record_eval_result(
+            s, run_id, version, setup.spec.name, env_version, len(results), successes,
+            {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed},
+        )
+    return successes / len(results)
+
+
+def tasks_by_id(tasks: list[Task]) -> dict[str, Task]:
+    return {t.id: t for t in tasks}
