@@ -69,3 +69,61 @@ def test_bad_run_configs_are_refused_up_front(tmp_path):
         load_config(_config(tmp_path, "tiny", colour="blue"))
     with pytest.raises(LooplineError, match="steps: Input should be greater than or equal to 1"):
         load_config(_config(tmp_path, "tiny", steps=0))
+    with pytest.raises(LooplineError, match="max_staleness: Input should be greater than or equal to 0"):
+        load_config(_config(tmp_path, "tiny", mode="async", max_staleness=-1))
+    with pytest.raises(LooplineError, match="env: nowhere.yaml not found"):
+        load_config(_config(tmp_path, "tiny", env="nowhere.yaml"))
+
+
+def _scalar_rows(db, sql, **params):
+    rows = db.execute(sa.text(sql), params).all()
+    db.rollback()
+    return rows
+
+
+def test_async_flow_overlaps_rollout_and_learning_within_max_staleness(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    from loopline.flows.train import train
+    from loopline.store.check import check_run
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    path = _config(tmp_path, tiny_dirs["v0"], mode="async", max_staleness=1, steps=3, eval={"every": 3, "tasks": 4})
+    result = train(str(path))
+    assert result["policy_version"] == 3
+    lags = _scalar_rows(db, "SELECT learner_step, max(version_lag) FROM consumption WHERE run_id = :r GROUP BY 1 ORDER BY 1", r=result["run_id"])
+    # step 1 can only train version-0 samples; later steps train samples started before the previous sync
+    assert lags[0] == (1, 0) and max(lag for _, lag in lags) == 1, lags
+    recorded = _scalar_rows(db, "SELECT max(value) FROM metric WHERE run_id = :r AND name = 'version_lag_max'", r=result["run_id"])
+    assert recorded[0][0] == 1.0
+    report = check_run(db, result["run_id"])
+    assert report.ok, report.violations
+
+
+def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    from loopline.flows.evaluate import evaluate
+    from loopline.flows.train import train
+    from loopline.store.errors import LedgerConflict
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    path = _config(tmp_path, tiny_dirs["v0"], steps=2, eval={"every": 2, "tasks": 4})
+    first = train(str(path))
+    name = first["run"]
+    assert train(resume=name)["eval"] == []  # the stored config resumes a finished run: nothing to do
+    changed = _config(tmp_path, tiny_dirs["v0"], steps=3, eval={"every": 2, "tasks": 4}, learner={"lr": 5e-4, "backend": "torch"})
+    with pytest.raises(LedgerConflict, match="another config .* --fork NEW_NAME"):
+        train(str(changed))
+    forked = train(str(changed), fork=f"{name}-b")
+    assert forked["run"] == f"{name}-b" and forked["policy_version"] == 3
+    parent_v2, fork_v0 = _scalar_rows(
+        db,
+        "SELECT p.weights_uri FROM policy_version p JOIN run r ON r.id = p.run_id "
+        "WHERE (r.name = :a AND p.version = 2) OR (r.name = :b AND p.version = 0) ORDER BY r.name",
+        a=name, b=f"{name}-b",
+    )
+    assert parent_v2 == fork_v0  # the fork starts from the parent's newest policy
+    again = evaluate(name)  # v2 was evaluated by the run: read back, not re-run
+    assert (again["policy_version"], again["recorded"]) == (2, False)
+    fresh = evaluate(name, version=1)
+    assert fresh["recorded"] and 0.0 <= fresh["success"] <= 1.0
+    assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=name)[0][0] == 3

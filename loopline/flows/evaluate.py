@@ -30,11 +30,11 @@ def evaluate(run: str, version: int | None = None) -> dict:
     config, _ = run_config(None, run)
     engine = migrate.open_ledger()
     with store_db.session(engine) as s:
-        found = ledger.get_run(s, run)
-        weights = ledger.version_weights(s, found.id, version)
-        initial = Path(ledger.initial_weights(s, found.id))
+        run_id = ledger.get_run(s, run).id
+        weights = ledger.version_weights(s, run_id, version)
+        initial = Path(ledger.initial_weights(s, run_id))
+        done = {v: rate for v, _, rate in queries.eval_results(s, run_id)}
         row = registry.get(s, config.env)
-        done = {v: rate for v, _, rate in queries.eval_results(s, found.id)}
     version = weights.version
     if version in done:
         log.info("run %s v%d: already evaluated, held-out success %.1f%%", config.name, version, 100 * done[version])
@@ -47,7 +47,7 @@ def evaluate(run: str, version: int | None = None) -> dict:
     served = EngineThread(LocalEngine(weights.uri, version=version, max_batch=config.concurrency))
     try:
         success = tasks.evaluate(
-            found.id, served, setup, lambda: store_db.session(engine), evals, row.version, config.eval.temperature, config.eval.seed
+            run_id, served, setup, lambda: store_db.session(engine), evals, row.version, config.eval.temperature, config.eval.seed
         )
     finally:
         served.shutdown()

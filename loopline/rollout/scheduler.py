@@ -43,6 +43,7 @@ class WorkerConfig:
     max_staleness: int | None = None
     max_complete_groups: int | None = None
     poll_s: float = 0.25
+    wait_for_work: bool = False  # keep polling when nothing is pending (a planner will add more) until stopped
 
 
 @dataclass
@@ -179,7 +180,7 @@ async def run_continuous(
                     task.add_done_callback(lambda _, a=lease.attempt_id: inflight.pop(a, None))
             if inflight:
                 await asyncio.wait(list(inflight.values()), timeout=cfg.poll_s, return_when=asyncio.FIRST_COMPLETED)
-            elif not await _unfinished(db, cfg):
+            elif not cfg.wait_for_work and not await _unfinished(db, cfg):
                 break  # nothing pending, and nobody holds a lease whose slot could come back
             else:
                 await asyncio.sleep(cfg.poll_s)  # gates closed, or other workers' slots may return

@@ -74,7 +74,7 @@ async def rollout_continuous(
     """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
     cfg = WorkerConfig(
         ctx.run_id, worker, concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
-        max_staleness=max_staleness, max_complete_groups=max_complete_groups,
+        max_staleness=max_staleness, max_complete_groups=max_complete_groups, wait_for_work=True,
     )
     return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop)
 
