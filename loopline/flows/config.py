@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from loopline.store.errors import LooplineError
 from loopline.trainer.advantages import AdvantageConfig
+from loopline.trainer.learner import LearnerConfig
 from loopline.trainer.losses import LossConfig
 
 
@@ -67,6 +68,14 @@ class RunConfig(_Strict):
         if value < 2:
             raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
         return value
+
+    def learner_config(self) -> LearnerConfig:
+        learner = self.learner
+        return LearnerConfig(
+            lr=learner.lr, temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
+            minibatches=learner.minibatches, zero_stage=learner.zero_stage, seed=self.seed,
+            advantage=learner.advantage, loss=learner.loss,
+        )
 
     @property
     def env_is_file(self) -> bool:

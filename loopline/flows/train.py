@@ -29,7 +29,7 @@ from loopline.store import ledger, migrate
 from loopline.store.errors import LedgerConflict, LooplineError
 from loopline.tasks import loop as tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
-from loopline.trainer.learner import Learner, LearnerConfig
+from loopline.trainer.learner import Learner
 
 FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 
@@ -109,12 +109,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         run_id = run.id
         state = ledger.resume_state(s, run_id)
         initial = Path(ledger.initial_weights(s, run_id))  # a fork starts from its parent's weights
-    learner_config = LearnerConfig(
-        lr=config.learner.lr, temperature=config.sampling.temperature, micro_batch_tokens=config.learner.micro_batch_tokens,
-        minibatches=config.learner.minibatches, zero_stage=config.learner.zero_stage, seed=config.seed,
-        advantage=config.learner.advantage, loss=config.learner.loss,
-    )
-    learner = Learner(initial, learner_config, backend=config.learner.backend)
+    learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
     if state.last_checkpoint is not None:
         learner.load_checkpoint(state.last_checkpoint.uri)
     sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from sqlmodel import Session
 
 from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.failpoints import failpoint
 from loopline.envregistry.tasks import Task
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
@@ -105,6 +106,7 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _Ledger, sta
         elapsed = time.monotonic() - started
         stats.busy_s += elapsed
     outcome = await db.call(ledger.commit_trajectory, lease.attempt_id, trajectory)
+    failpoint("rollout_commit")
     if outcome.committed:
         stats.committed += 1
         stats.episode_s.append(elapsed)

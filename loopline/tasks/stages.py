@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 from sqlmodel import Session
 
 from loopline.envregistry.tasks import Task
+from loopline.failpoints import failpoint
 from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
@@ -107,10 +108,12 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
     result = ctx.learner.rl_step(sequences)
+    failpoint("learner_step")
     version = batch.policy_version + 1
     checkpoint = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
     weights = ctx.workdir / "weights" / f"v{version:06d}"
     digest = ctx.learner.export_weights(weights)
+    failpoint("learner_commit")
     with ctx.session_factory() as s:
         return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics={**result.metrics, "groups_stale_dropped": batch.stale_dropped})
 
@@ -121,6 +124,7 @@ async def sync_weights(ctx: LoopContext) -> int:
         state = ledger.resume_state(s, ctx.run_id)
     if ctx.engine.version() < state.policy_version:
         await ctx.engine.update_weights(state.policy_version, state.weights_uri, ctx.in_flight)
+        failpoint("weight_sync")
     with ctx.session_factory() as s:
         ledger.mark_published(s, ctx.run_id, state.policy_version)
     return state.policy_version

@@ -333,7 +333,7 @@ class Learner:
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
         for name in os.listdir(self.model_dir):
-            if name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")) and not (tmp / name).exists():
+            if name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config", "loopline_prompt")) and not (tmp / name).exists():
                 shutil.copy(self.model_dir / name, tmp / name)
         if target.exists():
             shutil.rmtree(target)
