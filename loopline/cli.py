@@ -98,6 +98,21 @@ def eval_(
     console.print(f"run {result['run']} v{result['policy_version']}: held-out success {result['success']:.1%}")
 
 
+@app.command("worker")
+@friendly_errors
+def worker(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    concurrency: int = typer.Option(None, help="Episodes in flight (default: the run's concurrency)."),
+    max_seconds: float = typer.Option(None, help="Stop after this long even if the run goes on."),
+) -> None:
+    """Generate rollouts for RUN from this machine until the run ends (any number of workers may share a run)."""
+    _prefect_quiet()
+    from loopline.flows.worker import rollout_worker
+
+    stats = rollout_worker(run, concurrency, max_seconds)
+    console.print(f"committed {stats['committed']} trajectories ({stats['infra_failed']} infra failures)")
+
+
 @app.command("runs")
 @friendly_errors
 def runs() -> None:

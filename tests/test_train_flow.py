@@ -127,3 +127,41 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     fresh = evaluate(name, version=1)
     assert fresh["recorded"] and 0.0 <= fresh["success"] <= 1.0
     assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=name)[0][0] == 3
+
+
+def test_rollout_worker_in_another_process_feeds_an_async_run(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from loopline.flows.train import train
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    path = _config(tmp_path, tiny_dirs["v0"], mode="async", local_rollout=False, steps=2, eval={"every": 2, "tasks": 4})
+    name = load_config(path)[0].name
+    result: dict = {}
+    trainer = threading.Thread(target=lambda: result.update(train(str(path))))
+    trainer.start()
+    while not _scalar_rows(db, "SELECT count(*) FROM run WHERE name = :n", n=name)[0][0]:
+        time.sleep(0.5)
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "loopline.cli", "worker", name], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        trainer.join(timeout=400)
+        assert worker.wait(timeout=120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        try:
+            os.killpg(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert result["policy_version"] == 2
+    workers = _scalar_rows(db, "SELECT DISTINCT a.worker FROM attempt a JOIN run r ON r.id = a.run_id WHERE r.name = :n", n=name)
+    assert [w for (w,) in workers] == [f"{socket.gethostname()}:{worker.pid}"]  # every rollout came from the other process

@@ -48,6 +48,9 @@ class RunConfig(_Strict):
     max_staleness: int = Field(
         1, ge=0, description="async: train nothing generated more than this many versions before the version being trained"
     )
+    local_rollout: bool = Field(
+        True, description="async: generate in the training process too; false leaves it to `loopline worker RUN` processes"
+    )
     in_flight: Literal["finish", "abort", "continue"] = Field(
         "finish", description="at a weight sync, requests in flight finish on the old weights, are aborted, or continue on the new"
     )

@@ -182,8 +182,8 @@ def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> N
     for step in range(first_step, min(c.steps, first_step + s) + 1):
         tasks.plan_step(ctx, step)
     stop = threading.Event()
-    worker = tasks.rollout_worker.submit(ctx, stop, s, None)
-    producing = lambda: not worker.state.is_final()  # noqa: E731
+    worker = tasks.rollout_worker.submit(ctx, stop, s, None) if c.local_rollout else None
+    producing = (lambda: not worker.state.is_final()) if worker else None
     try:
         for step in range(first_step, c.steps + 1):
             tasks.learner_step(ctx, step, max_staleness=s, producing=producing)
@@ -192,5 +192,7 @@ def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> N
             after_step(step)
     finally:
         stop.set()
-        worker.wait()
-    worker.result()  # a worker that failed fails the flow
+        if worker:
+            worker.wait()
+    if worker:
+        worker.result()  # a worker that failed fails the flow

@@ -31,9 +31,11 @@ def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
 
 
 @task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def rollout_worker(ctx: stages.LoopContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None) -> dict:
-    """Async mode's producer: runs until `stop`, alongside the learner steps."""
-    stats = asyncio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups))
+def rollout_worker(
+    ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
+) -> dict:
+    """The async producer: runs until `stop`, beside the learner steps or in a `rollout_worker` flow elsewhere."""
+    stats = asyncio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
 
 
@@ -45,7 +47,7 @@ def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None =
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def sync_weights(ctx: stages.LoopContext) -> int:
+def sync_weights(ctx: stages.RolloutContext) -> int:
     return asyncio.run(stages.sync_weights(ctx))
 
 

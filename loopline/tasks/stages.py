@@ -32,20 +32,28 @@ from loopline.trainer.batch import load_sequences
 from loopline.trainer.learner import Learner
 
 
-@dataclass
-class LoopContext:
+@dataclass(kw_only=True)
+class RolloutContext:
+    """What a rollout worker needs: the run, the ledger, an engine and the environment's tasks."""
+
     run_id: uuid.UUID
     session_factory: Callable[[], Session]
     engine: Engine
     binding: Binding
+    concurrency: int = 16
+    lease_seconds: float = 60.0
+    in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
+
+
+@dataclass(kw_only=True)
+class LoopContext(RolloutContext):
+    """A whole training process: rollout plus the learner and the plan."""
+
     learner: Learner
     workdir: Path  # checkpoints and exported weights live under here
     groups_per_step: int
     group_size: int
-    concurrency: int = 16
     seed: int = 0
-    in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
-    lease_seconds: float = 60.0
 
 
 class StopFlag(Protocol):
@@ -70,7 +78,7 @@ async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
 
 
 async def rollout_continuous(
-    ctx: LoopContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
+    ctx: RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
 ) -> RolloutStats:
     """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
     cfg = WorkerConfig(
@@ -118,7 +126,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics={**result.metrics, "groups_stale_dropped": batch.stale_dropped})
 
 
-async def sync_weights(ctx: LoopContext) -> int:
+async def sync_weights(ctx: RolloutContext) -> int:
     """Serve the ledger's newest version on the engine, then record it as published."""
     with ctx.session_factory() as s:
         state = ledger.resume_state(s, ctx.run_id)

@@ -1,0 +1,81 @@
+"""The `rollout_worker` flow: generate for a run from any machine that reaches its ledger.
+
+Start as many as you like (`loopline worker RUN`, or a deployment run by a Prefect work pool); they
+claim slots of the same run from the ledger, never the same one. Each serves the run's newest
+policy version, switching whenever the learner commits a new one, and respects the run's staleness
+bound. A worker stops when the run is completed or failed (or after `max_seconds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from loopline.envregistry import registry
+from loopline.flows.train import run_config
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.harness import EpisodeSetup
+from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.scheduler import Binding
+from loopline.store import db as store_db
+from loopline.store import ledger, migrate
+from loopline.tasks import loop as tasks
+from loopline.tasks import stages
+
+
+def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float | None, poll_s: float = 1.0) -> None:
+    """Serve each new version the learner commits; raise `stop` when the run has ended."""
+    while not stop.wait(poll_s):
+        with ctx.session_factory() as s:
+            status = ledger.get_run(s, ctx.run_id).status
+        if status in ("completed", "failed") or (deadline is not None and time.monotonic() > deadline):
+            stop.set()
+            return
+        asyncio.run(stages.sync_weights(ctx))
+
+
+@flow(name="rollout_worker")
+def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float | None = None) -> dict:
+    """Claim and play `run`'s slots until the run ends; returns what this worker committed."""
+    log = get_run_logger()
+    config, _ = run_config(None, run)
+    engine = migrate.open_ledger()
+    with store_db.session(engine) as s:
+        run_id = ledger.get_run(s, run).id
+        state = ledger.resume_state(s, run_id)
+        initial = Path(ledger.initial_weights(s, run_id))
+        row = registry.get(s, config.env)
+    train = {t.id: t for t in registry.tasks_of(row) if t.split == "train"}
+    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
+    ctx = stages.RolloutContext(
+        run_id=run_id,
+        session_factory=lambda: store_db.session(engine),
+        engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=concurrency or config.concurrency)),
+        binding=Binding(EpisodeSetup(registry.spec_of(row), row.version, ChatFormat.for_policy(initial), sampling), train),
+        concurrency=concurrency or config.concurrency,
+        lease_seconds=config.lease_seconds,
+        in_flight=config.in_flight,
+    )
+    stop = threading.Event()
+    deadline = time.monotonic() + max_seconds if max_seconds else None
+    follower = threading.Thread(target=_follow, args=(ctx, stop, deadline), name="loopline-follow", daemon=True)
+    follower.start()
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
+    try:
+        staleness = config.max_staleness if config.mode == "async" else 0
+        stats = tasks.rollout_worker(ctx, stop, staleness, None, worker=name)
+    finally:
+        stop.set()
+        follower.join(timeout=10)
+        ctx.engine.shutdown()
+    log.info("worker %s: %d trajectories committed, %d infra failures", name, stats["committed"], stats["infra_failed"])
+    return stats
