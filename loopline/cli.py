@@ -113,6 +113,53 @@ def worker(
     console.print(f"committed {stats['committed']} trajectories ({stats['infra_failed']} infra failures)")
 
 
+server_app = typer.Typer(help="A Prefect server that stays up: UI, schedules, deployments.", no_args_is_help=True)
+app.add_typer(server_app, name="server")
+
+
+@server_app.command("start")
+@friendly_errors
+def server_start(
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(4200),
+    database: str = typer.Option("prefect", help="Prefect's own database, on the ledger's PostgreSQL server."),
+) -> None:
+    """Start a Prefect server in the background (Prefect's state on Postgres) and point this machine at it."""
+    from loopline.flows import server
+
+    with console.status("starting the Prefect server ..."):
+        info = server.start(host, port, database)
+    console.print(f"Prefect server up: UI {info.ui_url}, API {info.api_url}, state in {info.database}")
+    console.print("this machine's Prefect profile now uses it (PREFECT_API_URL); `loopline server stop` undoes both")
+
+
+@server_app.command("stop")
+@friendly_errors
+def server_stop() -> None:
+    """Stop the background Prefect server and unset PREFECT_API_URL in the profile."""
+    from loopline.flows import server
+
+    server.stop()
+    console.print("Prefect server stopped; runs use a temporary server again")
+
+
+@app.command("deploy")
+@friendly_errors
+def deploy(
+    config: Path = typer.Option(None, help="Run config the train deployment uses by default."),
+    train_cron: str = typer.Option(None, help="Cron schedule for training, e.g. '0 3 * * *' (needs --config)."),
+    eval_run: str = typer.Option(None, help="Run the evaluate deployment uses by default."),
+    eval_interval: float = typer.Option(None, help="Evaluate --eval-run every this many seconds."),
+) -> None:
+    """Serve the train, evaluate and rollout_worker deployments (blocks; runs what the server schedules)."""
+    _prefect_quiet()
+    from loopline.flows.deploy import serve_deployments
+
+    serve_deployments(
+        config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval
+    )
+
+
 @app.command("runs")
 @friendly_errors
 def runs() -> None:
