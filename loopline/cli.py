@@ -160,6 +160,26 @@ def deploy(
     )
 
 
+@app.command("inspect")
+@friendly_errors
+def inspect(
+    run: str = typer.Option(None, "--run", metavar="RUN", help="Open this run first."),
+    port: int = typer.Option(8501),
+) -> None:
+    """The Streamlit trajectory inspector (read-only) over this ledger."""
+    import os
+    import sys
+
+    migrate.open_ledger()  # a missing or unmigrated ledger fails here, in one line
+    app_path = Path(__file__).resolve().parent / "ui" / "app.py"
+    query = f"?page=runs&run={run}" if run else ""
+    console.print(f"inspector at http://127.0.0.1:{port}/{query}")
+    os.execv(sys.executable, [
+        sys.executable, "-m", "streamlit", "run", str(app_path), "--server.port", str(port), "--server.address", "127.0.0.1",
+        "--server.headless", "true", "--browser.gatherUsageStats", "false",
+    ])
+
+
 @app.command("runs")
 @friendly_errors
 def runs() -> None:

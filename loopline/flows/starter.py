@@ -43,7 +43,8 @@ class TinyRecipe:
     eval_tasks: int = 100
     # Share of SFT transcripts that answer at once, without the calculator (mental arithmetic, mostly wrong for
     # a model this small): the starter uses its tool only sometimes, as pretrained models do, and RL has a
-    # real behaviour to learn - when to call the tool - besides copying expressions exactly.
+    # real behaviour to learn - when to call the tool - besides copying expressions exactly. They come on
+    # top of the `batch_size` calculator transcripts of each step, so tool use is learnt just as well.
     direct_answer_fraction: float = 0.6
 
 
@@ -120,8 +121,10 @@ def build_tiny_policy(
         lr=recipe.lr, warmup_steps=recipe.warmup_steps, decay_steps=recipe.sft_steps, seed=recipe.seed, micro_batch_tokens=32768
     )
     learner = Learner(init, config, backend="torch")
+    direct_per_step = round(recipe.batch_size * recipe.direct_answer_fraction / (1 - recipe.direct_answer_fraction))
     for step in range(recipe.sft_steps):
-        batch = [transcript(chat, spec, t, rng.random() < recipe.direct_answer_fraction) for t in rng.sample(train, recipe.batch_size)]
+        batch = [transcript(chat, spec, t) for t in rng.sample(train, recipe.batch_size)]
+        batch += [transcript(chat, spec, t, direct=True) for t in rng.sample(train, direct_per_step)]
         result = learner.sft_step(batch)
         if progress:
             progress(step + 1, recipe.sft_steps, result.metrics["loss"])

@@ -10,6 +10,7 @@ output and template tokens are context, mask 0). Budgets end an episode as
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -75,6 +76,11 @@ async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_i
     )
 
 
+def derive_seed(seed: int, task_id: str, turn: int) -> int:
+    """One seed for every request would draw the same random numbers for every task (one coin for all)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{task_id}/{turn}".encode()).digest()[:4], "little")
+
+
 async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id, segments, state) -> None:
     budgets = setup.spec.budgets
     for turn in range(budgets.max_turns):
@@ -83,6 +89,8 @@ async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id,
             state["end"] = "tokens"
             return
         sampling = replace(setup.sampling, max_new_tokens=min(setup.sampling.max_new_tokens, remaining))
+        if sampling.seed is not None:  # fixed-seed sampling: reproducible per task and turn, independent across them
+            sampling = replace(sampling, seed=derive_seed(sampling.seed, episode.task.id, turn))
         # prefix-free request ids: SGLang aborts by prefix ("r-1" would also match "r-10")
         rid = f"{request_id}/t{turn}/"
         started = _now()

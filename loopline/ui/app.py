@@ -1,0 +1,278 @@
+"""The trajectory inspector: why did this trajectory train the way it did?
+
+Run with `loopline inspect [--run RUN]`. Pages are chosen by the `page` query parameter (runs,
+trajectories, trajectory, group, environments), so every view has a link. Read-only: see data.py.
+Model and tool output is untrusted: every piece of it is HTML-escaped before it is shown.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import uuid
+from functools import lru_cache
+
+import pandas as pd
+import streamlit as st
+
+from loopline.ui.data import Ledger, Token, segment_tokens
+
+PAGES = {"runs": "Runs", "trajectories": "Trajectories", "trajectory": "Trajectory", "group": "Group", "environments": "Environments"}
+
+
+@st.cache_resource
+def ledger() -> Ledger:
+    return Ledger(os.environ.get("LOOPLINE_DATABASE_URL") or None)
+
+
+@lru_cache(maxsize=8)
+def decoder(weights_dir: str | None):
+    """id -> text with the run's tokenizer; ids stay ids when it is not on this machine."""
+    if weights_dir:
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(weights_dir)
+            return lambda i: tokenizer.decode([i])
+        except Exception:  # a tokenizer we cannot load is shown as ids, never an error page
+            pass
+    return lambda i: f"⟨{i}⟩"
+
+
+def go(page: str, **params: str) -> None:
+    st.query_params.clear()
+    st.query_params.update({"page": page, **params})
+    st.rerun()
+
+
+def _uuid(value: str | None) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- token rendering
+
+STYLE = """
+<style>
+.tokens { font-family: ui-monospace, monospace; font-size: 0.85rem; line-height: 1.9; white-space: pre-wrap; word-break: break-all; }
+.tok { padding: 1px 0; border-radius: 3px; }
+.ctx { color: #555; background: #eef0f3; }
+.act { color: #000; outline: 1px solid #2b6cb0; }
+.legend span { margin-right: 1.2em; }
+</style>
+"""
+
+
+def heat(logprob: float) -> str:
+    """Probability as colour: red (unlikely) to green (certain)."""
+    p = max(0.0, min(1.0, math.exp(logprob)))
+    return f"hsl({int(120 * p)}, 75%, 78%)"
+
+
+def render_tokens(tokens: list[Token]) -> str:
+    parts = []
+    for t in tokens:
+        text = html.escape(t.text).replace("\n", "⏎\n")
+        if t.action:
+            title = html.escape(f"id {t.id} · logprob {t.logprob:.4f} · p {math.exp(t.logprob):.3f} · v{t.version} · mask 1", quote=True)
+            parts.append(f'<span class="tok act" style="background:{heat(t.logprob)}" title="{title}">{text}</span>')
+        else:
+            title = html.escape(f"id {t.id} · context · mask 0", quote=True)
+            parts.append(f'<span class="tok ctx" title="{title}">{text}</span>')
+    return f'<div class="tokens">{"".join(parts)}</div>'
+
+
+# --------------------------------------------------------------------------- pages
+
+
+def page_runs(db: Ledger) -> None:
+    st.header("Runs")
+    runs = db.runs()
+    if runs.empty:
+        st.info("No runs in this ledger yet. Start one with `loopline train examples/arithmetic_quickstart.yaml`.")
+        return
+    st.dataframe(runs.drop(columns=["id"]), hide_index=True)
+    names = list(runs["name"])
+    chosen = st.query_params.get("run")
+    name = st.selectbox("Run", names, index=names.index(chosen) if chosen in names else 0)
+    run_id = db.run_id(name)
+    if st.button("Open its trajectories"):
+        go("trajectories", run=name)
+    metrics, evals = db.metrics(run_id), db.evals(run_id)
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Training reward")
+        if "reward_mean" in metrics:
+            st.line_chart(metrics, x="step", y="reward_mean")
+        st.subheader("Held-out success vs wall-clock (s)")
+        if not evals.empty:
+            st.line_chart(evals, x="seconds", y="success_rate")
+        st.subheader("Rollout throughput (trajectories per minute)")
+        st.bar_chart(db.throughput(run_id), x="minute", y="trajectories")
+        st.subheader("Degenerate-group rate")
+        if {"degenerate_groups", "groups"} <= set(metrics):
+            st.line_chart(metrics.assign(rate=metrics["degenerate_groups"] / metrics["groups"]), x="step", y="rate")
+    with right:
+        st.subheader("Held-out success per version")
+        if not evals.empty:
+            st.dataframe(evals, hide_index=True)
+        st.subheader("Held-out success vs trained tokens")
+        if not evals.empty:
+            st.line_chart(evals, x="tokens_trained", y="success_rate")
+        st.subheader("Version lag of trained samples")
+        st.bar_chart(db.version_lags(run_id), x="version_lag", y="samples")
+        st.subheader("Failure classes per step")
+        failures = db.failure_classes(run_id)
+        if not failures.empty:
+            st.bar_chart(failures, x="step", y="attempts", color="class")
+        st.subheader("Rollout vs learner logprob gap (mean |Δ|)")
+        if "logprob_abs_diff" in metrics:
+            st.line_chart(metrics, x="step", y="logprob_abs_diff")
+
+
+def page_trajectories(db: Ledger) -> None:
+    st.header("Trajectories")
+    runs = db.runs()
+    if runs.empty:
+        st.info("No runs yet.")
+        return
+    names = list(runs["name"])
+    chosen = st.query_params.get("run")
+    name = st.selectbox("Run", names, index=names.index(chosen) if chosen in names else 0)
+    table = db.trajectories(db.run_id(name))
+    if table.empty:
+        st.info("This run has no committed trajectories yet.")
+        return
+    f1, f2, f3, f4 = st.columns(4)
+    splits = f1.multiselect("Split", sorted(table["split"].unique()), default=sorted(table["split"].unique()))
+    classes = f2.multiselect("Failure class", sorted(table["failure_class"].unique()), default=sorted(table["failure_class"].unique()))
+    consumed = f3.selectbox("Consumed", ["any", "yes", "no"])
+    low, high = float(table["reward"].min()), float(table["reward"].max())
+    rewards = f4.slider("Reward", low, max(high, low + 1e-9), (low, max(high, low + 1e-9)))
+    shown = table[table["split"].isin(splits) & table["failure_class"].isin(classes) & table["reward"].between(*rewards)]
+    if consumed != "any":
+        shown = shown[shown["consumed"] == (consumed == "yes")]
+    st.caption(f"{len(shown)} of {len(table)} trajectories")
+    st.dataframe(shown.drop(columns=["group_id"]), hide_index=True)
+    st.subheader("Open one")
+    for row in shown.head(30).itertuples():
+        label = f"{str(row.id)[:8]} · {row.task_id} · step {row.step} · reward {row.reward:g} · {row.failure_class}"
+        if st.button(label, key=f"open-{row.id}"):
+            go("trajectory", id=str(row.id))
+
+
+def page_trajectory(db: Ledger) -> None:
+    trajectory_id = _uuid(st.query_params.get("id"))
+    t = db.trajectory(trajectory_id) if trajectory_id else None
+    if t is None:
+        st.header("Trajectory")
+        st.warning("No such trajectory; open one from the Trajectories page.")
+        return
+    st.header(f"Trajectory {t['id']}")
+    st.markdown(STYLE, unsafe_allow_html=True)
+    c = st.columns(6)
+    c[0].metric("Reward", f"{t['reward']:g}")
+    c[1].metric("Outcome", t["failure_type"] or "passed")
+    c[2].metric("Policy versions", f"{t['policy_version_min']}–{t['policy_version_max']}")
+    c[3].metric("Consumed at step", "no" if t["learner_step"] is None else str(t["learner_step"]))
+    c[4].metric("Version lag", "-" if t["version_lag"] is None else str(t["version_lag"]))
+    c[5].metric("Split", t["split"])
+    st.caption(f"run {t['run_name']} · task {t['task_id']} · {t['env_name']}@{t['env_version']} · step {t['step']}, group {t['group_index']}")
+    if st.button("Open its group"):
+        go("group", id=str(t["group_id"]))
+    decode = decoder(db.initial_weights(t["run_id"]))
+    st.markdown(
+        '<div class="legend"><span class="tok ctx">context (mask 0)</span>'
+        '<span class="tok act" style="background:hsl(120,75%,78%)">action, p≈1</span>'
+        '<span class="tok act" style="background:hsl(0,75%,78%)">action, p≈0</span>'
+        "<span>hover a token for id, logprob and version</span></div>",
+        unsafe_allow_html=True,
+    )
+    for segment in db.segments(t["id"]):
+        prompt, generated = segment_tokens(segment, decode)
+        spans = ", ".join(f"v{s['version']} [{s['start']}:{s['end']})" for s in segment.get("version_spans") or []) or f"v{segment['policy_version']}"
+        st.subheader(f"Segment {segment['seq']} · {len(generated)} generated tokens · {spans}")
+        st.caption(f"request {segment['request_id']} · logprobs: {segment['logprob_semantics']} · sampling {json.dumps(segment['sampling_config'])}")
+        with st.expander(f"Prompt the model saw ({len(prompt)} tokens)", expanded=segment["seq"] == 0):
+            st.markdown(render_tokens(prompt), unsafe_allow_html=True)
+            st.code(json.dumps(segment["prompt_ids"]), language=None)
+        st.markdown(render_tokens(generated), unsafe_allow_html=True)
+        for event in segment.get("tool_events") or []:
+            st.markdown(f"**tool** `{html.escape(str(event.get('tool')))}` · {event.get('seconds', 0):.3f} s")
+            st.code(json.dumps(event.get("args"), ensure_ascii=False), language=None)  # st.code shows text, never markup
+            st.code(str(event.get("output")) if event.get("error") is None else f"error: {event.get('error')}", language=None)
+    st.subheader("Verifier")
+    st.json(dict(t["info"] or {}))
+    st.json(dict(t["timings"] or {}))
+    st.subheader("Attempts at this slot")
+    st.dataframe(db.attempts(t["slot_id"]), hide_index=True)
+
+
+def page_group(db: Ledger) -> None:
+    from loopline.trainer.advantages import AdvantageConfig, compute_advantages
+
+    group_id = _uuid(st.query_params.get("id"))
+    samples = db.group(group_id) if group_id else pd.DataFrame()
+    if samples.empty:
+        st.header("Group")
+        st.warning("No such group; open one from a trajectory.")
+        return
+    first = db.trajectory(samples["id"].iloc[0])
+    st.header(f"Group of task {first['task_id']}")
+    settings = db.run_config(first["run_id"]).get("learner", {}).get("advantage", {})
+    config = AdvantageConfig(**settings) if settings else AdvantageConfig()
+    advantages = compute_advantages(list(samples["reward"]), [group_id] * len(samples), config)
+    samples["advantage"] = advantages.values.tolist()
+    st.caption(f"advantages: {config.estimator} ({'degenerate: all rewards equal' if advantages.degenerate_groups else 'rewards differ'})")
+    st.dataframe(samples, hide_index=True)
+    decode = decoder(db.initial_weights(first["run_id"]))
+    st.markdown(STYLE, unsafe_allow_html=True)
+    columns = st.columns(min(len(samples), 4))
+    for i, row in enumerate(samples.itertuples()):
+        with columns[i % len(columns)]:
+            st.markdown(f"**sample {row.sample_index}** · reward {row.reward:g} · advantage {row.advantage:+.3f}")
+            for segment in db.segments(row.id):
+                st.markdown(render_tokens(segment_tokens(segment, decode)[1]), unsafe_allow_html=True)
+            if st.button("Open", key=f"open-{row.id}"):
+                go("trajectory", id=str(row.id))
+
+
+def page_environments(db: Ledger) -> None:
+    from loopline.envregistry import registry
+    from loopline.store import db as store_db
+
+    st.header("Environments")
+    envs = db.environments()
+    if envs.empty:
+        st.info("No environments registered; `envreg add env.yaml`.")
+        return
+    st.dataframe(envs, hide_index=True)
+    refs = [f"{r.name}@{r.version}" for r in envs.itertuples()]
+    ref = st.selectbox("Spec of", refs)
+    with store_db.session(db.engine) as s:
+        st.code(registry.show(registry.get(s, ref)), language="yaml")
+        left, right = st.columns(2)
+        a = left.selectbox("Diff from", refs, index=0, key="diff-a")
+        b = right.selectbox("to", refs, index=len(refs) - 1, key="diff-b")
+        st.code(registry.diff(registry.get(s, a), registry.get(s, b)) or "(identical)", language="diff")
+
+
+def main() -> None:
+    st.set_page_config(page_title="loopline inspector", layout="wide")
+    db = ledger()
+    current = st.query_params.get("page", "runs")
+    if current not in PAGES:
+        current = "runs"
+    keys = list(PAGES)
+    picked = st.sidebar.radio("Page", keys, index=keys.index(current), format_func=PAGES.get)
+    if picked != current:
+        go(picked, **({"run": st.query_params["run"]} if "run" in st.query_params else {}))
+    st.sidebar.caption("read-only view of the ledger")
+    {"runs": page_runs, "trajectories": page_trajectories, "trajectory": page_trajectory, "group": page_group, "environments": page_environments}[current](db)
+
+
+main()

@@ -1,0 +1,193 @@
+"""The Streamlit inspector on a ledger seeded by the real rollout path (LocalEngine, harness, learner).
+
+Every page through `streamlit.testing.v1.AppTest`; untrusted text is escaped; the inspector cannot
+write; and (slow) a headless Chromium opens a run, clicks into a trajectory and sees masked tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from loopline.envregistry import registry
+from loopline.envregistry.tasks import Task
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness import EpisodeSetup
+from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.scheduler import Binding
+from loopline.store import ledger
+from loopline.store.db import session as new_session
+from loopline.tasks.stages import LoopContext, sync_step, tasks_by_id
+from loopline.trainer.learner import Learner, LearnerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "loopline" / "ui" / "app.py")
+SCRIPT = "<script>alert('owned')</script>"
+
+
+@pytest.fixture(scope="module")
+def seeded(tiny_dirs, database_url, tmp_path_factory):
+    """Two RL steps of a run whose tasks include one with a script tag in its prompt."""
+    engine = sa.create_engine(database_url)
+    with new_session(engine) as s:
+        ref = registry.add(s, ROOT / "examples" / "arithmetic_env.yaml").ref
+        row = registry.get(s, ref)
+        run = ledger.create_run(s, f"inspect-{os.getpid()}", {"learner": {"advantage": {"estimator": "grpo"}}}, str(tiny_dirs["v0"]))
+    spec = registry.spec_of(row)
+    tasks = [t for t in registry.tasks_of(row) if t.split == "train"][:2]
+    tasks.append(Task("xss", "train", f"What is 1 + 1? {SCRIPT}", {"expression": "1 + 1", "answer": 2, "template": "a o b"}))
+    ctx = LoopContext(
+        run_id=run.id,
+        session_factory=lambda: new_session(engine),
+        engine=LocalEngine(tiny_dirs["v0"]),
+        binding=Binding(EpisodeSetup(spec, row.version, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), tasks_by_id(tasks)),
+        learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"),
+        workdir=tmp_path_factory.mktemp("inspect"),
+        groups_per_step=3,
+        group_size=4,
+    )
+
+    async def two_steps():
+        await sync_step(ctx, 1)
+        await sync_step(ctx, 2)
+
+    asyncio.run(two_steps())
+    with new_session(engine) as s:
+        xss = s.execute(sa.text("SELECT id, group_id FROM trajectory WHERE run_id = :r AND task_id = 'xss' LIMIT 1"), {"r": run.id}).one()
+    engine.dispose()
+    return {"url": database_url, "run": run.name, "run_id": run.id, "xss": str(xss.id), "xss_group": str(xss.group_id), "env": ref}
+
+
+@pytest.fixture
+def app(seeded, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", seeded["url"])
+
+    def open_page(page: str, **params: str) -> AppTest:
+        at = AppTest.from_file(APP, default_timeout=60)
+        at.query_params["page"] = page
+        for key, value in params.items():
+            at.query_params[key] = value
+        at.run()
+        assert not at.exception, at.exception
+        return at
+
+    return open_page
+
+
+def _html(at) -> str:
+    return "\n".join(m.value for m in at.markdown)
+
+
+def test_runs_page_lists_the_run_with_its_curves(app, seeded):
+    at = app("runs", run=seeded["run"])
+    assert seeded["run"] in at.dataframe[0].value["name"].tolist()
+    titles = [s.value for s in at.subheader]
+    assert "Training reward" in titles and "Version lag of trained samples" in titles
+    assert len(at.get("vega_lite_chart")) >= 5  # reward, throughput, degenerate rate, lags, failures, gap
+
+
+def test_trajectories_page_filters_and_opens_one(app, seeded):
+    at = app("trajectories", run=seeded["run"])
+    table = at.dataframe[0].value
+    assert len(table) == 24 and set(table["split"]) == {"train"}  # 2 steps x 3 groups x 4 samples
+    assert table["consumed"].all()
+    at.selectbox[1].set_value("no").run()  # consumed: no -> nothing (every one was trained)
+    assert len(at.dataframe[0].value) == 0
+
+
+def test_trajectory_page_shows_tokens_masks_and_escapes_untrusted_text(app, seeded):
+    at = app("trajectory", id=seeded["xss"])
+    page = _html(at)
+    assert 'class="tok act"' in page and 'class="tok ctx"' in page  # action tokens vs context tokens
+    assert "logprob" in page and "mask 1" in page
+    shown = html.unescape(re.sub(r"<[^>]+>", "", page)).replace("⏎", "")
+    assert SCRIPT in shown  # the prompt's script tag is there, as characters ...
+    assert "<script" not in page.lower()  # ... and never as markup
+    assert at.metric[1].value in ("passed", "task_failed", "truncated")
+    assert not at.dataframe[0].value.empty  # the attempts at this slot
+
+
+def test_group_page_shows_samples_with_advantages(app, seeded):
+    at = app("group", id=seeded["xss_group"])
+    table = at.dataframe[0].value
+    assert len(table) == 4 and "advantage" in table
+    assert abs(table["advantage"].sum()) < 1e-6  # GRPO advantages of a group are centred
+
+
+def test_environments_page_shows_spec_and_diff(app, seeded):
+    at = app("environments")
+    assert "sandbox:" in at.code[0].value
+    assert at.code[1].value == "(identical)"  # one version registered: a diff against itself
+
+
+def test_the_inspector_cannot_write(seeded):
+    from loopline.ui.data import Ledger
+
+    with Ledger(seeded["url"]).connect() as conn, pytest.raises(sa.exc.InternalError, match="read-only transaction"):
+        conn.execute(sa.text("DELETE FROM consumption"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(seeded, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the browser test: apt-get install chromium")
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    port = _free_port()
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": seeded["url"]}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "loopline.cli", "inspect", "--port", str(port)], env=env, cwd=ROOT,
+        stdout=(tmp_path / "streamlit.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, (tmp_path / "streamlit.log").read_text()
+                time.sleep(0.5)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/?page=runs&run={seeded['run']}")
+            page.get_by_role("button", name="Open its trajectories").click()
+            page.get_by_role("button", name="xss").first.click()
+            page.wait_for_selector("span.tok.act", timeout=30_000)
+            page.get_by_text("Attempts at this slot").wait_for(timeout=30_000)
+            page.wait_for_load_state("networkidle")
+            assert page.locator("span.tok.act").count() > 0 and page.locator("span.tok.ctx").count() > 0
+            assert page.evaluate("() => document.querySelectorAll('script').length") == page.evaluate(
+                "() => Array.from(document.scripts).filter(s => s.src).length + Array.from(document.scripts).filter(s => !s.src && !s.textContent.includes('owned')).length"
+            )  # no script tag from the trajectory made it into the page
+            out = Path(os.environ.get("LOOPLINE_TEST_OUTPUT", ROOT / "test-output"))
+            out.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out / "inspector-trajectory.png"), full_page=True)
+            browser.close()
+    finally:
+        os.killpg(server.pid, 9)
