@@ -102,12 +102,10 @@ def test_tool_template_must_use_declared_args(tmp_path):
 # --------------------------------------------------------------------------- tasks
 
 
-def test_arithmetic_problem_split_holds_out_problems(tmp_path):
-    path = tmp_path / "env.yaml"
-    path.write_text(ARITHMETIC.read_text().replace("split: operands, eval_min_operand: 80", "split: problems"))
-    spec = load_spec(path)
-    tasks = load_tasks(spec, tmp_path)
-    assert tasks == load_tasks(spec, tmp_path)
+def test_arithmetic_problem_split_holds_out_problems():
+    spec = load_spec(ARITHMETIC)  # the example uses this split
+    tasks = load_tasks(spec, EXAMPLES)
+    assert tasks == load_tasks(spec, EXAMPLES)
     train = [t for t in tasks if t.split == "train"]
     evals = [t for t in tasks if t.split == "eval"]
     assert (len(train), len(evals)) == (2000, 200)
@@ -117,8 +115,10 @@ def test_arithmetic_problem_split_holds_out_problems(tmp_path):
         assert evaluate_expression(t.data["expression"]) == t.data["answer"] == calculate(t.data["expression"])
 
 
-def test_arithmetic_operand_split_holds_out_larger_numbers():
-    tasks = load_tasks(load_spec(ARITHMETIC), EXAMPLES)
+def test_arithmetic_operand_split_holds_out_larger_numbers(tmp_path):
+    path = tmp_path / "env.yaml"
+    path.write_text(ARITHMETIC.read_text().replace("params: {max_operand: 79, split: problems}", "params: {max_operand: 99, split: operands, eval_min_operand: 80}"))
+    tasks = load_tasks(load_spec(path), tmp_path)
     numbers = lambda t: [int(x) for x in re.findall(r"\d+", t.data["expression"])]  # noqa: E731
     assert all(max(numbers(t)) < 80 for t in tasks if t.split == "train")
     assert all(max(numbers(t)) >= 80 for t in tasks if t.split == "eval")
@@ -126,7 +126,7 @@ def test_arithmetic_operand_split_holds_out_larger_numbers():
 
 def test_arithmetic_template_split_holds_out_a_whole_form(tmp_path):
     path = tmp_path / "env.yaml"
-    path.write_text(ARITHMETIC.read_text().replace("split: operands, eval_min_operand: 80", "split: templates"))
+    path.write_text(ARITHMETIC.read_text().replace("split: problems", "split: templates"))
     tasks = load_tasks(load_spec(path), tmp_path)
     assert {t.data["template"] for t in tasks if t.split == "train"} == set(TRAIN_TEMPLATES)
     assert {t.data["template"] for t in tasks if t.split == "eval"} == set(EVAL_TEMPLATES)

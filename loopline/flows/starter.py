@@ -30,7 +30,8 @@ from loopline.trainer.tiny import random_model, train_tokenizer
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """Tuned on this 2-core CPU: ~2.5 min, held-out success 36% at T=1 (46% greedy) with seed 0."""
+    """Measured on this 2-core CPU with seed 0: ~8 min (under load); held-out success 15.5% at T=1 (the
+    calculator called ~40% of the time), 0.5% greedy (it never calls it); after 4 GRPO steps 44.5% greedy."""
 
     seed: int = 0
     hidden: int = 128
