@@ -131,8 +131,11 @@ def test_group_page_shows_samples_with_advantages(app, seeded):
 
 def test_environments_page_shows_spec_and_diff(app, seeded):
     at = app("environments")
+    assert "arithmetic" in at.dataframe[0].value["name"].tolist()
     assert "sandbox:" in at.code[0].value
-    assert at.code[1].value == "(identical)"  # one version registered: a diff against itself
+    at.selectbox(key="diff-a").set_value(seeded["env"])
+    at.selectbox(key="diff-b").set_value(seeded["env"]).run()
+    assert at.code[1].value == "(identical)"
 
 
 def test_the_inspector_cannot_write(seeded):

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import shutil
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -61,8 +62,13 @@ class StepResult:
 
 
 def _distributed_defaults() -> None:
+    """A one-process world when no launcher set one up; its port is a free one, so two learners can share a machine."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
 
 
