@@ -129,7 +129,7 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=name)[0][0] == 3
 
 
-def test_rollout_worker_in_another_process_feeds_an_async_run(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+def test_learner_flow_fed_by_a_rollout_worker_in_another_process(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
     import signal
     import socket
     import subprocess
@@ -137,14 +137,14 @@ def test_rollout_worker_in_another_process_feeds_an_async_run(prefect_server, ti
     import threading
     import time
 
-    from loopline.flows.train import train
+    from loopline.flows.train import learner
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
     path = _config(tmp_path, tiny_dirs["v0"], mode="async", local_rollout=False, steps=2, eval={"every": 2, "tasks": 4})
     name = load_config(path)[0].name
     result: dict = {}
-    trainer = threading.Thread(target=lambda: result.update(train(str(path))))
+    trainer = threading.Thread(target=lambda: result.update(learner(str(path))))
     trainer.start()
     while not _scalar_rows(db, "SELECT count(*) FROM run WHERE name = :n", n=name)[0][0]:
         time.sleep(0.5)

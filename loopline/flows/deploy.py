@@ -1,4 +1,4 @@
-"""`loopline deploy`: serve the train, evaluate and rollout_worker flows as Prefect deployments.
+"""`loopline deploy`: serve the train, learner, evaluate and rollout_worker flows as Prefect deployments.
 
 The serving process polls the Prefect server for scheduled or triggered runs and executes each in a
 subprocess; keep it running (a terminal, a systemd unit). Trigger from Python with
@@ -11,11 +11,11 @@ from prefect import serve
 from prefect.settings import PREFECT_API_URL
 
 from loopline.flows.evaluate import evaluate
-from loopline.flows.train import train
+from loopline.flows.train import learner, train
 from loopline.flows.worker import rollout_worker
 from loopline.store.errors import LooplineError
 
-TRAIN, EVALUATE, WORKER = "loopline-train", "loopline-evaluate", "loopline-rollout-worker"
+TRAIN, LEARNER, EVALUATE, WORKER = "loopline-train", "loopline-learner", "loopline-evaluate", "loopline-rollout-worker"
 
 
 def deployments(
@@ -29,6 +29,9 @@ def deployments(
         train.to_deployment(
             name=TRAIN, parameters={"config_path": config_path} if config_path else {}, cron=train_cron,
             description="Train or resume a run (sync or async); re-running resumes exactly once from the ledger.",
+        ),
+        learner.to_deployment(
+            name=LEARNER, description="The learner alone, for async runs whose rollouts come from rollout_worker deployments.",
         ),
         evaluate.to_deployment(
             name=EVALUATE, parameters={"run": eval_run} if eval_run else {}, interval=eval_interval_s,

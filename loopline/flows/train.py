@@ -50,7 +50,7 @@ def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_has
     if config.policy == "tiny":
         target = tiny_policy_dir(spec_hash, config.seed)
         if not (target / "config.json").is_file():
-            get_run_logger().info("building the tiny starter policy (once, ~2.5 min) in %s", target)
+            get_run_logger().info("building the tiny starter policy (once, ~5-8 min on 2 cores) in %s", target)
             build_tiny_policy(target, spec, tasks, TinyRecipe(seed=config.seed))
         return target
     if config.policy == "smollm2-135m":
@@ -196,3 +196,12 @@ def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> N
             worker.wait()
     if worker:
         worker.result()  # a worker that failed fails the flow
+
+
+@flow(name="learner")
+def learner(config_path: str | None = None, resume: str | None = None) -> dict:
+    """The learner on its own: an async run (`local_rollout: false`) fed by `rollout_worker` flows elsewhere."""
+    config, _ = run_config(config_path, resume)
+    if config.mode != "async" or config.local_rollout:
+        raise LooplineError(f"run {config.name}: the learner flow trains async runs with `local_rollout: false`; use `train` otherwise")
+    return train.fn(config_path, resume)
