@@ -46,6 +46,7 @@ def main() -> None:
 
 def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
     from prefect import flow
+    from prefect.utilities.annotations import quote
 
     from loopline.flows.train import prepare, run_config
     from loopline.tasks import loop as tasks
@@ -55,6 +56,7 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
     def bench() -> tuple[list[float], list[float]]:
         p = prepare(*run_config(config_path, None))
         ctx = p.ctx
+        live = quote(ctx)  # as the train flow passes it
         timings: tuple[list[float], list[float]] = ([], [])
         try:
             for step in range(1, steps + 1):
@@ -66,10 +68,10 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
                     stages.learn(ctx, step, max_groups=ctx.groups_per_step)
                     asyncio.run(stages.sync_weights(ctx))
                 else:  # the same stages as Prefect task runs, as the train flow calls them
-                    tasks.plan_step(ctx, step)
-                    tasks.rollout_batch(ctx, step)
-                    tasks.learner_step(ctx, step)
-                    tasks.sync_weights(ctx)
+                    tasks.plan_step(live, step)
+                    tasks.rollout_batch(live, step)
+                    tasks.learner_step(live, step)
+                    tasks.sync_weights(live)
                 timings[step % 2 == 0].append(time.perf_counter() - started)
         finally:
             ctx.engine.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from loopline.envregistry import registry
 from loopline.flows.train import run_config
@@ -47,7 +48,8 @@ def evaluate(run: str, version: int | None = None) -> dict:
     served = EngineThread(LocalEngine(weights.uri, version=version, max_batch=config.concurrency))
     try:
         success = tasks.evaluate(
-            run_id, served, setup, lambda: store_db.session(engine), evals, row.version, config.eval.temperature, config.eval.seed
+            run_id, quote(served), quote(setup), quote(lambda: store_db.session(engine)), quote(evals), row.version,
+            config.eval.temperature, config.eval.seed,
         )
     finally:
         served.shutdown()

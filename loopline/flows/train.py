@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
@@ -139,17 +140,19 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     config, base = run_config(config_path, resume)
     p = prepare(config, base, fork)
     c, ctx = p.config, p.ctx
+    live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
     history: list[tuple[int, float]] = []
 
     def evaluate():
         success = tasks.evaluate(
-            ctx.run_id, ctx.engine, ctx.binding.setup, ctx.session_factory, p.eval_tasks, p.env_version, c.eval.temperature, c.eval.seed
+            ctx.run_id, quote(ctx.engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(p.eval_tasks),
+            p.env_version, c.eval.temperature, c.eval.seed,
         )
         history.append((ctx.engine.version(), success))
         log.info("policy v%d: held-out success %.1f%% on %d tasks", ctx.engine.version(), 100 * success, len(p.eval_tasks))
 
     def after_step(step: int) -> None:
-        version = tasks.sync_weights(ctx)
+        version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
         if step % c.eval.every == 0 or step == c.steps:
             evaluate()
@@ -157,15 +160,15 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "running")
     try:
-        tasks.sync_weights(ctx)  # a resumed run may have committed a version it never published
+        tasks.sync_weights(live)  # a resumed run may have committed a version it never published
         if p.first_step == 1:
             evaluate()
         if c.mode == "sync":
             for step in range(p.first_step, c.steps + 1):
-                tasks.plan_step(ctx, step)
-                rolled = tasks.rollout_batch(ctx, step)
+                tasks.plan_step(live, step)
+                rolled = tasks.rollout_batch(live, step)
                 log.info("step %d: %d trajectories, %d infra failures", step, rolled["committed"], rolled["infra_failed"])
-                tasks.learner_step(ctx, step)
+                tasks.learner_step(live, step)
                 after_step(step)
         else:
             _run_async(ctx, c, p.first_step, after_step)
@@ -178,17 +181,18 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
 
 def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> None:
     """A rollout worker task runs beside the learner steps; slots are planned just as far ahead as they may start."""
+    live = quote(ctx)
     s = c.max_staleness
     for step in range(first_step, min(c.steps, first_step + s) + 1):
-        tasks.plan_step(ctx, step)
+        tasks.plan_step(live, step)
     stop = threading.Event()
-    worker = tasks.rollout_worker.submit(ctx, stop, s, None) if c.local_rollout else None
+    worker = tasks.rollout_worker.submit(live, stop, s, None) if c.local_rollout else None
     producing = (lambda: not worker.state.is_final()) if worker else None
     try:
         for step in range(first_step, c.steps + 1):
-            tasks.learner_step(ctx, step, max_staleness=s, producing=producing)
+            tasks.learner_step(live, step, max_staleness=s, producing=producing)
             if step + 1 + s <= c.steps:  # version `step` may now start slots of step `step + 1 + s`
-                tasks.plan_step(ctx, step + 1 + s)
+                tasks.plan_step(live, step + 1 + s)
             after_step(step)
     finally:
         stop.set()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from loopline.envregistry import registry
 from loopline.flows.train import run_config
@@ -72,7 +73,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
         staleness = config.max_staleness if config.mode == "async" else 0
-        stats = tasks.rollout_worker(ctx, stop, staleness, None, worker=name)
+        stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
     finally:
         stop.set()
         follower.join(timeout=10)

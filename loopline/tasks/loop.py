@@ -2,6 +2,10 @@
 
 Each wraps a plain function of `loopline.tasks.stages`; the ledger, not Prefect's cache, is what
 makes a retry or a re-run safe, so caching is off (the inputs hold live engines and learners).
+
+Callers pass live objects wrapped in `prefect.utilities.annotations.quote`: otherwise Prefect walks
+every argument looking for upstream futures, and a context holding 2,000 tasks, a model and an
+engine cost ~330 ms per task run (measured), a fifth of a quickstart step.
 """
 
 from __future__ import annotations
