@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import Answer, Call, NoAction, Unparsable, parse_action
+from loopline.rollout.actions import Answer, NoAction, Unparsable, parse_action
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
 from loopline.store.records import SegmentRecord, TrajectoryRecord

@@ -244,8 +244,6 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _step(self, admit: list[_Request]) -> list[_Request]:
-        from transformers import DynamicCache
-
         if admit:
             self._prefill(admit)
         self._active.extend(admit)
