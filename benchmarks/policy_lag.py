@@ -50,7 +50,7 @@ def main() -> None:
             path.write_text(yaml.safe_dump(config))
             started = time.time()
             summary = train(str(path))
-            results[label] = _collect(engine, summary["run_id"], started)
+            results[label] = _collect(engine, summary["run_id"])
             print(f"{label}: {time.time() - started:.0f} s, eval {[f'{s:.0%}' for _, s in summary['eval']]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     _plot(results, args.out)
@@ -64,20 +64,22 @@ def main() -> None:
     print(f"plots in {args.out}/policy_lag.png and {args.out}/policy_lag_versions.png")
 
 
-def _collect(engine: sa.Engine, run_id: str, started: float) -> dict:
+def _collect(engine: sa.Engine, run_id: str) -> dict:
+    """Times count from the run's creation (after the policy is loaded and Prefect is up)."""
     with engine.connect() as conn:
         evals = conn.execute(
             sa.text(
-                "SELECT e.policy_version, extract(epoch FROM e.created_at) - :t0, e.success_rate, "
+                "SELECT e.policy_version, extract(epoch FROM e.created_at - r.created_at), e.success_rate, "
                 "coalesce((SELECT sum(m.value) FROM metric m WHERE m.run_id = e.run_id AND m.name = 'tokens_trained' "
                 "          AND m.step <= e.policy_version), 0) "
-                "FROM eval_result e WHERE e.run_id = :r ORDER BY e.policy_version"
+                "FROM eval_result e JOIN run r ON r.id = e.run_id WHERE e.run_id = :r ORDER BY e.policy_version"
             ),
-            {"r": run_id, "t0": started},
+            {"r": run_id},
         ).all()
         lags = conn.execute(sa.text("SELECT version_lag FROM consumption WHERE run_id = :r"), {"r": run_id}).scalars().all()
         wall = conn.execute(
-            sa.text("SELECT extract(epoch FROM max(created_at)) - :t0 FROM checkpoint WHERE run_id = :r"), {"r": run_id, "t0": started}
+            sa.text("SELECT extract(epoch FROM max(c.created_at) - r.created_at) FROM checkpoint c JOIN run r ON r.id = c.run_id WHERE c.run_id = :r GROUP BY r.created_at"),
+            {"r": run_id},
         ).scalar_one()
     return {"evals": [tuple(map(float, e)) for e in evals], "tokens": [e[3] for e in evals], "lags": list(lags), "wall": float(wall)}
 

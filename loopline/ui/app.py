@@ -157,9 +157,9 @@ def page_trajectories(db: Ledger) -> None:
     if consumed != "any":
         shown = shown[shown["consumed"] == (consumed == "yes")]
     st.caption(f"{len(shown)} of {len(table)} trajectories")
-    st.dataframe(shown.drop(columns=["group_id"]), hide_index=True)
+    st.dataframe(shown.drop(columns=["group_id", "created_at"]).astype({"id": str}), hide_index=True)
     st.subheader("Open one")
-    for row in shown.head(30).itertuples():
+    for row in shown.head(10).itertuples():
         label = f"{str(row.id)[:8]} · {row.task_id} · step {row.step} · reward {row.reward:g} · {row.failure_class}"
         if st.button(label, key=f"open-{row.id}"):
             go("trajectory", id=str(row.id))

@@ -98,7 +98,7 @@ class Ledger:
         return self.frame(
             "SELECT t.id, t.task_id, t.env_name || '@' || t.env_version AS environment, t.split, t.reward, "
             "coalesce(t.failure_type, 'passed') AS failure_class, "
-            "(SELECT sum(cardinality(s.generated_ids)) FROM segment s WHERE s.trajectory_id = t.id) AS generated_tokens, "
+            "(t.info->>'generated_tokens')::int AS generated_tokens, "  # the harness records it: no segment reads
             "c.version_lag, c.learner_step IS NOT NULL AS consumed, t.policy_version_min AS policy_version, "
             "g.step, g.group_index, t.group_id, t.created_at "
             "FROM trajectory t JOIN rollout_group g ON g.id = t.group_id "
