@@ -18,7 +18,7 @@ import math
 import os
 import random
 import shutil
-import socket
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -61,15 +61,22 @@ class StepResult:
     metrics: dict[str, float]
 
 
-def _distributed_defaults() -> None:
-    """A one-process world when no launcher set one up; its port is a free one, so two learners can share a machine."""
+def _init_distributed(backend: str) -> None:
+    """Join the launcher's process group, or form a one-process one.
+
+    Without a launcher the group rendezvouses through a file, not a TCP port: a port chosen in
+    advance can be taken by any outgoing connection before DeepSpeed binds it (it happened in CI),
+    and two learners on one machine would collide on a fixed one.
+    """
+    import deepspeed
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
+    if not torch.distributed.is_initialized() and "RANK" not in os.environ:
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            os.environ[key] = value
+        rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-")) / "rendezvous"
+        torch.distributed.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    deepspeed.init_distributed(backend)
 
 
 def _bf16_supported() -> bool:
@@ -91,11 +98,9 @@ class Learner:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         if backend == "deepspeed":
-            _distributed_defaults()
             import deepspeed
 
-            if not torch.distributed.is_initialized():
-                deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+            _init_distributed("nccl" if torch.cuda.is_available() else "gloo")
             ds_config = {
                 "train_micro_batch_size_per_gpu": 1,
                 "gradient_accumulation_steps": 1,
