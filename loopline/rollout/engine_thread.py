@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Coroutine, Sequence, TypeVar
 
-from loopline.rollout.engine import Engine, Generation, InFlightPolicy, SamplingParams
+from loopline.rollout.engine import Engine, EngineError, Generation, InFlightPolicy, SamplingParams
 
 T = TypeVar("T")
 
@@ -27,6 +27,9 @@ class EngineThread:
         self._thread.start()
 
     async def _call(self, coro: Coroutine[object, object, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise EngineError("the engine was shut down")
         # a cancelled caller cancels the call on the engine's loop too (wrap_future propagates it)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
