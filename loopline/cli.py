@@ -192,12 +192,15 @@ def runs() -> None:
     if not found:
         console.print("no runs yet; start one with `loopline train examples/arithmetic_quickstart.yaml`")
         return
-    table = Table("run", "status", "step", "version", "consumed", "eval first", "eval last", "started", box=None)
+    table = Table(box=None)
+    table.add_column("run", no_wrap=True)
+    for column in ("status", "step", "version", "consumed", "eval first", "eval last", "started"):
+        table.add_column(column, no_wrap=True)
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     for r in found:
         table.add_row(
             r.name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed), pct(r.first_eval), pct(r.last_eval),
-            r.created_at.strftime("%Y-%m-%d %H:%M"),
+            r.created_at.strftime("%m-%d %H:%M"),
         )
     console.print(table)
 
