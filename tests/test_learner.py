@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,12 @@ def test_two_process_zero2_through_the_deepspeed_launcher(tiny_dirs, batch, tmp_
     single.rl_step(batch)
     two = torch.tensor(json.loads((tmp_path / "two.json").read_text()))
     assert torch.equal(two, single.parameters_vector())  # measured: bit-identical on CPU
+
+
+def test_deepspeed_learner_without_a_launcher_even_with_a_stray_rank(tiny_dirs, tmp_path):
+    """A child of a process that ran a learner inherits RANK etc. but no MASTER_*: still a one-process world."""
+    script = f"from loopline.trainer.learner import Learner; Learner({str(tiny_dirs['v0'])!r}, backend='deepspeed'); print('ok')"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

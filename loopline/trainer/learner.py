@@ -71,7 +71,8 @@ def _init_distributed(backend: str) -> None:
     import deepspeed
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    if not torch.distributed.is_initialized() and "RANK" not in os.environ:
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    if not torch.distributed.is_initialized() and not launched:  # (a stray RANK alone, e.g. inherited, is no launcher)
         for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
             os.environ[key] = value
         rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-")) / "rendezvous"
