@@ -12,6 +12,7 @@ needs no launcher, and the `deepspeed` launcher runs several.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -75,8 +76,9 @@ def _init_distributed(backend: str) -> None:
     if not torch.distributed.is_initialized() and not launched:  # (a stray RANK alone, e.g. inherited, is no launcher)
         for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
             os.environ[key] = value
-        rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-")) / "rendezvous"
-        torch.distributed.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+        rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-"))
+        atexit.register(shutil.rmtree, rendezvous, ignore_errors=True)
+        torch.distributed.init_process_group(backend, init_method=f"file://{rendezvous / 'store'}", rank=0, world_size=1)
     deepspeed.init_distributed(backend)
 
 
