@@ -8,6 +8,7 @@ import sys
 from typing import Callable, TypeVar
 
 from rich.console import Console
+from rich.text import Text
 
 from loopline.store.errors import LooplineError
 
@@ -15,6 +16,11 @@ F = TypeVar("F", bound=Callable)
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True)
+
+
+def print_error(message: str) -> None:
+    """The message as plain text: a user's `[...]` or a regex in it is not rich markup."""
+    err_console.print(Text("error: ", style="bold red") + Text(message), highlight=False, soft_wrap=True)
 
 
 def friendly_errors(fn: F) -> F:
@@ -27,7 +33,7 @@ def friendly_errors(fn: F) -> F:
         except LooplineError as exc:
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            print_error(str(exc))
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]

@@ -30,6 +30,23 @@ from tests.asgi import BackgroundServer, read_body
 ENVD_PORT = 49983  # e2b.ConnectionConfig.envd_port: where the SDK looks for envd in debug mode
 
 
+# envd runs each call as the user the SDK names (`user`, E2B's unprivileged default, or `root`):
+# the image's uid-1000 user stands in for `user`.
+USERS = {"root": "0:0", "user": "1000:1000"}
+
+
+def _user(name: str | None) -> str:
+    return USERS[name or "user"]
+
+
+def _basic_auth_user(headers) -> str | None:
+    """The SDK sends `Authorization: Basic base64("NAME:")` to choose the user of a process call."""
+    for key, value in headers.items():
+        if key.lower() == "authorization" and value.startswith("Basic "):
+            return base64.b64decode(value[6:]).decode().split(":", 1)[0]
+    return None
+
+
 class _DockerProcess(Process):
     def __init__(self, box: DockerSandbox):
         self.box = box
@@ -39,8 +56,9 @@ class _DockerProcess(Process):
         argv = [config.cmd, *config.args]
         cwd = config.cwd if config.has_field("cwd") and config.cwd else self.box.spec.workdir
         command = f"cd {shlex.quote(cwd)} && exec {shlex.join(argv)}"
+        user = _user(_basic_auth_user(ctx.request_headers))
         yield _event("start", process_pb.ProcessEvent.StartEvent(pid=1))
-        result = await asyncio.to_thread(self.box._exec, command, 3600, None)
+        result = await asyncio.to_thread(self.box._exec, command, 3600, None, user, None, dict(config.envs))
         for stream in ("stdout", "stderr"):
             text = getattr(result, stream)
             if text:
@@ -99,8 +117,9 @@ class EnvdOverDocker:
     async def _files(self, scope, receive, send) -> None:
         query = {k: v[0] for k, v in parse_qs(scope["query_string"].decode()).items()}
         body = await read_body(receive)
+        user = _user(query.get("username"))
         if scope["method"] == "GET":
-            result = await asyncio.to_thread(self.box._exec, f"base64 {shlex.quote(query['path'])}", 30, None)
+            result = await asyncio.to_thread(self.box._exec, f"base64 {shlex.quote(query['path'])}", 30, None, user)
             if not result.ok:
                 await _respond(send, 404, json.dumps({"message": result.stderr.strip(), "code": 404}).encode())
                 return
@@ -114,7 +133,7 @@ class EnvdOverDocker:
         written = []
         for part in message.iter_parts():
             path = query.get("path") or part.get_filename()
-            await self.box.write_file(path, part.get_payload(decode=True).decode())
+            await self.box.write_file(path, part.get_payload(decode=True).decode(), user=user)
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         await _respond(send, 200, json.dumps(written).encode(), "application/json")
 

@@ -42,7 +42,7 @@ tools:
     args: {{cmd: {{type: string}}}}
     command: "{{cmd}}"
 verifier:
-  command: "echo '{{\\"passed\\": 1, \\"total\\": 1}}'"
+  command: "echo '{{\\"passed\\": 1, \\"total\\": 1}}' > verdict.json"
 """
 
 
@@ -160,8 +160,15 @@ def test_registry_versions_only_on_change_and_diffs(db, tmp_path):
     text = registry.diff(registry.get(db, f"{name}@1"), registry.get(db, f"{name}@2"))
     assert "-  rows: <2 tasks" in text and "+  rows: <3 tasks" in text
     assert [t.id for t in registry.tasks_of(registry.get(db, name))] == ["a", "b", "c"]
-    registry.deprecate(db, f"{name}@2")
+    registry.set_deprecated(db, f"{name}@2", True)
     assert registry.get(db, name).version == 1
+    with pytest.raises(LooplineError, match="already deprecated"):
+        registry.set_deprecated(db, f"{name}@2", True)
+    assert registry.add(db, path).deprecated  # re-adding the same spec says it is deprecated
+    registry.set_deprecated(db, f"{name}@2", False)
+    assert registry.get(db, name).version == 2
+    with pytest.raises(LooplineError, match="not deprecated"):
+        registry.set_deprecated(db, f"{name}@2", False)
     with pytest.raises(LooplineError, match="has versions 1, 2"):
         registry.get(db, f"{name}@7")
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import sqlalchemy as sa
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from loopline.cli_support import console, friendly_errors
 from loopline.envregistry import images, registry
 from loopline.envregistry.smoke import run_smoke
-from loopline.envregistry.spec import json_schema, load_spec
-from loopline.envregistry.tasks import load_tasks
+from loopline.envregistry.spec import json_schema
 from loopline.store.db import session
 from loopline.store.errors import LooplineError
 from loopline.store.migrate import open_ledger
@@ -52,13 +55,36 @@ def sandbox_gc() -> None:
     console.print(f"removed {len(removed)} orphaned sandbox(es)" + (f": {', '.join(removed)}" if removed else ""))
 
 
+READ_LIMIT_ENV = "LOOPLINE_ENVREG_TIMEOUT"
+
+
+@contextlib.contextmanager
+def wall_time_guard(what: str):
+    """Reading a spec must not hang: past the limit (60 s, or $LOOPLINE_ENVREG_TIMEOUT) it is an error."""
+    limit = float(os.environ.get(READ_LIMIT_ENV, "60"))
+
+    def expire(*_):
+        raise LooplineError(f"gave up on {what} after {limit:g} s (${READ_LIMIT_ENV} sets the limit)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    except (RecursionError, MemoryError) as exc:
+        raise LooplineError(f"{what}: too large or too deeply nested to read ({type(exc).__name__})") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @app.command("validate")
 @friendly_errors
 def validate(file: Path) -> None:
-    """Check a spec and its tasks without writing anything."""
-    spec = load_spec(file)
-    tasks = load_tasks(spec, file.parent)
-    splits = {s: sum(t.split == s for t in tasks) for s in ("train", "eval")}
+    """Check a spec and its tasks exactly as `add` would, without writing anything."""
+    with wall_time_guard(str(file)):
+        prepared = registry.prepare(file)
+    splits = {s: sum(t.split == s for t in prepared.tasks) for s in ("train", "eval")}
+    spec = prepared.spec
     console.print(f"{file}: valid ({spec.name}, {spec.sandbox.backend} sandbox, {splits['train']} train / {splits['eval']} eval tasks)")
 
 
@@ -66,9 +92,12 @@ def validate(file: Path) -> None:
 @friendly_errors
 def add(file: Path) -> None:
     """Register a spec; an unchanged spec is a no-op that prints the existing NAME@VERSION."""
+    with wall_time_guard(str(file)):
+        prepared = registry.prepare(file)  # before the database: a bad file never touches it
     with session(open_ledger()) as s:
-        result = registry.add(s, file)
-    console.print(f"{'registered' if result.created else 'unchanged'} {result.ref}")
+        result = registry.add(s, prepared)
+    note = f" (deprecated: `envreg undeprecate {result.ref}` restores it)" if result.deprecated else ""
+    console.print(f"{'registered' if result.created else 'unchanged'} {result.ref}{note}")
 
 
 @app.command("list")
@@ -113,8 +142,17 @@ def diff(a: str = typer.Argument(..., metavar="NAME@A"), b: str = typer.Argument
 def deprecate(ref: str = typer.Argument(..., metavar="NAME@VERSION")) -> None:
     """Hide a version from `list` and from NAME lookups (runs that used it keep it)."""
     with session(open_ledger()) as s:
-        row = registry.deprecate(s, ref)
+        row = registry.set_deprecated(s, ref, True)
     console.print(f"deprecated {row.name}@{row.version}")
+
+
+@app.command("undeprecate")
+@friendly_errors
+def undeprecate(ref: str = typer.Argument(..., metavar="NAME@VERSION")) -> None:
+    """Make a deprecated version visible to `list` and NAME lookups again."""
+    with session(open_ledger()) as s:
+        row = registry.set_deprecated(s, ref, False)
+    console.print(f"restored {row.name}@{row.version}")
 
 
 @app.command("schema")
@@ -123,25 +161,49 @@ def schema() -> None:
     sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
 
 
+def _print_steps(result) -> None:
+    console.print(Text(f"task {result.task_id}", style="bold"))
+    for i, step in enumerate(result.steps, 1):
+        console.print(Text(f"  {i}. {step.call}  ({step.seconds * 1000:.0f} ms)"))
+        for line in (step.output or "(no output)").splitlines() or [""]:
+            console.print(Text(f"     | {line}"))
+    if result.answer is not None:
+        console.print(Text(f"  answer: {result.answer}"))
+    outcome = f"infra failure: {result.infra_error}" if result.infra_error else f"reward {result.reward:g} {result.verdict}"
+    console.print(Text(f"  verdict: {outcome}"))
+
+
 @app.command("test")
 @friendly_errors
 def test(
     ref: str = typer.Argument(..., metavar="NAME[@VERSION]"),
-    tasks: int = typer.Option(1, "--tasks", min=1, help="How many train tasks to play."),
+    tasks: int = typer.Option(1, "--tasks", min=1, help="How many tasks to play."),
+    split: str = typer.Option("train", "--split", help="train or eval: which tasks to play."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each step's call, output and time, and the verdict."),
 ) -> None:
     """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
+    if split not in ("train", "eval"):
+        raise LooplineError(f"--split must be train or eval, not {split!r}")
     with session(open_ledger()) as s:
         row = registry.get(s, ref)
     spec = registry.spec_of(row)
     if spec.smoke_test is None:
         raise LooplineError(f"{row.name}@{row.version} declares no smoke_test; add one to its YAML")
-    chosen = [t for t in registry.tasks_of(row) if t.split == "train"][:tasks]
-    results = [asyncio.run(run_smoke(spec, task)) for task in chosen]
+    chosen = [t for t in registry.tasks_of(row) if t.split == split][:tasks]
+    results = []
+    for task in chosen:
+        with console.status(f"playing {task.id} ({len(results) + 1}/{len(chosen)})"):
+            results.append(asyncio.run(run_smoke(spec, task)))
+        if verbose:
+            _print_steps(results[-1])
     expected = spec.smoke_test.expect_reward
     table = Table("task", "start", "reset", "steps", "verify", "close", "reward", "verdict", title=f"{row.name}@{row.version}")
     for r in results:
         times = [f"{r.timings.get(p, 0.0) * 1000:.0f} ms" for p in ("start", "reset", "steps", "verify", "close")]
-        verdict = f"[red]infra: {r.infra_error}[/]" if r.infra_error else ("[green]ok[/]" if r.passed(expected) else f"[red]{r.verdict}[/]")
+        if r.infra_error:
+            verdict = Text(f"infra: {r.infra_error}", style="red")
+        else:
+            verdict = Text("ok", style="green") if r.passed(expected) else Text(str(r.verdict), style="red")
         table.add_row(r.task_id, *times, "-" if r.reward is None else f"{r.reward:g}", verdict)
     console.print(table)
     failed = [r for r in results if not r.passed(expected)]

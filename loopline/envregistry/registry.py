@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 import yaml
+from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from loopline.envregistry.spec import EnvSpec, JsonlTasks, load_spec, spec_hash
-from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, jsonl_tasks, load_tasks
+from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, load_tasks
 from loopline.store.errors import LooplineError
 from loopline.store.models import Environment
 
@@ -31,23 +34,67 @@ class Registered:
     version: int
     spec_hash: str
     created: bool
+    deprecated: bool = False
 
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
 
-def stored_form(spec: EnvSpec, base_dir: Path) -> dict[str, Any]:
-    """The spec as the ledger keeps it: canonical, with a JSONL task file's rows and hash embedded."""
+@dataclass(frozen=True)
+class Prepared:
+    """Everything `add` would store, computed by the one code path `validate` runs too."""
+
+    file: Path
+    spec: EnvSpec
+    tasks: list[Task]
+    stored: dict[str, Any]
+    digest: str
+
+
+def _check_storable(value: Any, where: str) -> None:
+    """What PostgreSQL's JSONB cannot hold is refused here, with where it is, not as a database error."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise LooplineError(f"{where}: contains a NUL character (\\u0000), which cannot be stored")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise LooplineError(f"{where}: {value} is not a finite number")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_storable(key, where)
+            _check_storable(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_storable(item, f"{where}[{i}]")
+
+
+def prepare(path: str | Path) -> Prepared:
+    """Load, validate and canonicalise a spec file and its tasks: after this, storing cannot fail on content."""
+    file = Path(path)
+    spec = load_spec(file)
+    tasks = load_tasks(spec, file.parent)
     stored = spec.canonical()
     if isinstance(spec.tasks, JsonlTasks):
-        path = jsonl_path(spec.tasks, base_dir)
-        tasks = jsonl_tasks(path)
-        stored["tasks"]["sha256"] = file_sha256(path)
+        stored["tasks"]["sha256"] = file_sha256(jsonl_path(spec.tasks, file.parent))
         stored["tasks"]["rows"] = [{"id": t.id, "split": t.split, "prompt": t.prompt, **t.data} for t in tasks]
-    else:
-        load_tasks(spec, base_dir)  # a generator must also produce disjoint splits
-    return stored
+    _check_storable(stored, str(file))
+    missing = machine_problems(spec)
+    if missing:
+        raise LooplineError(f"{file}: {missing}")
+    return Prepared(file, spec, tasks, stored, spec_hash(_hashed_part(stored)))
+
+
+def machine_problems(spec: EnvSpec) -> str | None:
+    """What this machine lacks to run the spec safely (None if nothing)."""
+    if spec.sandbox.backend == "local" and spec.runs_commands() and not spec.sandbox.unsafe_host:
+        if shutil.which("bwrap") is None:
+            return (
+                "the local backend runs commands inside bubblewrap, which is not installed "
+                "(apt-get install -y bubblewrap); without it they would run unisolated on this host "
+                "(allow that only with `sandbox.unsafe_host: true`)"
+            )
+    return None
 
 
 def _hashed_part(stored: dict[str, Any]) -> dict[str, Any]:
@@ -58,22 +105,19 @@ def _hashed_part(stored: dict[str, Any]) -> dict[str, Any]:
 
 def content_hash(path: str | Path) -> str:
     """The hash `add` registers a spec file under (equal files, equal hash, in any database)."""
-    file = Path(path)
-    return spec_hash(_hashed_part(stored_form(load_spec(file), file.parent)))
+    return prepare(path).digest
 
 
-def add(session: Session, path: str | Path) -> Registered:
-    file = Path(path)
-    spec = load_spec(file)
-    stored = stored_form(spec, file.parent)
-    digest = spec_hash(_hashed_part(stored))
+def add(session: Session, source: str | Path | Prepared) -> Registered:
+    prepared = source if isinstance(source, Prepared) else prepare(source)
+    spec, stored, digest = prepared.spec, prepared.stored, prepared.digest
     for _ in range(3):  # two processes may race for the next version number
         existing = session.execute(
             sa.select(Environment).where(Environment.name == spec.name, Environment.spec_hash == digest)
         ).scalar_one_or_none()
         if existing is not None:
             session.commit()
-            return Registered(existing.name, existing.version, digest, created=False)
+            return Registered(existing.name, existing.version, digest, created=False, deprecated=existing.deprecated)
         latest = session.execute(
             sa.select(sa.func.max(Environment.version)).where(Environment.name == spec.name)
         ).scalar_one()
@@ -130,7 +174,14 @@ def spec_of(row: Environment) -> EnvSpec:
     data = copy.deepcopy(row.spec)
     data["tasks"].pop("sha256", None)
     data["tasks"].pop("rows", None)
-    return EnvSpec.model_validate(data)
+    try:
+        return EnvSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise LooplineError(
+            f"{row.name}@{row.version} was registered under an older spec format that this loopline refuses "
+            f"({'.'.join(map(str, first['loc']))}: {first['msg']}); fix its YAML and `envreg add` it again"
+        ) from None
 
 
 def tasks_of(row: Environment) -> list[Task]:
@@ -146,14 +197,28 @@ def tasks_of(row: Environment) -> list[Task]:
     return load_tasks(spec, Path("."))
 
 
+class _ShowDumper(yaml.SafeDumper):
+    """Multi-line text (scripts, hidden tests) as `|` blocks, the way a user writes it."""
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value and not any(line != line.rstrip() for line in value.splitlines()) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_ShowDumper.add_representer(str, _text)
+
+
 def show(row: Environment) -> str:
     """The stored spec as YAML (task rows summarised, not dumped)."""
     data = spec_of(row).canonical()  # field order of the model, not of JSONB
+    if data["sandbox"]["backend"] == "local":
+        del data["sandbox"]["workdir"]  # the local backend uses a private temporary directory instead
     stored = row.spec["tasks"]
     if "rows" in stored:
         data["tasks"]["sha256"] = stored["sha256"]
         data["tasks"]["rows"] = f"<{len(stored['rows'])} tasks stored with this version>"
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    return yaml.dump(data, Dumper=_ShowDumper, sort_keys=False, allow_unicode=True)
 
 
 def diff(a: Environment, b: Environment) -> str:
@@ -161,11 +226,21 @@ def diff(a: Environment, b: Environment) -> str:
     return "".join(difflib.unified_diff(left, right, f"{a.name}@{a.version}", f"{b.name}@{b.version}"))
 
 
-def deprecate(session: Session, ref: str) -> Environment:
+def set_deprecated(session: Session, ref: str, deprecated: bool) -> Environment:
+    """Deprecate (hide from NAME lookups) or restore one exact version; saying it twice is an error."""
+    verb = "deprecate" if deprecated else "undeprecate"
     name, version = parse_ref(ref)
     if version is None:
-        raise LooplineError(f"deprecate needs an exact version, e.g. {name}@1")
-    row = get(session, ref)
-    session.execute(sa.update(Environment).where(Environment.id == row.id).values(deprecated=True))
+        raise LooplineError(f"{verb} needs an exact version, e.g. {name}@1")
+    row = session.execute(
+        sa.select(Environment).where(Environment.name == name, Environment.version == version)
+    ).scalar_one_or_none()
+    if row is None:
+        session.rollback()
+        get(session, ref)  # raises the usual "no such version" message
+    if row.deprecated == deprecated:
+        session.rollback()
+        raise LooplineError(f"{ref} is {'already' if deprecated else 'not'} deprecated")
+    session.execute(sa.update(Environment).where(Environment.id == row.id).values(deprecated=deprecated))
     session.commit()
     return row

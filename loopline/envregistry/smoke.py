@@ -16,10 +16,20 @@ _PLACEHOLDER = re.compile(r"{task\.(\w+)}")
 
 
 def fill(value: Any, task: Task) -> Any:
-    """Replace {task.FIELD} in strings with the task's data (the smoke test knows the answers)."""
+    """Replace {task.FIELD} in strings with the task's data (the smoke test knows the answers).
+
+    Every field used is checked to exist on every task when the spec is validated.
+    """
     if not isinstance(value, str):
         return value
     return _PLACEHOLDER.sub(lambda m: str(task.data[m.group(1)]), value)
+
+
+@dataclass(frozen=True)
+class SmokeStepResult:
+    call: str
+    output: str
+    seconds: float
 
 
 @dataclass
@@ -28,7 +38,8 @@ class SmokeResult:
     timings: dict[str, float] = field(default_factory=dict)
     reward: float | None = None
     verdict: dict[str, Any] = field(default_factory=dict)
-    observations: list[str] = field(default_factory=list)
+    steps: list[SmokeStepResult] = field(default_factory=list)
+    answer: str | None = None
     infra_error: str | None = None
 
     def passed(self, expected: float) -> bool:
@@ -53,15 +64,16 @@ async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
         lap("start")
         await episode.reset()
         lap("reset")
-        final = ""
         for step in spec.smoke_test.steps:
             if step.tool is not None:
                 args = {k: fill(v, task) for k, v in step.args.items()}
-                result.observations.append((await episode.step(ToolCall(step.tool, args))).text)
+                seen = await episode.step(ToolCall(step.tool, args))
+                shown = ", ".join(f"{k}={v!r}"[:80] for k, v in args.items())
+                result.steps.append(SmokeStepResult(f"{step.tool}({shown})", seen.text, seen.seconds))
             if step.answer is not None:
-                final = fill(step.answer, task)
+                result.answer = fill(step.answer, task)
         lap("steps")
-        verdict = await episode.verify(final)
+        verdict = await episode.verify(result.answer or "")
         result.reward, result.verdict = verdict.reward, verdict.details
         lap("verify")
     except InfraFailure as exc:

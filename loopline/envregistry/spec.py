@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -21,7 +22,33 @@ NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinities are refused at validation: a spec is stored as JSON, where they do not exist.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+MAX_TIMEOUT_S = 86_400.0  # a day: longer waits are configuration mistakes, not workloads
+RESERVED_TOOL_NAMES = ("answer",)  # `<answer>...</answer>` ends an episode; a tool cannot take the name
+
+
+def relative_path(path: str, what: str) -> str:
+    """Files an env writes live under a directory loopline chooses (the workdir, the verifier's directory):
+    the same relative path means the same place on every backend, and nothing can be written elsewhere."""
+    parts = path.replace("\\", "/").split("/")
+    if not path or path.startswith("/") or ".." in parts:
+        raise ValueError(f"{what} {path!r} must be a relative path without '..'")
+    return path
+
+
+def template_fields(template: str, where: str) -> list[str]:
+    """The {placeholders} of a command template; a brace that is not one must be doubled ({{ and }})."""
+    try:
+        fields = [name for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"{where} {template!r}: {exc}; write a literal brace as {{{{ or }}}}") from None
+    for name in fields:
+        if not re.fullmatch(r"\w+", name):
+            raise ValueError(f"{where} {template!r}: {{{name}}} is not a placeholder; write a literal brace as {{{{ or }}}}")
+    return fields
 
 
 class Versions(_Strict):
@@ -34,9 +61,9 @@ class Versions(_Strict):
 
 class Resources(_Strict):
     cpus: float = Field(1.0, gt=0, le=64)
-    memory_mb: int = Field(512, ge=16)
-    pids: int = Field(128, ge=8)
-    disk_mb: int = Field(256, ge=1)
+    memory_mb: int = Field(512, ge=16, le=1_048_576)
+    pids: int = Field(128, ge=8, le=1_000_000)
+    disk_mb: int = Field(256, ge=1, le=1_048_576)
 
 
 class Sandbox(_Strict):
@@ -45,8 +72,13 @@ class Sandbox(_Strict):
     template: str | None = Field(None, description="e2b: template id")
     resources: Resources = Resources()
     network: bool = Field(False, description="network access inside the sandbox; off by default")
-    workdir: str = "/workspace"
+    workdir: str = Field("/workspace", description="docker/e2b: the agent's working directory (local: a private temp dir)")
     setup: tuple[str, ...] = Field((), description="commands run once after the sandbox starts")
+    unsafe_host: bool = Field(
+        False,
+        description="local only: allow commands to run on the host without bubblewrap isolation "
+        "(needed for `network: true` on the local backend); the agent can then reach the host and its own verifier",
+    )
 
     @model_validator(mode="after")
     def _backend_needs(self) -> "Sandbox":
@@ -54,18 +86,46 @@ class Sandbox(_Strict):
             raise ValueError("the docker backend needs `image`")
         if self.backend == "e2b" and not self.template:
             raise ValueError("the e2b backend needs `template`")
+        if self.backend != "local" and self.unsafe_host:
+            raise ValueError("`unsafe_host` is for the local backend only")
+        if self.backend == "local" and self.network and not self.unsafe_host:
+            raise ValueError(
+                "the local backend isolates commands (bubblewrap) only without network; "
+                "`network: true` runs them on the host: use docker or e2b, or set `unsafe_host: true`"
+            )
         return self
 
 
+class ArithmeticParams(_Strict):
+    """The arithmetic generator's knobs (see `tasks.arithmetic_tasks`)."""
+
+    max_operand: int = Field(99, ge=1, le=1_000_000)
+    split: Literal["templates", "operands", "problems"] = Field(
+        "templates",
+        description="templates: eval holds out the form a o (b o c); operands: eval problems have an operand "
+        ">= eval_min_operand, train never does; problems: one distribution, no eval problem in train",
+    )
+    eval_min_operand: int = Field(80, ge=2, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _threshold(self) -> "ArithmeticParams":
+        if self.split == "operands" and self.eval_min_operand > self.max_operand:
+            raise ValueError(f"eval_min_operand ({self.eval_min_operand}) must be <= max_operand ({self.max_operand})")
+        return self
+
+
+MAX_GENERATED_TASKS = 100_000
+
+
 class GeneratorTasks(_Strict):
-    """Tasks made by a built-in generator; train and eval come from disjoint templates."""
+    """Tasks made by a built-in generator; train and eval never share a problem."""
 
     kind: Literal["generator"]
     generator: Literal["arithmetic"]
-    seed: int = 0
-    train_size: int = Field(1000, ge=1)
-    eval_size: int = Field(100, ge=1)
-    params: dict[str, Any] = Field(default_factory=dict)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    train_size: int = Field(1000, ge=1, le=MAX_GENERATED_TASKS)
+    eval_size: int = Field(100, ge=1, le=MAX_GENERATED_TASKS)
+    params: ArithmeticParams = ArithmeticParams()
 
 
 class JsonlTasks(_Strict):
@@ -93,14 +153,22 @@ class Tool(_Strict):
         None, description="a command template run in the sandbox, e.g. 'python3 {path}'; values are shell-quoted"
     )
     stdin: str | None = Field(None, description="template whose value is fed to the command's stdin")
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S)
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_TOOL_NAMES:
+            raise ValueError(f"{name!r} is reserved: <{name}>...</{name}> ends the episode")
+        return name
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> "Tool":
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a tool needs exactly one of `builtin` or `command`")
-        for template in (self.command, self.stdin):
-            for placeholder in re.findall(r"{(\w+)}", template or ""):
+        for key in ("command", "stdin"):
+            template = getattr(self, key)
+            for placeholder in template_fields(template or "", key):
                 if placeholder not in self.args:
                     raise ValueError(f"template placeholder {{{placeholder}}} is not one of the tool's args")
         return self
@@ -111,35 +179,80 @@ class Reset(_Strict):
 
     system_prompt: str = ""
     prompt: str = Field("{prompt}", description="the first user message; {prompt} is the task's prompt")
-    files: dict[str, str] = Field(default_factory=dict, description="path -> task field whose text is written there")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="path (relative to the workdir) -> task field whose text is written there"
+    )
     observation: str = Field("{output}", description="how a tool's output is shown to the model, e.g. <result>{output}</result>")
+
+    @field_validator("files")
+    @classmethod
+    def _relative(cls, files: dict[str, str]) -> dict[str, str]:
+        return {relative_path(path, "reset.files path"): field for path, field in files.items()}
+
+
+VERDICT_FILE = "verdict.json"  # written by a command verifier into its private directory
+ANSWER_FILE = "answer.txt"  # the agent's final message, put there by loopline before the command runs
 
 
 class Verifier(_Strict):
-    """Run by loopline after the episode; the agent's own claims are never read."""
+    """Decides the reward after the episode, on a channel the agent cannot write.
+
+    A command verifier runs after every process the agent started has been killed, as a
+    different user than the agent, in a private directory (`$LOOPLINE_VERIFY_DIR`, the
+    command's working directory) that the agent can neither read nor write. There loopline
+    has written `support_files`, `hidden_files` and `answer.txt` (the agent's final
+    message). The agent's files are under `$LOOPLINE_WORKDIR`. Code the agent wrote must
+    only run through `$LOOPLINE_AGENT_EXEC` (a JSON argv prefix that runs a command as the
+    agent, unable to see the private directory), and only plain data may come back from it.
+    The verdict is the JSON file `verdict.json` in the private directory, either
+    {"passed": P, "total": T} (reward P/T) or {"reward": R}; stdout is never read as a
+    verdict. A verdict outside `reward_range` (or P > T, T < 1) is a verifier fault: an
+    infrastructure failure, retried, never a reward.
+    """
 
     builtin: Literal["arithmetic_answer"] | None = None
-    command: str | None = Field(None, description="run in the sandbox after hidden files are copied in")
-    hidden_files: dict[str, str] = Field(default_factory=dict, description="path -> task field, copied in only to verify")
-    support_files: dict[str, str] = Field(default_factory=dict, description="path -> literal text, copied in only to verify")
-    timeout_s: float = Field(60.0, gt=0)
+    command: str | None = Field(
+        None, description="run in the verifier's private directory after the agent's processes are gone; writes verdict.json"
+    )
+    hidden_files: dict[str, str] = Field(
+        default_factory=dict, description="path (relative to the verifier's directory) -> task field, written only to verify"
+    )
+    support_files: dict[str, str] = Field(
+        default_factory=dict, description="path (relative to the verifier's directory) -> literal text, written only to verify"
+    )
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    reward_range: tuple[float, float] = Field((0.0, 1.0), description="[low, high]: a verdict outside it is a verifier fault")
+
+    @field_validator("hidden_files", "support_files")
+    @classmethod
+    def _relative(cls, files: dict[str, str]) -> dict[str, str]:
+        for path in files:
+            relative_path(path, "verifier file")
+            if path in (VERDICT_FILE, ANSWER_FILE):
+                raise ValueError(f"{path!r} is written by the verifier run itself; choose another name")
+        return files
 
     @model_validator(mode="after")
     def _one_way_to_verify(self) -> "Verifier":
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a verifier needs exactly one of `builtin` or `command`")
+        if self.builtin and (self.hidden_files or self.support_files):
+            raise ValueError("hidden_files and support_files are for command verifiers")
+        low, high = self.reward_range
+        if not low < high:
+            raise ValueError(f"reward_range must be [low, high] with low < high, not {list(self.reward_range)}")
         return self
 
 
 class Budgets(_Strict):
-    max_turns: int = Field(4, ge=1)
-    max_generated_tokens: int = Field(512, ge=1)
-    wall_time_s: float = Field(120.0, gt=0)
+    max_turns: int = Field(4, ge=1, le=1000)
+    max_generated_tokens: int = Field(512, ge=1, le=10_000_000)
+    wall_time_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class SmokeStep(_Strict):
     tool: str | None = None
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[str, Any] = Field(default_factory=dict, description="string values may use {task.FIELD} placeholders")
     answer: str | None = Field(None, description="the final answer; may use {task.FIELD} placeholders")
 
 
@@ -147,7 +260,7 @@ class SmokeTest(_Strict):
     """A scripted episode `envreg test` plays to check the environment end to end."""
 
     steps: tuple[SmokeStep, ...]
-    expect_reward: float = 1.0
+    expect_reward: float = Field(1.0, description="within the verifier's reward_range")
 
 
 class EnvSpec(_Strict):
@@ -172,12 +285,33 @@ class EnvSpec(_Strict):
         return tools
 
     @model_validator(mode="after")
-    def _smoke_uses_declared_tools(self) -> "EnvSpec":
+    def _consistent(self) -> "EnvSpec":
         declared = {t.name for t in self.tools}
         for step in self.smoke_test.steps if self.smoke_test else ():
             if step.tool is not None and step.tool not in declared:
                 raise ValueError(f"smoke_test uses tool {step.tool!r}, which is not declared in `tools`")
+        if self.smoke_test is not None:
+            low, high = self.verifier.reward_range
+            if not low <= self.smoke_test.expect_reward <= high:
+                raise ValueError(
+                    f"smoke_test.expect_reward {self.smoke_test.expect_reward:g} is outside the verifier's "
+                    f"reward_range [{low:g}, {high:g}]"
+                )
         return self
+
+    def runs_commands(self) -> bool:
+        """Whether anything of this env runs as a process in its sandbox (built-ins run inside loopline)."""
+        return bool(self.sandbox.setup or self.verifier.command or any(t.command for t in self.tools))
+
+    def task_fields(self) -> dict[str, str]:
+        """Each task field the spec uses -> where it is used (every task must have it)."""
+        used = {field: f"reset.files[{path!r}]" for path, field in self.reset.files.items()}
+        used.update({field: f"verifier.hidden_files[{path!r}]" for path, field in self.verifier.hidden_files.items()})
+        for i, step in enumerate(self.smoke_test.steps if self.smoke_test else ()):
+            for value in (step.answer, *step.args.values()):
+                for field in re.findall(r"{task\.(\w+)}", value if isinstance(value, str) else ""):
+                    used.setdefault(field, f"smoke_test.steps.{i}")
+        return used
 
     def canonical(self) -> dict[str, Any]:
         """Every field with defaults filled in: two files that mean the same thing hash the same."""
@@ -188,20 +322,94 @@ def spec_hash(canonical: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-# --------------------------------------------------------------------------- loading with line numbers
+# --------------------------------------------------------------------------- loading, bounded, with line numbers
+
+MAX_SPEC_BYTES = 1 << 20  # 1 MiB: specs are configuration; big data belongs in a task file
+MAX_YAML_NODES = 20_000  # after alias expansion: a few anchors cannot expand to a billion nodes
+MAX_YAML_DEPTH = 40
 
 
-def _line_index(node: yaml.Node, path: tuple = (), index: dict | None = None) -> dict[tuple, int]:
-    """Map each field path in a YAML document to its 1-based line."""
-    index = {} if index is None else index
-    index[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            _line_index(value, (*path, key.value), index)
-            index[(*path, key.value)] = key.start_mark.line + 1  # the key's line, not its value's
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _line_index(item, (*path, i), index)
+def _check_tree(file: Path, root: yaml.Node) -> None:
+    """Refuse documents whose alias-expanded size or depth is unreasonable, and duplicate keys.
+
+    Sizes are counted over the node graph with memoisation, so a billion-laughs
+    document is measured in microseconds instead of being expanded.
+    """
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+
+    def walk(node: yaml.Node) -> tuple[int, int]:
+        key = id(node)
+        if key in sizes:
+            return sizes[key], depths[key]
+        size, depth = 1, 0
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
+                    if k.value in seen:
+                        raise LooplineError(
+                            f"{file}:{k.start_mark.line + 1}: duplicate key {k.value!r} (first on line {seen[k.value]})"
+                        )
+                    seen[k.value] = k.start_mark.line + 1
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        for child in children:
+            child_size, child_depth = walk(child)
+            size, depth = size + child_size, max(depth, child_depth + 1)
+            if size > MAX_YAML_NODES:
+                raise LooplineError(
+                    f"{file}:{node.start_mark.line + 1}: the document expands to more than {MAX_YAML_NODES:,} "
+                    "values (aliases count each time they are used); a spec is configuration, put data in a task file"
+                )
+            if depth > MAX_YAML_DEPTH:
+                raise LooplineError(f"{file}:{child.start_mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
+        sizes[key], depths[key] = size, depth
+        return size, depth
+
+    walk(root)
+
+
+def _read_yaml(text: str, file: Path) -> tuple[Any, yaml.Node | None]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_tree(file, node)
+        return loader.construct_document(node), node
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark else str(file)
+        raise LooplineError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    except RecursionError:
+        raise LooplineError(f"{file}: nested too deeply to read (more than {MAX_YAML_DEPTH} levels)") from None
+    finally:
+        loader.dispose()
+
+
+def _line_index(root: yaml.Node) -> dict[tuple, int]:
+    """Map each field path in a YAML document to its 1-based line (an aliased node keeps its first path)."""
+    index: dict[tuple, int] = {}
+    visited: set[int] = set()
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        index.setdefault(path, node.start_mark.line + 1)
+        if id(node) in visited:
+            return
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                walk(value, (*path, key.value))
+                index[(*path, key.value)] = key.start_mark.line + 1  # the key's line, not its value's
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, (*path, i))
+
+    walk(root, ())
     return index
 
 
@@ -216,31 +424,40 @@ def _format_errors(file: Path, error: ValidationError, lines: dict[tuple, int]) 
             probe = probe[:-1]
         line = lines.get(probe, 1)
         field = ".".join(str(p) for p in path) or "(top level)"
-        out.append(f"{file}:{line}: {field}: {err['msg']}")
+        message = err["msg"].removeprefix("Value error, ")
+        out.append(f"{file}:{line}: {field}: {message}")
     return "\n".join(out)
 
 
 def parse_spec(text: str, file: Path) -> EnvSpec:
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{file}:{mark.line + 1}" if mark else str(file)
-        raise LooplineError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    data, node = _read_yaml(text, file)
     if not isinstance(data, dict):
         raise LooplineError(f"{file}:1: expected a mapping of environment fields (name, sandbox, tasks, ...)")
     try:
         return EnvSpec.model_validate(data)
     except ValidationError as exc:
-        raise LooplineError("invalid environment spec\n" + _format_errors(file, exc, _line_index(node))) from None
+        raise LooplineError(_format_errors(file, exc, _line_index(node))) from None
+
+
+def read_text(file: Path, limit: int, what: str) -> str:
+    """A user's file as UTF-8 text, refused (one line) when too big or not text."""
+    if not file.is_file():
+        raise LooplineError(f"{file}: no such file")
+    size = file.stat().st_size
+    if size > limit:
+        raise LooplineError(f"{file}: {size:,} bytes; {what} may be at most {limit:,} bytes")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LooplineError(f"{file}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    if "\x00" in text:
+        raise LooplineError(f"{file}:{text[: text.index(chr(0))].count(chr(10)) + 1}: contains a NUL character")
+    return text
 
 
 def load_spec(path: str | Path) -> EnvSpec:
     file = Path(path)
-    if not file.is_file():
-        raise LooplineError(f"{file}: no such file")
-    return parse_spec(file.read_text(), file)
+    return parse_spec(read_text(file, MAX_SPEC_BYTES, "an environment spec"), file)
 
 
 def json_schema() -> dict[str, Any]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks
+from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks, read_text
 from loopline.store.errors import LooplineError
 from loopline.store.records import Split
 
@@ -55,13 +55,8 @@ def _apply(template: str, nums: list[int], ops: list[str]) -> tuple[str, int]:
 
 
 def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
-    max_operand = int(source.params.get("max_operand", 99))
-    split_rule = source.params.get("split", "templates")
-    if split_rule not in ("templates", "operands", "problems"):
-        raise LooplineError(f"tasks.params.split must be 'templates', 'operands' or 'problems', not {split_rule!r}")
-    threshold = int(source.params.get("eval_min_operand", 80))
-    if split_rule == "operands" and not 1 < threshold <= max_operand:
-        raise LooplineError(f"tasks.params.eval_min_operand must be in 2..max_operand ({max_operand})")
+    params = source.params
+    max_operand, split_rule, threshold = params.max_operand, params.split, params.eval_min_operand
     tasks = []
     seen: set[str] = set()
     for split, size in (("train", source.train_size), ("eval", source.eval_size)):
@@ -69,8 +64,14 @@ def arithmetic_tasks(source: GeneratorTasks) -> list[Task]:
         if split_rule != "templates":
             templates = TEMPLATES
         rng = random.Random(f"{source.seed}/{split}")
-        i = 0
+        i, draws = 0, 0
         while i < size:
+            draws += 1
+            if draws > 20 * size + 10_000:  # held-out problems can run out when operands are few
+                raise LooplineError(
+                    f"tasks: only {i} of eval_size={size} held-out problems could be drawn that never occur in "
+                    f"train with max_operand={max_operand}; lower eval_size/train_size or raise max_operand"
+                )
             template = templates[i % len(templates)]
             n = 2 if template == "a o b" else 3
             if split_rule in ("templates", "problems"):
@@ -108,18 +109,29 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+MAX_TASK_FILE_BYTES = 64 << 20  # 64 MiB: the rows are stored with the environment version in the ledger
+MAX_TASKS = 100_000
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def jsonl_tasks(path: Path) -> list[Task]:
     if not path.is_file():
         raise LooplineError(f"{path}: task file not found (tasks.path is relative to the YAML file)")
+    text = read_text(path, MAX_TASK_FILE_BYTES, "a task file")
     tasks, seen = [], {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LooplineError(f"{where}: not valid JSON ({exc.msg})") from None
+            row = json.loads(line, parse_constant=_no_constant)
+        except RecursionError:
+            raise LooplineError(f"{where}: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, NaN / Infinity
+            raise LooplineError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
         if not isinstance(row, dict):
             raise LooplineError(f"{where}: each line must be a JSON object with id, split, prompt")
         missing = [k for k in ("id", "split", "prompt") if k not in row]
@@ -127,6 +139,12 @@ def jsonl_tasks(path: Path) -> list[Task]:
             raise LooplineError(f"{where}: missing field(s) {', '.join(missing)}")
         if row["split"] not in ("train", "eval"):
             raise LooplineError(f"{where}: split must be 'train' or 'eval', not {row['split']!r}")
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise LooplineError(f"{where}: prompt must be a non-empty string, not {row['prompt']!r}")
+        if not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool) or not str(row["id"]):
+            raise LooplineError(f"{where}: id must be a non-empty string or an integer, not {row['id']!r}")
+        if len(tasks) >= MAX_TASKS:
+            raise LooplineError(f"{where}: more than {MAX_TASKS:,} tasks in one file")
         task_id = str(row["id"])
         if task_id in seen:
             raise LooplineError(f"{where}: duplicate task id {task_id!r} (first on line {seen[task_id]})")
@@ -147,10 +165,24 @@ def check_disjoint(tasks: list[Task], where: str) -> None:
         raise LooplineError(f"{where}: needs at least one train and one eval task")
 
 
+def check_fields(spec: EnvSpec, tasks: list[Task]) -> None:
+    """Every task field the spec refers to exists on every task: known now, not at the first episode."""
+    for field, where in spec.task_fields().items():
+        lacking = [t.id for t in tasks if field not in t.data]
+        if lacking:
+            raise LooplineError(
+                f"{where} uses task field {field!r}, which task {lacking[0]!r}"
+                + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else "")
+                + f" does not have; task fields: {', '.join(sorted({k for t in tasks for k in t.data})) or 'none'}"
+            )
+
+
 def load_tasks(spec: EnvSpec, base_dir: Path) -> list[Task]:
     source = spec.tasks
     if isinstance(source, GeneratorTasks):
         tasks = arithmetic_tasks(source)
         check_disjoint(tasks, f"generator {source.generator}")
-        return tasks
-    return jsonl_tasks(jsonl_path(source, base_dir))
+    else:
+        tasks = jsonl_tasks(jsonl_path(source, base_dir))
+    check_fields(spec, tasks)
+    return tasks

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.envregistry.sandbox.base import InfraFailure, Sandbox
-from loopline.envregistry.spec import Verifier
+from loopline.envregistry.spec import ANSWER_FILE, VERDICT_FILE, Verifier
 from loopline.envregistry.tasks import Task
 
 ANSWER_PATTERN = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
@@ -99,31 +100,62 @@ def verify_arithmetic(task: Task, final_text: str) -> Verdict:
 # --------------------------------------------------------------------------- command verifiers
 
 
-async def verify_with_command(spec: Verifier, task: Task, sandbox: Sandbox) -> Verdict:
-    """Copy the hidden files in (only now), run the command, read its JSON verdict from the last stdout line.
+def parse_verdict(text: str, reward_range: tuple[float, float]) -> Verdict:
+    """A verdict file's JSON, range-checked: anything malformed or out of range is a verifier fault (infra)."""
 
-    The command prints e.g. {"passed": 3, "total": 4}; reward = passed / total.
-    A crash of the verifier itself (no verdict line) is an infra failure, not a reward of 0.
-    """
-    for path, text in spec.support_files.items():
-        await sandbox.write_file(path, text)
-    for path, task_field in spec.hidden_files.items():
-        await sandbox.write_file(path, str(task.data[task_field]))
-    result = await sandbox.exec(spec.command, timeout_s=spec.timeout_s)
-    lines = result.stdout.strip().splitlines()
+    def fault(why: str) -> InfraFailure:
+        return InfraFailure(f"verifier fault: {why}: {text[:200]!r}")
+
+    def number(value: Any, integer: bool) -> bool:
+        kinds = int if integer else (int, float)
+        return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+
     try:
-        report = json.loads(lines[-1])
-        passed, total = int(report["passed"]), int(report["total"])
-    except (IndexError, ValueError, KeyError, TypeError):
+        report = json.loads(text, parse_constant=lambda name: float("nan"))
+    except (ValueError, RecursionError):
+        raise fault("verdict.json is not JSON") from None
+    if not isinstance(report, dict):
+        raise fault("verdict.json must be a JSON object")
+    low, high = reward_range
+    if "reward" in report:
+        reward = report["reward"]
+        if not number(reward, integer=False):
+            raise fault("`reward` must be a finite number")
+        details: dict[str, Any] = {"reward": reward}
+    elif "passed" in report and "total" in report:
+        passed, total = report["passed"], report["total"]
+        if not (number(passed, integer=True) and number(total, integer=True)):
+            raise fault("`passed` and `total` must be integers")
+        if not 0 <= passed <= total or total < 1:
+            raise fault("need 0 <= passed <= total and total >= 1")
+        reward = passed / total
+        details = {"passed": passed, "total": total}
+    else:
+        raise fault('verdict.json needs {"passed": P, "total": T} or {"reward": R}')
+    if not low <= reward <= high:
+        raise fault(f"reward {reward:g} is outside the env's reward_range [{low:g}, {high:g}]")
+    return Verdict(float(reward), reward >= high, details)
+
+
+async def verify_with_command(spec: Verifier, task: Task, final_text: str, sandbox: Sandbox) -> Verdict:
+    """Run the command verifier on a channel the agent cannot write (see `spec.Verifier`) and check its verdict.
+
+    A verifier that writes no verdict (it crashed, timed out) is an infra failure, not a reward of 0.
+    """
+    files = dict(spec.support_files)
+    files.update({path: str(task.data[task_field]) for path, task_field in spec.hidden_files.items()})
+    files[ANSWER_FILE] = final_text
+    run = await sandbox.run_verifier(files, spec.command, spec.timeout_s)
+    if run.verdict is None:
+        result = run.result
         raise InfraFailure(
-            f"verifier command gave no verdict (exit {result.exit_code}, timed out: {result.timed_out}): "
+            f"verifier wrote no {VERDICT_FILE} (exit {result.exit_code}, timed out: {result.timed_out}): "
             f"{(result.stderr or result.stdout)[-300:]}"
-        ) from None
-    reward = passed / total if total else 0.0
-    return Verdict(reward, total > 0 and passed == total, {"passed": passed, "total": total})
+        )
+    return parse_verdict(run.verdict, spec.reward_range)
 
 
 async def verify(spec: Verifier, task: Task, final_text: str, sandbox: Sandbox) -> Verdict:
     if spec.builtin == "arithmetic_answer":
         return verify_arithmetic(task, final_text)
-    return await verify_with_command(spec, task, sandbox)
+    return await verify_with_command(spec, task, final_text, sandbox)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,6 +42,29 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out and not self.oom_killed
 
 
+@dataclass(frozen=True)
+class VerifierRun:
+    """What a command verifier left: its process result (for error messages) and the verdict file's text."""
+
+    result: ExecResult
+    verdict: str | None
+
+
+UTF8 = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # the same text semantics on every backend (e.g. `wc -m`)
+
+
+def verifier_env(verify_dir: str, workdir: str, agent_exec: list[str]) -> dict[str, str]:
+    """The environment of a command verifier: the contract documented on `spec.Verifier`."""
+    return {
+        **UTF8,
+        "LOOPLINE_VERIFY_DIR": verify_dir,
+        "LOOPLINE_WORKDIR": workdir,
+        "LOOPLINE_AGENT_EXEC": json.dumps(agent_exec),
+        "LOOPLINE_ANSWER_FILE": f"{verify_dir}/{env_spec.ANSWER_FILE}",
+        "LOOPLINE_VERDICT_FILE": f"{verify_dir}/{env_spec.VERDICT_FILE}",
+    }
+
+
 class Sandbox(Protocol):
     async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
         """Run a shell command in the working directory; a timeout or OOM is a result, not an exception."""
@@ -49,6 +73,13 @@ class Sandbox(Protocol):
         """Write a file (relative paths are under the working directory)."""
 
     async def read_file(self, path: str) -> str: ...
+
+    async def end_agent(self) -> None:
+        """Kill every process the agent started (a background process must not outlive its episode)."""
+
+    async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
+        """End the agent, then run `command` as an identity the agent's code cannot act as, in a private
+        directory holding `files` that the agent's code can neither read nor write; return its verdict file."""
 
     async def close(self) -> None:
         """Release everything; safe to call twice."""

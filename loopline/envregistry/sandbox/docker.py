@@ -1,9 +1,13 @@
 """The Docker backend: one hardened container per episode, driven through the docker SDK.
 
-No network, a non-root user, a read-only root with a tmpfs working directory,
-memory / cpu / pids limits, and a per-command timeout (`timeout -s KILL`,
-since exec has none). Containers carry labels naming their owner process, so
-`cleanup_orphans` removes those whose owner died without closing them.
+No network, a read-only root with tmpfs working directories, memory / cpu /
+pids limits, and a per-command timeout (`timeout -s KILL`, since exec has
+none). Every command of the agent runs as uid 1000 with no capabilities. The
+verifier runs as root (capabilities only to drop to the agent's uid and to
+kill its processes) in `/verify`, a tmpfs of its own that uid 1000 can neither
+read nor write, after every process of uid 1000 has been killed. Containers
+carry labels naming their owner process, so `cleanup_orphans` removes those
+whose owner died without closing them.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import posixpath
 import shlex
 import socket
 import time
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
-from loopline.envregistry.sandbox.base import ExecResult, InfraFailure, process_alive
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, process_alive, verifier_env
 
 LABEL = "loopline.sandbox"
+AGENT = "1000:1000"
+VERIFIER = "0:0"
+VERIFY_DIR = "/verify"
+AGENT_EXEC = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--"]  # util-linux, in Debian's minbase
 OUTPUT_LIMIT = 64 * 1024
 _WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel's per-argument limit
 
@@ -63,16 +72,24 @@ class DockerSandbox:
                 ["sleep", "infinity"],
                 detach=True,
                 init=True,
-                user="1000:1000",
+                user=VERIFIER,  # the container's own process; every agent command is exec'd as AGENT
                 working_dir=spec.workdir,
                 network_mode="bridge" if spec.network else "none",
                 read_only=True,
-                tmpfs={spec.workdir: f"rw,exec,size={res.disk_mb}m,mode=1777", "/tmp": f"rw,size={res.disk_mb}m,mode=1777"},
+                tmpfs={
+                    spec.workdir: f"rw,exec,size={res.disk_mb}m,mode=1777",
+                    "/tmp": f"rw,size={res.disk_mb}m,mode=1777",
+                    # Its own filesystem: an agent that fills the disk cannot starve the verifier.
+                    VERIFY_DIR: f"rw,exec,size={res.disk_mb}m,mode=0700",
+                },
                 mem_limit=f"{res.memory_mb}m",
                 memswap_limit=f"{res.memory_mb}m",
                 nano_cpus=int(res.cpus * 1e9),
                 pids_limit=res.pids,
                 cap_drop=["ALL"],
+                # Effective for root (the verifier) only: uid 1000 processes get none, and no-new-privileges
+                # keeps them from gaining any.
+                cap_add=["SETUID", "SETGID", "KILL"],
                 security_opt=["no-new-privileges"],
                 labels={LABEL: "1", "loopline.owner_pid": str(os.getpid()), "loopline.owner_host": socket.gethostname(), **labels},
             )
@@ -96,13 +113,27 @@ class DockerSandbox:
                 continue
         return 0
 
-    def _exec(self, command: str, timeout_s: float, limit: int | None = OUTPUT_LIMIT) -> ExecResult:
+    def _exec(
+        self,
+        command: str,
+        timeout_s: float,
+        limit: int | None = OUTPUT_LIMIT,
+        user: str = AGENT,
+        workdir: str | None = None,
+        environment: dict[str, str] | None = None,
+    ) -> ExecResult:
         from docker.errors import APIError, NotFound
 
         start = time.monotonic()
         wrapped = ["timeout", "-s", "KILL", f"{timeout_s:g}", "sh", "-c", command]
         try:
-            code, (out, err) = self.container.exec_run(wrapped, demux=True, workdir=self.spec.workdir, user="1000:1000")
+            code, (out, err) = self.container.exec_run(
+                wrapped,
+                demux=True,
+                workdir=workdir or self.spec.workdir,
+                user=user,
+                environment={**UTF8, **(environment or {})},
+            )
         except (APIError, NotFound) as exc:
             raise InfraFailure(f"sandbox container failed: {exc}") from None
         seconds = time.monotonic() - start
@@ -123,7 +154,7 @@ class DockerSandbox:
             command = f"({command}) < /tmp/.loopline-stdin"
         return await asyncio.to_thread(self._exec, command, timeout_s)
 
-    async def write_file(self, path: str, content: str) -> None:
+    async def write_file(self, path: str, content: str, user: str = AGENT) -> None:
         # put_archive cannot write into a tmpfs under a read-only root, so files go through exec arguments.
         target = shlex.quote(path)
         data = base64.b64encode(content.encode()).decode()
@@ -132,16 +163,43 @@ class DockerSandbox:
         for i, chunk in enumerate(chunks):
             redirect = ">" if i == 0 else ">>"
             result = await asyncio.to_thread(
-                self._exec, f"mkdir -p {parent} && printf %s {chunk} | base64 -d {redirect} {target}", 30
+                self._exec, f"mkdir -p {parent} && printf %s {chunk} | base64 -d {redirect} {target}", 30, OUTPUT_LIMIT, user
             )
             if not result.ok:
                 raise InfraFailure(f"could not write {path} in the sandbox: {result.stderr.strip()}")
 
-    async def read_file(self, path: str) -> str:
-        result = await asyncio.to_thread(self._exec, f"cat {shlex.quote(path)}", 30, None)
+    async def read_file(self, path: str, user: str = AGENT) -> str:
+        result = await asyncio.to_thread(self._exec, f"cat {shlex.quote(path)}", 30, None, user)
         if not result.ok:
             raise FileNotFoundError(f"{path}: {result.stderr.strip()}")
         return result.stdout
+
+    def _kill_agent(self) -> None:
+        from docker.errors import APIError, NotFound
+
+        try:  # as uid 1000, `kill -1` reaches every process of the agent and nothing else
+            self.container.exec_run(["sh", "-c", "kill -9 -1"], user=AGENT)
+        except (APIError, NotFound) as exc:
+            raise InfraFailure(f"sandbox container failed: {exc}") from None
+
+    async def end_agent(self) -> None:
+        await asyncio.to_thread(self._kill_agent)
+
+    async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
+        await self.end_agent()
+        cleared = await asyncio.to_thread(self._exec, f"find {VERIFY_DIR} -mindepth 1 -delete", 30, OUTPUT_LIMIT, VERIFIER)
+        if not cleared.ok:
+            raise InfraFailure(f"could not prepare {VERIFY_DIR}: {cleared.stderr.strip()}")
+        for path, text in files.items():
+            await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
+        env = verifier_env(VERIFY_DIR, self.spec.workdir, AGENT_EXEC)
+        result = await asyncio.to_thread(self._exec, command, timeout_s, OUTPUT_LIMIT, VERIFIER, VERIFY_DIR, env)
+        await self.end_agent()  # whatever the agent's code started while it was tested
+        try:
+            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
+        except FileNotFoundError:
+            verdict = None
+        return VerifierRun(result, verdict)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._remove)

@@ -4,7 +4,10 @@ Resources come from the E2B template (they cannot be set per sandbox), so
 `resources` in the spec documents intent only; network access follows
 `network`. Commands get the same `timeout -s KILL` wrapper as on Docker, so a
 command that outlives its timeout is killed inside the sandbox, not merely
-abandoned by the client.
+abandoned by the client. The agent's commands run as E2B's unprivileged
+`user`; the verifier runs as `root` in `/verify` (mode 0700, a tmpfs of its
+own where the sandbox allows mounting), after every process of `user` has
+been killed, and runs the agent's code only through `setpriv` back to `user`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import shlex
 import time
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import ExecResult, InfraFailure
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
 
+AGENT = "user"  # E2B's default unprivileged user
+VERIFIER = "root"
+VERIFY_DIR = "/verify"
 OUTPUT_LIMIT = 64 * 1024
 SANDBOX_LIFETIME_S = 3600  # E2B kills an idle-forgotten sandbox after this, even if close() never ran
 _CLIENT_GRACE_S = 10  # how much longer the SDK waits than the in-sandbox kill timer
@@ -24,6 +30,7 @@ _CLIENT_GRACE_S = 10  # how much longer the SDK waits than the in-sandbox kill t
 class E2BSandbox:
     def __init__(self, spec: env_spec.Sandbox, sandbox):
         self.spec, self.sandbox = spec, sandbox
+        self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, asked on first verification
 
     @classmethod
     async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> "E2BSandbox":
@@ -40,7 +47,13 @@ class E2BSandbox:
         except (SandboxException, AuthenticationException, ServiceBusyException) as exc:
             raise InfraFailure(f"could not create an E2B sandbox from template {spec.template!r}: {exc}") from None
         box = cls(spec, sandbox)
-        made = await box.exec(f"mkdir -p {shlex.quote(spec.workdir)}", timeout_s=30, cwd="/")
+        workdir = shlex.quote(spec.workdir)
+        made = await box.exec(
+            f"mkdir -p {workdir} && (chown {AGENT}: {workdir} 2>/dev/null || chmod 1777 {workdir})",
+            timeout_s=30,
+            cwd="/",
+            user=VERIFIER,
+        )
         if not made.ok:
             await box.close()
             raise InfraFailure(f"could not create {spec.workdir} in the E2B sandbox: {made.stderr.strip()}")
@@ -50,7 +63,13 @@ class E2BSandbox:
         return path if path.startswith("/") else posixpath.join(self.spec.workdir, path)
 
     async def exec(
-        self, command: str, timeout_s: float, stdin: str | None = None, cwd: str | None = None
+        self,
+        command: str,
+        timeout_s: float,
+        stdin: str | None = None,
+        cwd: str | None = None,
+        user: str = AGENT,
+        envs: dict[str, str] | None = None,
     ) -> ExecResult:
         from e2b import CommandExitException
         from e2b.exceptions import (
@@ -61,13 +80,17 @@ class E2BSandbox:
         )
 
         if stdin is not None:
-            await self.write_file("/tmp/.loopline-stdin", stdin)
+            await self.write_file("/tmp/.loopline-stdin", stdin, user=user)
             command = f"({command}) < /tmp/.loopline-stdin"
         wrapped = f"timeout -s KILL {timeout_s:g} sh -c {shlex.quote(command)}"
         start = time.monotonic()
         try:
             result = await self.sandbox.commands.run(
-                wrapped, cwd=cwd or self.spec.workdir, timeout=timeout_s + _CLIENT_GRACE_S
+                wrapped,
+                cwd=cwd or self.spec.workdir,
+                timeout=timeout_s + _CLIENT_GRACE_S,
+                user=user,
+                envs={**UTF8, **(envs or {})},
             )
             code, out, err = result.exit_code, result.stdout, result.stderr
         except CommandExitException as exc:  # a non-zero exit is a result, not a failure
@@ -87,23 +110,62 @@ class E2BSandbox:
             timed_out=code == 137 and seconds >= timeout_s * 0.9,
         )
 
-    async def write_file(self, path: str, content: str) -> None:
+    async def write_file(self, path: str, content: str, user: str = AGENT) -> None:
         from e2b.exceptions import SandboxException
 
         try:
-            await self.sandbox.files.write(self._path(path), content)
+            await self.sandbox.files.write(self._path(path), content, user=user)
         except SandboxException as exc:
             raise InfraFailure(f"could not write {path} in the E2B sandbox: {exc}") from None
 
-    async def read_file(self, path: str) -> str:
+    async def read_file(self, path: str, user: str = AGENT) -> str:
         from e2b.exceptions import NotFoundException, SandboxException
 
         try:
-            return await self.sandbox.files.read(self._path(path))
+            return await self.sandbox.files.read(self._path(path), user=user)
         except NotFoundException:
             raise FileNotFoundError(path) from None
         except SandboxException as exc:
             raise InfraFailure(f"could not read {path} in the E2B sandbox: {exc}") from None
+
+    async def end_agent(self) -> None:
+        # As `user`, `kill -1` reaches every process of the agent (and this command itself: its exit
+        # status is meaningless); envd and root's processes are out of its reach.
+        await self.exec("kill -9 -1", timeout_s=30, cwd="/")
+
+    async def _as_root(self, command: str, what: str) -> ExecResult:
+        result = await self.exec(command, timeout_s=30, cwd="/", user=VERIFIER)
+        if not result.ok:
+            raise InfraFailure(f"could not {what} in the E2B sandbox: {result.stderr.strip()[-300:]}")
+        return result
+
+    async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
+        if self.agent_ids is None:
+            ids = await self.exec("id -u && id -g", timeout_s=30, cwd="/")  # asked as the agent itself
+            if not ids.ok or len(ids.stdout.split()) != 2:
+                raise InfraFailure(f"could not learn the agent's uid in the E2B sandbox: {ids.stderr.strip()[-300:]}")
+            uid, gid = ids.stdout.split()
+            self.agent_ids = uid, gid
+        await self.end_agent()
+        size = self.spec.resources.disk_mb
+        await self._as_root(
+            f"mkdir -p {VERIFY_DIR} && chmod 700 {VERIFY_DIR} && "
+            f"(mountpoint -q {VERIFY_DIR} || mount -t tmpfs -o size={size}m,mode=0700 tmpfs {VERIFY_DIR} || true) && "
+            f"find {VERIFY_DIR} -mindepth 1 -delete",
+            f"prepare {VERIFY_DIR}",
+        )
+        for path, text in files.items():
+            await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
+        uid, gid = self.agent_ids
+        agent_exec = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+        env = verifier_env(VERIFY_DIR, self.spec.workdir, agent_exec)
+        result = await self.exec(command, timeout_s, cwd=VERIFY_DIR, user=VERIFIER, envs=env)
+        await self.end_agent()
+        try:
+            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
+        except FileNotFoundError:
+            verdict = None
+        return VerifierRun(result, verdict)
 
     async def close(self) -> None:
         from e2b.exceptions import SandboxException

@@ -1,9 +1,14 @@
-"""The local backend: a private temporary directory and subprocesses, for trusted, side-effect-free tools.
+"""The local backend: a private temporary directory and subprocesses.
 
-When bubblewrap is installed and the spec turns the network off, commands run
-inside `bwrap` with every namespace unshared (no network, private /tmp,
-read-only host); otherwise they run as plain subprocesses. Memory is capped
-with RLIMIT_AS; a timeout kills the whole process group.
+Commands run inside `bwrap` with every namespace unshared (no network, private
+/tmp, read-only host, their own pid namespace: nothing an agent starts outlives
+the command that started it). Without bubblewrap, or with network on, commands
+would run unisolated on the host: that needs `sandbox.unsafe_host: true`.
+Memory is capped with RLIMIT_AS; a timeout kills the whole process group.
+
+The verifier runs on the host in a private directory outside the sandbox
+(hidden from bwrap'd commands by their private /tmp); the agent's code runs
+only through the same bwrap prefix.
 """
 
 from __future__ import annotations
@@ -13,23 +18,26 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import ExecResult, InfraFailure, process_alive
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, process_alive, verifier_env
 
 OUTPUT_LIMIT = 64 * 1024
 PREFIX = "loopline-sandbox-"
+VERIFY_PREFIX = "loopline-verify-"
 
 
 class LocalSandbox:
     def __init__(self, spec: env_spec.Sandbox):
         self.spec = spec
+        self.isolated = not spec.network and shutil.which("bwrap") is not None
         # The owner's pid in the name lets `cleanup_orphans` find directories of processes that crashed.
         self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
-        self.isolated = not spec.network and shutil.which("bwrap") is not None
+        self._groups: set[int] = set()  # unsafe_host: process groups of commands, killed by end_agent
 
     def _resolve(self, path: str) -> Path:
         target = (self.root / path.lstrip("/")).resolve()
@@ -37,35 +45,46 @@ class LocalSandbox:
             raise ValueError(f"path {path!r} leaves the sandbox")
         return target
 
-    def _argv(self, command: str) -> list[str]:
+    def agent_prefix(self) -> list[str]:
+        """argv that runs a command as the agent: in bwrap, seeing the host read-only and its workdir."""
         if not self.isolated:
-            return ["/bin/sh", "-c", command]
-        return [
+            if not self.spec.unsafe_host:  # built-in tools need no process: only commands need bubblewrap
+                raise InfraFailure(
+                    "the local backend needs bubblewrap to isolate commands (apt-get install -y bubblewrap); "
+                    "set `sandbox.unsafe_host: true` to run them unisolated on this host"
+                )
+            return []
+        prefix = [
             "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--bind", str(self.root), str(self.root), "--chdir", str(self.root),
-            "/bin/sh", "-c", command,
         ]
+        if Path(tempfile.gettempdir()).resolve() != Path("/tmp"):  # verifier directories live there: hide them
+            prefix += ["--tmpfs", str(Path(tempfile.gettempdir()).resolve())]
+        return prefix + ["--bind", str(self.root), str(self.root), "--chdir", str(self.root)]
 
     def _limits(self) -> None:
         memory = self.spec.resources.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
-    async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
+    async def _run(
+        self, argv: list[str], cwd: Path, timeout_s: float, stdin: str | None, env: dict[str, str] | None = None
+    ) -> ExecResult:
         start = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(command),
-                cwd=self.root,
+                *argv,
+                cwd=cwd,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
                 preexec_fn=self._limits,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root), "LANG": "C.UTF-8"},
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root), **UTF8, **(env or {})},
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             raise InfraFailure(f"could not start a local sandbox process: {exc}") from exc
+        if not self.isolated:
+            self._groups.add(proc.pid)
         timed_out = False
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), timeout_s)
@@ -80,6 +99,39 @@ class LocalSandbox:
             seconds=time.monotonic() - start,
             timed_out=timed_out,
         )
+
+    async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
+        return await self._run([*self.agent_prefix(), "/bin/sh", "-c", command], self.root, timeout_s, stdin)
+
+    async def end_agent(self) -> None:
+        # In bwrap every command has its own pid namespace, gone when the command ends. Unisolated
+        # (unsafe_host), the commands' process groups are killed; a process that left its group escapes.
+        for group in self._groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._groups.clear()
+
+    async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
+        await self.end_agent()
+        prefix = self.agent_prefix()
+        private = Path(tempfile.mkdtemp(prefix=f"{VERIFY_PREFIX}{os.getpid()}-"))  # mode 0700
+        try:
+            for path, text in files.items():
+                target = (private / path).resolve()
+                if not target.is_relative_to(private.resolve()):
+                    raise InfraFailure(f"verifier file {path!r} leaves the verifier's directory")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+            env = verifier_env(str(private), str(self.root), prefix)
+            result = await self._run(["/bin/sh", "-c", command], private, timeout_s, None, env)
+            await self.end_agent()
+            verdict_file = Path(env["LOOPLINE_VERDICT_FILE"])
+            verdict = verdict_file.read_text(errors="replace") if verdict_file.is_file() else None
+            return VerifierRun(result, verdict)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
 
     async def write_file(self, path: str, content: str) -> None:
         target = self._resolve(path)
@@ -96,9 +148,10 @@ class LocalSandbox:
 def cleanup_orphans() -> list[str]:
     """Remove local sandbox directories whose owning process is gone."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        pid = path.name[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
+    for prefix in (PREFIX, VERIFY_PREFIX):
+        for path in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+            pid = path.name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
     return removed
