@@ -124,3 +124,20 @@ def tiny_dirs(tmp_path_factory):
         "v1": build_tiny(root / "v1", seed=1),
         "other": build_tiny(root / "other", seed=0, hidden=32),
     }
+
+
+@pytest.fixture(scope="session")
+def local_envd(docker_image):
+    """E2B's in-sandbox daemon stood in by `tests/envd_over_docker.py`; the real SDK in debug mode talks to it."""
+    from tests.envd_over_docker import EnvdOverDocker
+
+    previous = os.environ.get("E2B_DEBUG")
+    os.environ["E2B_DEBUG"] = "true"
+    try:
+        with EnvdOverDocker(docker_image) as envd:
+            yield envd
+    finally:
+        if previous is None:
+            os.environ.pop("E2B_DEBUG", None)
+        else:
+            os.environ["E2B_DEBUG"] = previous

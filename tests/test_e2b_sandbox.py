@@ -8,7 +8,6 @@ command and file really runs in a container. The names say so.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,9 @@ from loopline.envregistry.sandbox.base import InfraFailure, open_sandbox
 from loopline.envregistry.sandbox.e2b import E2BSandbox
 from loopline.envregistry.spec import EnvSpec, Sandbox, load_spec
 from loopline.envregistry.tasks import load_tasks
-from tests.envd_over_docker import EnvdOverDocker
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 E2B_SPEC = Sandbox(backend="e2b", template="loopline-python")
-
-
-@pytest.fixture(scope="module")
-def local_envd(docker_image):
-    previous = os.environ.get("E2B_DEBUG")
-    os.environ["E2B_DEBUG"] = "true"
-    try:
-        with EnvdOverDocker(docker_image) as envd:
-            yield envd
-    finally:
-        if previous is None:
-            os.environ.pop("E2B_DEBUG", None)
-        else:
-            os.environ["E2B_DEBUG"] = previous
 
 
 def _with_box(body):

@@ -28,6 +28,7 @@ LABEL = "loopline.sandbox"
 AGENT = "1000:1000"
 VERIFIER = "0:0"
 VERIFY_DIR = "/verify"
+PLUMBING_DIR = "/run/loopline"  # loopline's own files for the agent's commands (stdin): root's, readable, not fillable
 AGENT_EXEC = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--"]  # util-linux, in Debian's minbase
 OUTPUT_LIMIT = 64 * 1024
 _WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel's per-argument limit
@@ -81,6 +82,7 @@ class DockerSandbox:
                     "/tmp": f"rw,size={res.disk_mb}m,mode=1777",
                     # Its own filesystem: an agent that fills the disk cannot starve the verifier.
                     VERIFY_DIR: f"rw,exec,size={res.disk_mb}m,mode=0700",
+                    PLUMBING_DIR: f"rw,size={res.disk_mb}m,mode=0755",
                 },
                 mem_limit=f"{res.memory_mb}m",
                 memswap_limit=f"{res.memory_mb}m",
@@ -149,9 +151,9 @@ class DockerSandbox:
         )
 
     async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
-        if stdin is not None:
-            await self.write_file("/tmp/.loopline-stdin", stdin)
-            command = f"({command}) < /tmp/.loopline-stdin"
+        if stdin is not None:  # written by root where the agent cannot fill the disk, read by the agent
+            await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
+            command = f"({command}) < {PLUMBING_DIR}/stdin"
         return await asyncio.to_thread(self._exec, command, timeout_s)
 
     async def write_file(self, path: str, content: str, user: str = AGENT) -> None:

@@ -22,6 +22,7 @@ from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, Ve
 AGENT = "user"  # E2B's default unprivileged user
 VERIFIER = "root"
 VERIFY_DIR = "/verify"
+STDIN_FILE = "/run/loopline/stdin"
 OUTPUT_LIMIT = 64 * 1024
 SANDBOX_LIFETIME_S = 3600  # E2B kills an idle-forgotten sandbox after this, even if close() never ran
 _CLIENT_GRACE_S = 10  # how much longer the SDK waits than the in-sandbox kill timer
@@ -79,9 +80,9 @@ class E2BSandbox:
             TimeoutException,
         )
 
-        if stdin is not None:
-            await self.write_file("/tmp/.loopline-stdin", stdin, user=user)
-            command = f"({command}) < /tmp/.loopline-stdin"
+        if stdin is not None:  # written by root where the agent cannot fill the disk, read by the agent
+            await self.write_file(STDIN_FILE, stdin, user=VERIFIER)
+            command = f"({command}) < {STDIN_FILE}"
         wrapped = f"timeout -s KILL {timeout_s:g} sh -c {shlex.quote(command)}"
         start = time.monotonic()
         try:
