@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.sandbox.base import InfraFailure, open_sandbox
 from loopline.envregistry.sandbox.docker import DockerSandbox, cleanup_orphans, _client
 from loopline.envregistry.spec import Sandbox
 
@@ -120,3 +120,14 @@ def test_setup_commands_run_once_at_start(docker_image):
     broken = Sandbox(backend="docker", image=docker_image, setup=("exit 7",))
     with pytest.raises(InfraFailure, match="setup command 'exit 7' failed"):
         asyncio.run(open_sandbox(broken))
+
+
+def test_commands_see_utf8_text_as_on_the_other_backends(docker_image):
+    async def body():
+        box = await open_sandbox(Sandbox(backend="docker", image=docker_image))
+        try:
+            return await box.exec("printf 'café' | wc -m", 10)
+        finally:
+            await box.close()
+
+    assert asyncio.run(body()).stdout.strip() == "4"

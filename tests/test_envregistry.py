@@ -23,7 +23,7 @@ from loopline.envregistry.sandbox.local import LocalSandbox
 from loopline.envregistry.sandbox.local import cleanup_orphans as local_cleanup_orphans
 from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
-from loopline.envregistry.verifiers import evaluate_expression, verify_arithmetic
+from loopline.envregistry.verifiers import evaluate_expression, parse_verdict, verify_arithmetic
 from loopline.store.errors import LooplineError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -220,6 +220,49 @@ def test_verifier_catches_a_wrong_stored_answer_as_infra_failure():
         verify_arithmetic(broken, "<answer>60</answer>")
 
 
+@pytest.mark.parametrize(
+    "text, reward, passed",
+    [
+        ('{"passed": 3, "total": 4}', 0.75, False),
+        ('{"passed": 4, "total": 4}', 1.0, True),
+        ('{"passed": 0, "total": 1}', 0.0, False),
+        ('{"reward": 0.25}', 0.25, False),
+        ('{"reward": 1}', 1.0, True),
+    ],
+)
+def test_verdicts_in_range_become_rewards(text, reward, passed):
+    verdict = parse_verdict(text, (0.0, 1.0))
+    assert (verdict.reward, verdict.passed) == (reward, passed)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"passed": 1000, "total": 1}',  # the forged verdict of the red-team report
+        '{"passed": -1, "total": 2}',
+        '{"passed": 0, "total": 0}',
+        '{"passed": 1.5, "total": 2}',
+        '{"passed": true, "total": 1}',
+        '{"reward": 1.01}',
+        '{"reward": -0.5}',
+        '{"reward": NaN}',
+        '{"reward": "1"}',
+        '{"ok": true}',
+        "[1, 1]",
+        "passed",
+    ],
+)
+def test_malformed_or_out_of_range_verdicts_are_verifier_faults(text):
+    with pytest.raises(InfraFailure, match="verifier fault"):
+        parse_verdict(text, (0.0, 1.0))
+
+
+def test_a_declared_reward_range_is_honoured():
+    assert parse_verdict('{"reward": -1}', (-1.0, 1.0)).reward == -1.0
+    with pytest.raises(InfraFailure, match="outside the env's reward_range"):
+        parse_verdict('{"passed": 1, "total": 1}', (0.0, 0.5))
+
+
 # --------------------------------------------------------------------------- episodes
 
 
@@ -350,6 +393,37 @@ def test_envreg_add_then_test_the_arithmetic_environment(database_url):
     tested = _envreg("test", "arithmetic", "--tasks", "3", url=database_url)
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert tested.stdout.count("ok") >= 3
+
+
+def test_envreg_test_verbose_shows_steps_and_plays_eval_tasks(database_url):
+    assert _envreg("add", str(ARITHMETIC), url=database_url).returncode == 0
+    tested = _envreg("test", "arithmetic", "--split", "eval", "--verbose", url=database_url)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "task arith-eval-00000" in tested.stdout and "calc(expression=" in tested.stdout
+    assert "| " in tested.stdout and "verdict: reward 1" in tested.stdout
+
+
+def test_show_prints_what_a_user_wrote(db, tmp_path):
+    name = f"show-{os.getpid()}-{tmp_path.name[-6:]}".lower().replace("_", "-")
+    path = _write_env(tmp_path, name, ROWS, extra="reset:\n  system_prompt: |\n    line one\n    line two\n")
+    text = registry.show(registry.get(db, registry.add(db, path).ref))
+    assert "workdir" not in text  # the local backend has no fixed workdir
+    assert "system_prompt: |\n    line one\n    line two\n" in text
+
+
+def test_local_backend_refuses_unisolated_commands_unless_unsafe_host(monkeypatch):
+    monkeypatch.setattr("loopline.envregistry.sandbox.local.shutil.which", lambda name: None)
+
+    async def run(spec):
+        box = LocalSandbox(spec)
+        try:
+            return await box.exec("echo $((6 * 7))", 5)
+        finally:
+            await box.close()
+
+    with pytest.raises(InfraFailure, match="needs bubblewrap"):
+        asyncio.run(run(Sandbox(backend="local")))
+    assert asyncio.run(run(Sandbox(backend="local", unsafe_host=True))).stdout == "42\n"
 
 
 def test_envreg_validate_reports_one_clear_error(tmp_path, database_url):

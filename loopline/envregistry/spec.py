@@ -190,6 +190,7 @@ class Reset(_Strict):
         return {relative_path(path, "reset.files path"): field for path, field in files.items()}
 
 
+BUILTIN_VERIFIER_FIELDS = {"arithmetic_answer": ("expression", "answer")}  # the task fields each built-in reads
 VERDICT_FILE = "verdict.json"  # written by a command verifier into its private directory
 ANSWER_FILE = "answer.txt"  # the agent's final message, put there by loopline before the command runs
 
@@ -305,7 +306,8 @@ class EnvSpec(_Strict):
 
     def task_fields(self) -> dict[str, str]:
         """Each task field the spec uses -> where it is used (every task must have it)."""
-        used = {field: f"reset.files[{path!r}]" for path, field in self.reset.files.items()}
+        used = {field: "verifier.builtin" for field in BUILTIN_VERIFIER_FIELDS.get(self.verifier.builtin or "", ())}
+        used.update({field: f"reset.files[{path!r}]" for path, field in self.reset.files.items()})
         used.update({field: f"verifier.hidden_files[{path!r}]" for path, field in self.verifier.hidden_files.items()})
         for i, step in enumerate(self.smoke_test.steps if self.smoke_test else ()):
             for value in (step.answer, *step.args.values()):
@@ -325,8 +327,28 @@ def spec_hash(canonical: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- loading, bounded, with line numbers
 
 MAX_SPEC_BYTES = 1 << 20  # 1 MiB: specs are configuration; big data belongs in a task file
-MAX_YAML_NODES = 20_000  # after alias expansion: a few anchors cannot expand to a billion nodes
+MAX_YAML_NODES = 10_000  # after alias expansion: a few anchors cannot expand to a billion nodes
 MAX_YAML_DEPTH = 40
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """Stops composing as soon as a document is too big or too deep, instead of after reading it all."""
+
+    def __init__(self, text: str, file: Path):
+        super().__init__(text)
+        self.file, self.nodes, self.depth = file, 0, 0
+
+    def compose_node(self, parent, index):
+        self.nodes, self.depth = self.nodes + 1, self.depth + 1
+        line = self.get_mark().line + 1
+        if self.nodes > MAX_YAML_NODES:
+            raise LooplineError(f"{self.file}:{line}: more than {MAX_YAML_NODES:,} values; a spec is configuration, put data in a task file")
+        if self.depth > MAX_YAML_DEPTH:
+            raise LooplineError(f"{self.file}:{line}: nested deeper than {MAX_YAML_DEPTH} levels")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 def _check_tree(file: Path, root: yaml.Node) -> None:
@@ -374,7 +396,7 @@ def _check_tree(file: Path, root: yaml.Node) -> None:
 
 
 def _read_yaml(text: str, file: Path) -> tuple[Any, yaml.Node | None]:
-    loader = yaml.SafeLoader(text)
+    loader = _BoundedLoader(text, file)
     try:
         node = loader.get_single_node()
         if node is None:
