@@ -62,6 +62,16 @@ def _prefect_quiet() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+def _prefect_server():
+    """Before the heavy imports: start a temporary Prefect server unless one is configured (it boots
+    while torch loads, and dies with this process even if it is killed); returns `wait()`."""
+    from loopline.flows import server
+
+    _prefect_quiet()
+    temporary = server.start_temporary_server(store_db.loopline_home() / "logs")
+    return temporary.wait if temporary else (lambda: None)
+
+
 @app.command("train")
 @friendly_errors
 def train(
@@ -70,13 +80,14 @@ def train(
     fork: str = typer.Option(None, "--fork", metavar="NEW_NAME", help="The config changed: start NEW_NAME from the run's newest policy."),
 ) -> None:
     """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
-    _prefect_quiet()
+    server_ready = _prefect_server()
     from loopline.cli_progress import follow_run
     from loopline.flows.train import run_config
     from loopline.flows.train import train as train_flow
 
     path = str(config) if config is not None else None
-    settings, _ = run_config(path, resume)  # refuse a bad config before Prefect starts
+    settings, _ = run_config(path, resume)  # refuse a bad config before any flow runs
+    server_ready()
     with follow_run(fork or settings.name, settings.steps):
         summary = train_flow(path, resume=resume, fork=fork)
     console.print(f"run {summary['run']}: policy v{summary['policy_version']}")
@@ -91,9 +102,10 @@ def eval_(
     version: int = typer.Option(None, "--version", help="Policy version (default: the newest)."),
 ) -> None:
     """Held-out success of one policy version of a run (stored in the ledger; shown again if already measured)."""
-    _prefect_quiet()
+    server_ready = _prefect_server()
     from loopline.flows.evaluate import evaluate
 
+    server_ready()
     result = evaluate(run, version)
     console.print(f"run {result['run']} v{result['policy_version']}: held-out success {result['success']:.1%}")
 
@@ -106,9 +118,10 @@ def worker(
     max_seconds: float = typer.Option(None, help="Stop after this long even if the run goes on."),
 ) -> None:
     """Generate rollouts for RUN from this machine until the run ends (any number of workers may share a run)."""
-    _prefect_quiet()
+    server_ready = _prefect_server()
     from loopline.flows.worker import rollout_worker
 
+    server_ready()
     stats = rollout_worker(run, concurrency, max_seconds)
     console.print(f"committed {stats['committed']} trajectories ({stats['infra_failed']} infra failures)")
 

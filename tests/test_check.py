@@ -64,6 +64,24 @@ def test_each_corruption_is_reported(db, trained_run, invariant, sql, message):
     assert any(v.invariant == invariant and message in v.message for v in report.violations), report.violations
 
 
+def _set_gap_metrics(db, run_id, **values):
+    for name, value in values.items():
+        _corrupt(db, "DELETE FROM metric WHERE run_id = :r AND name = :n", r=run_id, n=name)
+        _corrupt(db, "INSERT INTO metric (run_id, step, name, value) VALUES (:r, 1, :n, :v)", r=run_id, n=name, v=value)
+
+
+def test_gap_of_stale_samples_is_lag_not_a_violation(db, trained_run):
+    """An async step whose samples all came from an older version: the gap is staleness, reported apart."""
+    _set_gap_metrics(db, trained_run.id, logprob_abs_diff=0.0, logprob_gap_tokens=0.0, logprob_abs_diff_stale=0.03)
+    assert check_run(db, trained_run.id).ok
+
+
+def test_gap_on_the_trained_versions_own_tokens_is_a_violation(db, trained_run):
+    _set_gap_metrics(db, trained_run.id, logprob_abs_diff=0.05, logprob_gap_tokens=12.0, logprob_abs_diff_stale=0.0)
+    report = check_run(db, trained_run.id)
+    assert any(v.invariant == 3 and "gap above" in v.message for v in report.violations), report.violations
+
+
 def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url}
     ok = subprocess.run([sys.executable, "-m", "loopline.cli", "check", trained_run.name], env=env, capture_output=True, text=True, timeout=120)

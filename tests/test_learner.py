@@ -149,6 +149,22 @@ if torch.distributed.get_rank() == 0:
 """
 
 
+def test_logprob_gap_is_measured_on_the_trained_versions_own_tokens(tiny_dirs, batch):
+    """Async: samples of an older version (here: μ shifted by 0.5) are staleness, reported apart from invariant 3."""
+    import dataclasses
+
+    fresh = [dataclasses.replace(s, policy_version=4) for s in batch[::2]]
+    stale = [
+        dataclasses.replace(s, policy_version=3, policy_version_max=4, behaviour_logprobs=tuple(x - 0.5 * m for x, m in zip(s.behaviour_logprobs, s.action_mask)))
+        for s in batch[1::2]
+    ]
+    learner = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
+    m = learner.rl_step(fresh + stale, trained_version=4).metrics
+    assert m["logprob_abs_diff"] < 1e-4
+    assert m["logprob_gap_tokens"] == sum(s.action_tokens for s in fresh)
+    assert m["logprob_abs_diff_stale"] == pytest.approx(0.5, abs=1e-4)
+
+
 @pytest.mark.slow
 def test_two_process_zero2_through_the_deepspeed_launcher(tiny_dirs, batch, tmp_path):
     """Two ranks share the batch's micro-batches; their averaged update must equal one process's on the whole batch."""
@@ -160,7 +176,7 @@ def test_two_process_zero2_through_the_deepspeed_launcher(tiny_dirs, batch, tmp_
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launched = subprocess.run(
-        ["deepspeed", "--num_nodes", "1", "--num_gpus", "2", "--master_port", "29561", str(script), str(tiny_dirs["v0"]), str(data), str(tmp_path / "two.json")],
+        [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", "2", "--master_port", "29561", str(script), str(tiny_dirs["v0"]), str(data), str(tmp_path / "two.json")],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
@@ -177,3 +193,21 @@ def test_deepspeed_learner_without_a_launcher_even_with_a_stray_rank(tiny_dirs, 
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_stale_extension_build_lock_cannot_hang_the_learner(tiny_dirs, tmp_path):
+    """A build of DeepSpeed's CPU comm op killed midway leaves its lock file; later learners must not wait on it."""
+    extensions = tmp_path / "torch_extensions"
+    for folder in ("deepspeed_shm_comm", "py311_cpu/deepspeed_shm_comm"):
+        (extensions / folder).mkdir(parents=True)
+        (extensions / folder / "lock").write_text("")
+    script = (
+        f"from loopline.trainer.learner import Learner; Learner({str(tiny_dirs['v0'])!r}, backend='deepspeed'); "
+        "import deepspeed.comm.comm as c; print('ok', c.cdb.shm_comm_op)"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok None"), done.stdout[-1000:] + done.stderr[-2000:]
+    assert not list(extensions.rglob("*.so"))  # nothing was compiled

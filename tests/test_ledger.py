@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -10,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from loopline import holder
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 from loopline.store.errors import LedgerConflict, LooplineError
@@ -87,7 +90,32 @@ def test_expired_lease_is_retried_with_a_new_attempt(db, run):
         sa.text("SELECT status, error_class FROM attempt WHERE id = :a"), {"a": old.attempt_id}
     ).one()
     assert (status, error) == ("infra_failed", "LeaseExpired")
-    assert _scalar(db, "SELECT infra_failures FROM slot WHERE id = :s", s=old.slot_id) == 1
+    # the holder vanished, the environment did not fail: not counted toward max_attempts
+    assert _scalar(db, "SELECT infra_failures FROM slot WHERE id = :s", s=old.slot_id) == 0
+
+
+def test_crashed_holders_never_drop_a_group(db, run):
+    """A trainer killed again and again (here: more often than max_attempts) loses no slot and no group."""
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1, max_attempts=2)
+    for _ in range(4):
+        (lease,) = ledger.claim_slots(db, run.id, "host:1:1", 1, split="train")
+        assert ledger.expire_leases(db, run.id, dead_holders=["host:1:1"]) == 1  # at once, not at expiry
+    assert ledger.group_states(db, run.id) == {"open": 1}
+    assert ledger.unfinished_slots(db, run.id, "train") == 1
+    errors = db.execute(sa.text("SELECT error_class FROM attempt WHERE run_id = :r"), {"r": run.id}).scalars().all()
+    db.rollback()
+    assert errors == ["HolderDied"] * 4
+
+
+def test_a_dead_process_on_this_host_is_a_dead_holder(tmp_path):
+    child = subprocess.run(
+        [sys.executable, "-c", "from loopline import holder; print(holder.this_process())"], capture_output=True, text=True, check=True
+    )
+    gone = child.stdout.strip()
+    assert holder.is_dead(gone) and not holder.is_dead(holder.this_process())
+    assert not holder.is_dead("another-host:1:1") and not holder.is_dead("legacy-worker-name")
+    host, pid, _ = holder.this_process().split(":")
+    assert holder.is_dead(f"{host}:{pid}:1")  # same pid, another start time: the pid was reused
 
 
 def test_renewed_lease_is_not_reclaimed(db, run):

@@ -1,7 +1,12 @@
-"""A long-lived Prefect server for real use: UI, schedules, deployments, work pools.
+"""Prefect servers: a long-lived one for real use (UI, schedules, deployments, work pools), and the
+temporary one a `loopline` command starts when none is configured.
 
-Without one, every `loopline train` starts a temporary server of its own (~15 s) and its history is
-gone afterwards. `loopline server start` runs `prefect server start --background` with Prefect's
+Without a configured server, every `loopline` command that runs a flow starts a temporary server of
+its own (its history is gone afterwards). loopline starts it itself rather than letting Prefect do
+so, for two reasons measured in issue 12: Prefect's own temporary server outlives a `loopline train`
+killed by its main pid (an OOM kill), and it starts only when the first flow runs, after every
+import; loopline's starts first, boots while torch and transformers import, and gets SIGTERM from
+the kernel when its parent dies (PR_SET_PDEATHSIG). `loopline server start` runs `prefect server start --background` with Prefect's
 database on the same PostgreSQL server as the ledger (database `prefect`, created with the pg_trgm
 extension Prefect needs) and points this machine's Prefect profile at it, so later `loopline`
 and `prefect` commands report there. With the embedded ledger server (unix socket only, stopped
@@ -10,16 +15,22 @@ with its last process) Prefect keeps its default SQLite database instead.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
 
+from loopline.holder import process_alive
 from loopline.store import db as store_db
 from loopline.store.errors import LooplineError
 
@@ -90,3 +101,96 @@ def _healthy(api: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------- the temporary server
+
+TEMP_SERVER_ENV = "LOOPLINE_TEMP_SERVER"  # "prefect": leave the temporary server to Prefect (for comparisons)
+
+
+def configured_api_url() -> str | None:
+    """PREFECT_API_URL from the environment or the active Prefect profile, read without importing Prefect."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
+    try:
+        profiles = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active", "ephemeral")
+    return profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL")
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGTERM when the parent dies, even by SIGKILL (the kernel sends it)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class TemporaryServer:
+    """A Prefect API server for this process only: started now, waited for later, ended with the process."""
+
+    def __init__(self, log_dir: Path):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"prefect-server-{os.getpid()}.log"
+        import importlib.util
+
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
+        env = {
+            **os.environ,
+            # What Prefect's own temporary server sets (prefect.server.api.server.SubprocessASGIServer).
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        env.pop("PREFECT_API_URL", None)
+        parent = os.getpid()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir), "--factory",
+                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "error", "--lifespan", "on",
+                ],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=lambda: _die_with_parent(parent),
+            )
+        atexit.register(self.stop)
+
+    def wait(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(self.api_url):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-800:]
+                raise LooplineError(f"the temporary Prefect server did not start (log {self.log_path}): {tail}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log_path.unlink(missing_ok=True)
+
+
+def start_temporary_server(log_dir: Path) -> TemporaryServer | None:
+    """Start a temporary server unless a server is configured; this process's flows report to it."""
+    if configured_api_url() or os.environ.get(TEMP_SERVER_ENV) == "prefect":
+        return None
+    for old in log_dir.glob("prefect-server-*.log"):  # logs of processes that were killed
+        pid = old.stem.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            old.unlink(missing_ok=True)
+    server = TemporaryServer(log_dir)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    return server

@@ -26,11 +26,11 @@ from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
-from loopline.store import ledger, migrate
+from loopline.store import ledger, migrate, queries
 from loopline.store.errors import LedgerConflict, LooplineError
 from loopline.tasks import loop as tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
-from loopline.trainer.learner import Learner
+from loopline.trainer.learner import Learner, clean_partial_writes
 
 FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 
@@ -110,6 +110,9 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         run_id = run.id
         state = ledger.resume_state(s, run_id)
         initial = Path(ledger.initial_weights(s, run_id))  # a fork starts from its parent's weights
+    workdir = store_db.loopline_home() / "runs" / config.name
+    for path in clean_partial_writes(workdir):
+        get_run_logger().info("removed %s, half-written by a process that is gone", path)
     learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
     if state.last_checkpoint is not None:
         learner.load_checkpoint(state.last_checkpoint.uri)
@@ -121,7 +124,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=config.concurrency)),
         binding=Binding(setup, tasks_by_id(train)),
         learner=learner,
-        workdir=store_db.loopline_home() / "runs" / config.name,
+        workdir=workdir,
         groups_per_step=config.groups_per_step,
         group_size=config.group_size,
         concurrency=config.concurrency,
@@ -141,28 +144,40 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     p = prepare(config, base, fork)
     c, ctx = p.config, p.ctx
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
-    history: list[tuple[int, float]] = []
 
-    def evaluate():
+    def evaluate(engine) -> None:
         success = tasks.evaluate(
-            ctx.run_id, quote(ctx.engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(p.eval_tasks),
+            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(p.eval_tasks),
             p.env_version, c.eval.temperature, c.eval.seed,
         )
-        history.append((ctx.engine.version(), success))
-        log.info("policy v%d: held-out success %.1f%% on %d tasks", ctx.engine.version(), 100 * success, len(p.eval_tasks))
+        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(p.eval_tasks))
+
+    def owed_evaluations() -> None:
+        """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
+        between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
+        with ctx.session_factory() as s:
+            owed = ledger.owed_evaluations(s, ctx.run_id, lambda v: eval_scheduled(c, v), ctx.engine.version())
+        for version, weights_uri in owed:
+            if version == ctx.engine.version():
+                evaluate(ctx.engine)
+                continue
+            log.info("evaluating v%d, owed since an earlier process stopped before it", version)
+            engine = EngineThread(LocalEngine(weights_uri, version=version, max_batch=c.concurrency))
+            try:
+                evaluate(engine)
+            finally:
+                engine.shutdown()
 
     def after_step(step: int) -> None:
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
-        if step % c.eval.every == 0 or step == c.steps:
-            evaluate()
+        owed_evaluations()
 
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "running")
     try:
         tasks.sync_weights(live)  # a resumed run may have committed a version it never published
-        if p.first_step == 1:
-            evaluate()
+        owed_evaluations()
         if c.mode == "sync":
             for step in range(p.first_step, c.steps + 1):
                 tasks.plan_step(live, step)
@@ -176,7 +191,13 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         ctx.engine.shutdown()
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "completed")
+        history = [(version, rate) for version, _, rate in queries.eval_results(s, ctx.run_id)]
     return {"run": c.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
+
+
+def eval_scheduled(config: RunConfig, version: int) -> bool:
+    """Version v is trained by learner step v: evaluate before the first step, every `eval.every`, and the last."""
+    return version == 0 or version % config.eval.every == 0 or version == config.steps
 
 
 def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> None:

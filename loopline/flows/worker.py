@@ -9,8 +9,6 @@ bound. A worker stops when the run is completed or failed (or after `max_seconds
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
+from loopline import holder
 from loopline.envregistry import registry
 from loopline.flows.train import run_config
 from loopline.rollout.chat import ChatFormat
@@ -69,7 +68,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     deadline = time.monotonic() + max_seconds if max_seconds else None
     follower = threading.Thread(target=_follow, args=(ctx, stop, deadline), name="loopline-follow", daemon=True)
     follower.start()
-    name = f"{socket.gethostname()}:{os.getpid()}"
+    name = holder.this_process()
     log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
         staleness = config.max_staleness if config.mode == "async" else 0

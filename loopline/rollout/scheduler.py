@@ -20,10 +20,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-import sqlalchemy as sa
 from sqlmodel import Session
 
 from loopline.envregistry.sandbox.base import InfraFailure
+from loopline import holder
 from loopline.failpoints import failpoint
 from loopline.envregistry.tasks import Task
 from loopline.rollout.engine import Engine, EngineError
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerConfig:
     run_id: uuid.UUID
-    worker: str
+    worker: str = field(default_factory=holder.this_process)  # host:pid:start, see loopline.holder
     split: Split = "train"
     concurrency: int = 8
     lease_seconds: float = 120.0
@@ -199,15 +199,12 @@ async def run_continuous(
 
 
 async def _unfinished(db: _Ledger, cfg: WorkerConfig) -> bool:
-    def count(session: Session) -> int:
-        n = session.execute(
-            sa.text("SELECT count(*) FROM slot WHERE run_id = :r AND split = :s AND state IN ('pending', 'leased')"),
-            {"r": cfg.run_id, "s": cfg.split},
-        ).scalar_one()
-        session.rollback()
-        return n
-
-    return await db.call(count) > 0
+    """Whether slots may still come back: first, leases of holders known dead are taken back at once
+    (a resumed run does not wait `lease_seconds` for the process it replaces)."""
+    dead = [h for h in await db.call(ledger.lease_holders, cfg.run_id) if holder.is_dead(h)]
+    if dead:
+        await db.call(ledger.expire_leases, cfg.run_id, dead)
+    return await db.call(ledger.unfinished_slots, cfg.run_id, cfg.split) > 0
 
 
 async def _gate(engine: Engine, db: _Ledger, cfg: WorkerConfig) -> Literal["staleness", "backpressure"] | None:

@@ -21,7 +21,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Collection, Iterator, Literal, Sequence
 
 import sqlalchemy as sa
 from psycopg.types.json import Jsonb
@@ -272,22 +272,51 @@ def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = 
     return row is not None
 
 
-def expire_leases(session: Session, run_id: uuid.UUID | None = None) -> int:
-    """Turn expired leases into infra failures (a dead worker is an infrastructure fault); returns how many."""
+def expire_leases(session: Session, run_id: uuid.UUID | None = None, dead_holders: Collection[str] = ()) -> int:
+    """Take back the slots of leases nobody will finish: expired ones, and those of `dead_holders`
+    (processes known to be gone: see `loopline.holder`), at once instead of at expiry.
+
+    The holder vanished, the environment did not fail: the slot is retried without counting
+    toward its group's `max_attempts`, so crashes of the trainer never drop data.
+    """
     with _transaction(session):
-        attempts = _q(
+        rows = _q(
             session,
-            "SELECT lease_attempt_id FROM slot WHERE state = 'leased' AND lease_expires_at < now() "
+            "SELECT lease_attempt_id, lease_expires_at < now() AS expired FROM slot WHERE state = 'leased' "
+            "AND (lease_expires_at < now() OR lease_owner = ANY(CAST(:dead AS text[]))) "
             "AND (CAST(:run AS uuid) IS NULL OR run_id = :run)",
             run=run_id,
-        ).scalars().all()
-    expired = 0
-    for attempt_id in attempts:
-        fate = _record_infra_failure(
-            session, attempt_id, "LeaseExpired", "the worker's lease expired before it committed", only_if_expired=True
+            dead=list(dead_holders),
+        ).all()
+    taken = 0
+    for attempt_id, expired in rows:
+        if expired:
+            fate = _record_lease_loss(session, attempt_id, "LeaseExpired", "the worker's lease expired before it committed")
+        else:
+            fate = _record_lease_loss(session, attempt_id, "HolderDied", "the process holding the lease is gone", dead_holders)
+        taken += fate
+    return taken
+
+
+def lease_holders(session: Session, run_id: uuid.UUID) -> list[str]:
+    """Who holds the run's leases now (one entry per holder)."""
+    with _transaction(session):
+        return list(
+            _q(
+                session, "SELECT DISTINCT lease_owner FROM slot WHERE run_id = :r AND state = 'leased'", r=run_id
+            ).scalars()
         )
-        expired += fate != "skipped"
-    return expired
+
+
+def unfinished_slots(session: Session, run_id: uuid.UUID, split: Split) -> int:
+    """Slots of the split still pending or leased: work that may yet come back to a worker."""
+    with _transaction(session):
+        return _q(
+            session,
+            "SELECT count(*) FROM slot WHERE run_id = :r AND split = :s AND state IN ('pending', 'leased')",
+            r=run_id,
+            s=split,
+        ).scalar_one()
 
 
 def fail_attempt(session: Session, attempt_id: uuid.UUID, error_class: str, error_text: str) -> str:
@@ -326,7 +355,7 @@ def _lock_attempt_slot(session: Session, attempt_id: uuid.UUID) -> sa.Row | None
     _q(session, "SELECT id FROM rollout_group WHERE id = :g FOR UPDATE", g=ref.group_id)
     return _q(
         session,
-        "SELECT s.id, s.group_id, s.state, s.lease_attempt_id, s.infra_failures, "
+        "SELECT s.id, s.group_id, s.state, s.lease_attempt_id, s.lease_owner, s.infra_failures, "
         "s.lease_expires_at < now() AS expired, g.max_attempts "
         "FROM slot s JOIN rollout_group g ON g.id = s.group_id WHERE s.id = :s FOR UPDATE OF s",
         s=ref.id,
@@ -347,18 +376,24 @@ def _end_attempt(
     )
 
 
-def _record_infra_failure(
-    session: Session,
-    attempt_id: uuid.UUID,
-    error_class: str,
-    error_text: str,
-    only_if_expired: bool = False,
-) -> str:
+def _record_lease_loss(
+    session: Session, attempt_id: uuid.UUID, error_class: str, error_text: str, dead_holders: Collection[str] = ()
+) -> bool:
+    """End an attempt whose holder vanished and give its slot back, uncounted; False if it was not lost after all."""
     with _transaction(session):
         slot = _lock_attempt_slot(session, attempt_id)
         holds_lease = slot.state == "leased" and slot.lease_attempt_id == attempt_id
-        if only_if_expired and not (holds_lease and slot.expired):
-            return "skipped"  # renewed, committed or handled by another process meanwhile
+        if not (holds_lease and (slot.expired or slot.lease_owner in dead_holders)):
+            return False  # renewed, committed or handled by another process meanwhile
+        _end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
+        _q(session, "UPDATE slot SET state = 'pending', " + _NO_LEASE + " WHERE id = :s", s=slot.id)
+    return True
+
+
+def _record_infra_failure(session: Session, attempt_id: uuid.UUID, error_class: str, error_text: str) -> str:
+    with _transaction(session):
+        slot = _lock_attempt_slot(session, attempt_id)
+        holds_lease = slot.state == "leased" and slot.lease_attempt_id == attempt_id
         _end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
         if not holds_lease:
             return "stale"
@@ -784,6 +819,22 @@ def version_weights(session: Session, run_id: uuid.UUID, version: int | None = N
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
     return VersionWeights(row.version, row.weights_uri)
+
+
+def owed_evaluations(
+    session: Session, run_id: uuid.UUID, scheduled: Callable[[int], bool], through: int
+) -> list[VersionWeights]:
+    """Versions up to `through` whose scheduled evaluation is not in the ledger yet, oldest first."""
+    rows = _q(
+        session,
+        "SELECT p.version, p.weights_uri FROM policy_version p WHERE p.run_id = :r AND p.version <= :upto "
+        "AND NOT EXISTS (SELECT 1 FROM eval_result e WHERE e.run_id = p.run_id AND e.policy_version = p.version) "
+        "ORDER BY p.version",
+        r=run_id,
+        upto=through,
+    ).all()
+    session.rollback()
+    return [VersionWeights(r.version, r.weights_uri) for r in rows if scheduled(r.version)]
 
 
 def initial_weights(session: Session, run_id: uuid.UUID) -> str:

@@ -36,7 +36,7 @@ def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
 
 @task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def rollout_worker(
-    ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
+    ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> dict:
     """The async producer: runs until `stop`, beside the learner steps or in a `rollout_worker` flow elsewhere."""
     stats = asyncio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))

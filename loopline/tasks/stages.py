@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 
 from sqlmodel import Session
 
+from loopline import holder
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
 from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
@@ -74,15 +75,15 @@ def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
 
 
 async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
-    return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, f"sync-{step}", concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds))
+    return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds))
 
 
 async def rollout_continuous(
-    ctx: RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str = "async"
+    ctx: RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> RolloutStats:
     """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
     cfg = WorkerConfig(
-        ctx.run_id, worker, concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
+        ctx.run_id, worker or holder.this_process(), concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
         max_staleness=max_staleness, max_complete_groups=max_complete_groups, wait_for_work=True,
     )
     return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop)
@@ -115,7 +116,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         sequences = load_sequences(s, batch.trajectory_ids)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
-    result = ctx.learner.rl_step(sequences)
+    result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
     failpoint("learner_step")
     version = batch.policy_version + 1
     checkpoint = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})

@@ -26,14 +26,22 @@ class TrainSequence:
     input_ids: tuple[int, ...]
     action_mask: tuple[int, ...]  # 1 where input_ids[i] is a generated action token
     behaviour_logprobs: tuple[float, ...]  # μ at action positions, 0.0 elsewhere
-    policy_version: int = 0
+    policy_version: int = 0  # the oldest version that generated any of its tokens
+    policy_version_max: int | None = None  # the newest (None: the same)
+
+    def generated_by(self, version: int) -> bool:
+        """Every action token came from `version` (the learner's own weights: their logprobs must match)."""
+        return self.policy_version == version and (self.policy_version_max in (None, version))
 
     @property
     def action_tokens(self) -> int:
         return sum(self.action_mask)
 
 
-def sequence_from_segments(segments: Sequence[dict], trajectory_id=None, group_id=None, reward: float = 0.0, policy_version: int = 0) -> TrainSequence:
+def sequence_from_segments(
+    segments: Sequence[dict], trajectory_id=None, group_id=None, reward: float = 0.0, policy_version: int = 0,
+    policy_version_max: int | None = None,
+) -> TrainSequence:
     if not segments:
         raise ValueError(f"trajectory {trajectory_id} has no segments")
     for before, after in zip(segments, segments[1:]):
@@ -47,14 +55,14 @@ def sequence_from_segments(segments: Sequence[dict], trajectory_id=None, group_i
         start = len(seg["prompt_ids"])
         for i, (m, lp) in enumerate(zip(seg["action_loss_mask"], seg["rollout_logprobs"])):
             mask[start + i], logprobs[start + i] = int(m), float(lp)
-    return TrainSequence(trajectory_id, group_id, reward, tuple(ids), tuple(mask), tuple(logprobs), policy_version)
+    return TrainSequence(trajectory_id, group_id, reward, tuple(ids), tuple(mask), tuple(logprobs), policy_version, policy_version_max)
 
 
 def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
     """The learner's view of a claimed batch, in the batch's order."""
     rows = session.execute(
         sa.text(
-            "SELECT t.id, t.group_id, t.reward, t.policy_version_min, s.seq, s.prompt_ids, s.generated_ids, "
+            "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, s.generated_ids, "
             "s.action_loss_mask, s.rollout_logprobs FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
             "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq"
         ),
@@ -71,7 +79,11 @@ def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> lis
     for tid in trajectory_ids:
         segs = by_trajectory[tid]
         first = segs[0]
-        out.append(sequence_from_segments(segs, tid, first["group_id"], first["reward"], first["policy_version_min"]))
+        out.append(
+            sequence_from_segments(
+                segs, tid, first["group_id"], first["reward"], first["policy_version_min"], first["policy_version_max"]
+            )
+        )
     return out
 
 

@@ -27,6 +27,8 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from loopline.holder import process_alive
+
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
 from loopline.trainer.losses import LossConfig, aggregate, logprob_gap, policy_loss
@@ -79,7 +81,32 @@ def _init_distributed(backend: str) -> None:
         rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-"))
         atexit.register(shutil.rmtree, rendezvous, ignore_errors=True)
         torch.distributed.init_process_group(backend, init_method=f"file://{rendezvous / 'store'}", rank=0, world_size=1)
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (`deepspeed_shm_comm`, ~2 min
+        # of c++ at the first run on a machine) behind a lock file that a killed build leaves behind, after
+        # which every later start waits on it forever. gloo does the all-reduce instead: one process needs
+        # none, and several ranks on one host lose only a faster reduction. DeepSpeed consults this table
+        # before building the op.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(backend)
+
+
+def _partial_name(target: Path) -> Path:
+    """Checkpoints and exports are written beside their target under this name, then renamed into place."""
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+
+
+def clean_partial_writes(root: Path) -> list[Path]:
+    """Remove half-written checkpoints and exports under `root` whose writer process is gone."""
+    removed = []
+    for path in root.glob("*/.*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _bf16_supported() -> bool:
@@ -216,8 +243,28 @@ class Learner:
 
     # ------------------------------------------------------------------ steps
 
-    def rl_step(self, sequences: Sequence[TrainSequence]) -> StepResult:
-        """One policy update on a batch of complete groups."""
+    def _logprob_gaps(self, micro: list[Padded], old: dict, seqs: Sequence[TrainSequence], version: int | None) -> dict:
+        recomputed, behaviour, fresh = [], [], []
+        for b in micro:
+            mask = b.target_mask.bool()
+            recomputed.append(old[id(b)][mask])
+            behaviour.append(b.behaviour_logprobs[mask].to(self.device))
+            own = torch.tensor([version is None or seqs[r].generated_by(version) for r in b.rows], dtype=torch.bool)
+            fresh.append(own[:, None].expand_as(mask)[mask])
+        recomputed, behaviour, fresh = torch.cat(recomputed), torch.cat(behaviour), torch.cat(fresh)
+        gaps = logprob_gap(recomputed, behaviour, fresh.long())
+        gaps["logprob_gap_tokens"] = float(fresh.sum())
+        if not fresh.all():
+            gaps["logprob_abs_diff_stale"] = logprob_gap(recomputed, behaviour, (~fresh).long())["logprob_abs_diff"]
+        return gaps
+
+    def rl_step(self, sequences: Sequence[TrainSequence], trained_version: int | None = None) -> StepResult:
+        """One policy update on a batch of complete groups.
+
+        `trained_version` is the version of the weights being trained: the logprob gap (invariant 3)
+        is measured on the tokens it generated itself, where recompute and rollout must agree; tokens
+        of older versions differ by design (staleness) and are reported apart. None: all tokens.
+        """
         if not sequences:
             raise LearnerError("empty batch: nothing to train on")
         adv = compute_advantages([s.reward for s in sequences], [s.group_id for s in sequences], self.config.advantage)
@@ -235,11 +282,7 @@ class Learner:
             old = {id(b): self._logprobs(b).detach() for b in micro}  # π_old for every micro-batch
         if not all(torch.isfinite(old[id(b)][b.target_mask.bool()]).all() for b in micro):
             raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
-        gap = logprob_gap(
-            torch.cat([old[id(b)][b.target_mask.bool()] for b in micro]),
-            torch.cat([b.behaviour_logprobs[b.target_mask.bool()].to(self.device) for b in micro]),
-            torch.ones(sum(int(b.target_mask.sum()) for b in micro), dtype=torch.long),
-        )
+        gap = self._logprob_gaps(micro, old, seqs, trained_version)
         groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
         step_metrics: list[dict[str, float]] = []
         for group in (g for g in groups if g):
@@ -292,7 +335,7 @@ class Learner:
     def save_checkpoint(self, directory: str | Path, policy_version: int, cursor: dict | None = None) -> Path:
         """Everything resume needs, written to a temporary directory and renamed into place when complete."""
         target = Path(directory)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp = _partial_name(target)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -343,7 +386,7 @@ class Learner:
     def export_weights(self, directory: str | Path) -> str:
         """HF-format safetensors (plus the tokenizer) for the engines; returns the sha256 of the weights."""
         target = Path(directory)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp = _partial_name(target)
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
         for name in os.listdir(self.model_dir):

@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
 from loopline.envregistry import spec as env_spec
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process on this host still exists (used to find sandboxes whose owner crashed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class InfraFailure(Exception):

@@ -22,7 +22,8 @@ import time
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, process_alive, verifier_env
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
+from loopline.holder import process_alive
 
 LABEL = "loopline.sandbox"
 AGENT = "1000:1000"

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, process_alive, verifier_env
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
+from loopline.holder import process_alive
 
 OUTPUT_LIMIT = 64 * 1024
 PREFIX = "loopline-sandbox-"

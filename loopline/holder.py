@@ -1,0 +1,47 @@
+"""Who holds a lease: `host:pid:start` names one process, so a dead holder on this host is recognised at once.
+
+A lease otherwise only ends when it expires (`lease_seconds`). When the holder ran on this
+host and its pid is gone, or now belongs to a process started at another time (the pid was
+reused), nobody will ever renew or commit it: a resumed run may expire it immediately instead
+of waiting. Holders on other hosts are never judged from here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process on this host still exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after "(comm)" start at field 3
+
+
+def this_process() -> str:
+    # Not cached: a forked child is another holder.
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}"
+
+
+def is_dead(holder: str | None) -> bool:
+    """True only when certain: the holder ran on this host and that process no longer exists."""
+    parts = (holder or "").split(":")
+    if len(parts) < 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    return _start_ticks(int(parts[1])) != parts[2]
