@@ -157,12 +157,12 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
         with ctx.session_factory() as s:
             owed = ledger.owed_evaluations(s, ctx.run_id, lambda v: eval_scheduled(c, v), ctx.engine.version())
-        for version, weights_uri in owed:
-            if version == ctx.engine.version():
+        for weights in owed:
+            if weights.version == ctx.engine.version():
                 evaluate(ctx.engine)
                 continue
-            log.info("evaluating v%d, owed since an earlier process stopped before it", version)
-            engine = EngineThread(LocalEngine(weights_uri, version=version, max_batch=c.concurrency))
+            log.info("evaluating v%d, owed since an earlier process stopped before it", weights.version)
+            engine = EngineThread(LocalEngine(weights.uri, version=weights.version, max_batch=c.concurrency))
             try:
                 evaluate(engine)
             finally:
