@@ -2,9 +2,10 @@
 
 Off unless `LOOPLINE_FAILPOINT=NAME[:N]` is set: the N-th time (default the first) the process passes
 `failpoint(NAME)` it kills itself with SIGKILL - no cleanup, no finally blocks, like a lost machine.
-Names: rollout_commit (after a trajectory is committed), learner_step (after the update, before the
-checkpoint), learner_commit (checkpoint and weights written, ledger commit not yet), weight_sync
-(new weights served, not yet recorded as published).
+Names: deepspeed_start (the learner is about to join DeepSpeed's process group), rollout_commit (after
+a trajectory is committed), learner_step (after the update, before the checkpoint), learner_commit
+(checkpoint and weights written, ledger commit not yet), weight_sync (new weights served, not yet
+recorded as published), evaluate (a scheduled evaluation is about to run).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,76 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
     assert weights_sha256(uri) == sha
     final = Learner(uri, settings.learner_config(), backend="torch")
     assert torch.allclose(learner.parameters_vector(), final.parameters_vector(), atol=1e-6)
+
+
+def _group_members(pgid: int) -> list[str]:
+    """Processes still in process group `pgid` (`pid command`): what a killed run left running."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # field 5: pgrp; zombies are already dead
+            alive.append(f"{stat.parent.name} {cmdline[:200]}")
+    return alive
+
+
+def _train_killed_by_main_pid(config: Path, env: dict, failpoint: str, log: Path) -> list[str]:
+    """Run until the failpoint SIGKILLs the main pid only (as the OOM killer does), then report what the
+    dead process left running in its process group after a grace of 15 s."""
+    env = {**env, "LOOPLINE_FAILPOINT": failpoint}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=600)
+            assert code == -signal.SIGKILL, f"{failpoint}: the failpoint did not fire ({code})\n{log.read_text()[-4000:]}"
+            deadline = time.monotonic() + 15
+            while _group_members(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            return _group_members(proc.pid)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left, so one failure does not leak into the next
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_dirs, database_url, db, tmp_path):
+    """Issue 12: kills of the main pid only — while DeepSpeed starts, mid-rollout, between a learner commit
+    and its evaluation, before a learner commit — leave no process behind (the temporary Prefect server
+    dies with its parent), and the resumed run finishes with every scheduled evaluation and passes `check`.
+    Leases of the killed process are taken back at once (its holder is dead), not after `lease_seconds`."""
+    from loopline.store.check import check_run
+
+    name = f"orphans-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
+        "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
+        "lease_seconds": 600, "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "deepspeed"},
+        "eval": {"every": 1, "tasks": 4},
+    }))
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
+    for kill in ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"]:
+        left = _train_killed_by_main_pid(config, env, kill, tmp_path / f"{kill}.log")
+        assert left == [], f"killed at {kill}, still running: {left}"
+    log = tmp_path / "final.log"
+    started = time.monotonic()
+    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
+    assert time.monotonic() - started < 400  # never waited out a 600 s lease of a dead holder
+
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    report = check_run(db, run_id)
+    assert report.ok, report.violations
+    evaluated = [v for (v,) in _rows(db, "SELECT policy_version FROM eval_result WHERE run_id = :r ORDER BY 1", r=run_id)]
+    assert evaluated == [0, 1, 2, 3]  # v1's evaluation was killed before it ran: the resume ran it
+    assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'HolderDied'", r=run_id)[0][0] > 0
+    assert _rows(db, "SELECT coalesce(max(infra_failures), 0) FROM slot WHERE run_id = :r", r=run_id)[0][0] == 0

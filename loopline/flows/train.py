@@ -18,6 +18,7 @@ from prefect.utilities.annotations import quote
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
+from loopline.failpoints import failpoint
 from loopline.flows.config import RunConfig, load_config, parse_config
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
@@ -146,6 +147,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
 
     def evaluate(engine) -> None:
+        failpoint("evaluate")
         success = tasks.evaluate(
             ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(p.eval_tasks),
             p.env_version, c.eval.temperature, c.eval.seed,

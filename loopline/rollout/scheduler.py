@@ -32,6 +32,7 @@ from loopline.store import ledger
 from loopline.store.records import Lease, Split
 
 log = logging.getLogger(__name__)
+REAP_INTERVAL_S = 2.0  # how often an idle worker looks for leases of dead holders
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ async def run_continuous(
     renewer = _Renewer(db, cfg.lease_seconds)
     keeper = asyncio.create_task(renewer.run(stats))
     inflight = renewer.inflight
+    next_reap = 0.0
     try:
         while not stop.is_set():
             gate = await _gate(engine, db, cfg)
@@ -185,6 +187,9 @@ async def run_continuous(
             elif not cfg.wait_for_work and not await _unfinished(db, cfg):
                 break  # nothing pending, and nobody holds a lease whose slot could come back
             else:
+                if time.monotonic() >= next_reap:  # idle: slots of a dead holder may be waiting
+                    await _reap_dead_holders(db, cfg)
+                    next_reap = time.monotonic() + REAP_INTERVAL_S
                 await asyncio.sleep(cfg.poll_s)  # gates closed, or other workers' slots may return
     finally:
         keeper.cancel()
@@ -198,12 +203,16 @@ async def run_continuous(
     return stats
 
 
-async def _unfinished(db: _Ledger, cfg: WorkerConfig) -> bool:
-    """Whether slots may still come back: first, leases of holders known dead are taken back at once
-    (a resumed run does not wait `lease_seconds` for the process it replaces)."""
+async def _reap_dead_holders(db: _Ledger, cfg: WorkerConfig) -> int:
+    """Take back at once the leases of holders known dead (a resumed run does not wait `lease_seconds`
+    for the process it replaces); returns how many."""
     dead = [h for h in await db.call(ledger.lease_holders, cfg.run_id) if holder.is_dead(h)]
-    if dead:
-        await db.call(ledger.expire_leases, cfg.run_id, dead)
+    return await db.call(ledger.expire_leases, cfg.run_id, dead) if dead else 0
+
+
+async def _unfinished(db: _Ledger, cfg: WorkerConfig) -> bool:
+    """Whether slots may still come back (to this worker or another)."""
+    await _reap_dead_holders(db, cfg)
     return await db.call(ledger.unfinished_slots, cfg.run_id, cfg.split) > 0
 
 

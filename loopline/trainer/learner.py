@@ -27,6 +27,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from loopline.failpoints import failpoint
 from loopline.holder import process_alive
 
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
@@ -90,6 +91,7 @@ def _init_distributed(backend: str) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    failpoint("deepspeed_start")
     deepspeed.init_distributed(backend)
 
 
