@@ -109,14 +109,17 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     with store_db.session(engine) as s:
         run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
+        ledger.set_run_status(s, run_id, "running")
         state = ledger.resume_state(s, run_id)
         initial = Path(ledger.initial_weights(s, run_id))  # a fork starts from its parent's weights
     workdir = store_db.loopline_home() / "runs" / config.name
     for path in clean_partial_writes(workdir):
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
-    learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
-    if state.last_checkpoint is not None:
-        learner.load_checkpoint(state.last_checkpoint.uri)
+    learner = None  # a finished run has nothing to train: skip the learner's start (DeepSpeed, the model)
+    if state.next_learner_step <= config.steps:
+        learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
+        if state.last_checkpoint is not None:
+            learner.load_checkpoint(state.last_checkpoint.uri)
     sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
     setup = EpisodeSetup(spec, row.version, ChatFormat.for_policy(initial), sampling)
     ctx = LoopContext(
@@ -175,8 +178,6 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         log.info("step %d trained; now serving v%d", step, version)
         owed_evaluations()
 
-    with ctx.session_factory() as s:
-        ledger.set_run_status(s, ctx.run_id, "running")
     try:
         tasks.sync_weights(live)  # a resumed run may have committed a version it never published
         owed_evaluations()

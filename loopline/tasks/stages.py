@@ -50,7 +50,7 @@ class RolloutContext:
 class LoopContext(RolloutContext):
     """A whole training process: rollout plus the learner and the plan."""
 
-    learner: Learner
+    learner: Learner | None  # None when the run has no step left to train
     workdir: Path  # checkpoints and exported weights live under here
     groups_per_step: int
     group_size: int
