@@ -10,7 +10,7 @@ from rich.table import Table
 from loopline.cli_support import console, friendly_errors
 from loopline.store import db as store_db
 from loopline.store import migrate
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 app = typer.Typer(help="Agentic RL training with a PostgreSQL ledger.", no_args_is_help=True)
 db_app = typer.Typer(help="The ledger database: schema upgrades and status.", no_args_is_help=True)

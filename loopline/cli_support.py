@@ -10,7 +10,7 @@ from typing import Callable, TypeVar
 from rich.console import Console
 from rich.text import Text
 
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 F = TypeVar("F", bound=Callable)
 

@@ -7,13 +7,17 @@ import random
 from loopline.store.records import SegmentRecord, TrajectoryRecord
 
 
-def segment(n_prompt: int = 8, n_gen: int = 4, version: int = 0, seed: int = 0, **kw) -> SegmentRecord:
+def segment(
+    n_prompt: int = 8, n_gen: int = 4, version: int = 0, seed: int = 0, after: SegmentRecord | None = None, **kw
+) -> SegmentRecord:
+    """A model call; `after` makes it the next turn of a conversation (its prompt extends that call's)."""
     rng = random.Random(seed)
+    history = [*after.prompt_ids, *after.generated_ids] if after is not None else []
     return SegmentRecord(
         request_id=kw.pop("request_id", f"req-{seed}"),
         policy_version=version,
         tokenizer_version="tok-1",
-        prompt_ids=[rng.randrange(50_000) for _ in range(n_prompt)],
+        prompt_ids=history + [rng.randrange(50_000) for _ in range(n_prompt)],
         generated_ids=[rng.randrange(50_000) for _ in range(n_gen)],
         action_loss_mask=kw.pop("action_loss_mask", [1] * n_gen),
         rollout_logprobs=[-rng.random() * 5 for _ in range(n_gen)],
@@ -22,6 +26,13 @@ def segment(n_prompt: int = 8, n_gen: int = 4, version: int = 0, seed: int = 0, 
         tool_events=[{"tool": "calc", "args": "1+1", "output": "2"}],
         **kw,
     )
+
+
+def conversation(n_segments: int, version: int = 0, seed: int = 0) -> list[SegmentRecord]:
+    segments: list[SegmentRecord] = []
+    for i in range(n_segments):
+        segments.append(segment(version=version, seed=seed * 100 + i, after=segments[-1] if segments else None))
+    return segments
 
 
 def trajectory(reward: float = 1.0, n_segments: int = 2, version: int = 0, seed: int = 0, **kw) -> TrajectoryRecord:
@@ -33,6 +44,6 @@ def trajectory(reward: float = 1.0, n_segments: int = 2, version: int = 0, seed:
         reward=reward,
         terminated=kw.pop("terminated", True),
         truncated=kw.pop("truncated", False),
-        segments=kw.pop("segments", [segment(version=version, seed=seed * 100 + i) for i in range(n_segments)]),
+        segments=kw.pop("segments", None) or conversation(n_segments, version, seed),
         **kw,
     )

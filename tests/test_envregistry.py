@@ -24,7 +24,7 @@ from loopline.envregistry.sandbox.local import cleanup_orphans as local_cleanup_
 from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
 from loopline.envregistry.verifiers import evaluate_expression, parse_verdict, verify_arithmetic
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ARITHMETIC = EXAMPLES / "arithmetic_env.yaml"

@@ -6,7 +6,6 @@ write; and (slow) a headless Chromium opens a run, clicks into a trajectory and 
 
 from __future__ import annotations
 
-import asyncio
 import html
 import os
 import re
@@ -25,12 +24,14 @@ from loopline.envregistry import registry
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
+from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
 from loopline.store import ledger
 from loopline.store.db import session as new_session
-from loopline.tasks.stages import LoopContext, sync_step, tasks_by_id
+from loopline.tasks import loop as loop_tasks
+from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.trainer.learner import Learner, LearnerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
     ctx = LoopContext(
         run_id=run.id,
         session_factory=lambda: new_session(engine),
-        engine=LocalEngine(tiny_dirs["v0"]),
+        engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, row.version, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), tasks_by_id(tasks)),
         learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"),
         workdir=tmp_path_factory.mktemp("inspect"),
@@ -60,11 +61,14 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
         group_size=4,
     )
 
-    async def two_steps():
-        await sync_step(ctx, 1)
-        await sync_step(ctx, 2)
-
-    asyncio.run(two_steps())
+    try:
+        for step in (1, 2):  # the train flow's sync loop
+            loop_tasks.plan_step.fn(ctx, step)
+            loop_tasks.rollout_batch.fn(ctx, step)
+            loop_tasks.learner_step.fn(ctx, step)
+            loop_tasks.sync_weights.fn(ctx)
+    finally:
+        ctx.engine.shutdown()
     with new_session(engine) as s:
         xss = s.execute(sa.text("SELECT id, group_id FROM trajectory WHERE run_id = :r AND task_id = 'xss' LIMIT 1"), {"r": run.id}).one()
     engine.dispose()

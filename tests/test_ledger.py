@@ -13,9 +13,10 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from loopline import holder
-from loopline.store import ledger
+from loopline.store import ledger, records
 from loopline.store.db import session as new_session
-from loopline.store.errors import LedgerConflict, LooplineError
+from loopline.errors import LooplineError
+from loopline.store.errors import LedgerConflict
 from tests.factories import segment, trajectory
 
 
@@ -134,8 +135,8 @@ def test_commit_stores_segments_token_exact(db, run):
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
     spans = [{"version": 0, "start": 0, "end": 2}, {"version": 1, "start": 2, "end": 4}]
-    segs = [segment(seed=1), segment(seed=2, version=0, version_spans=spans)]
-    segs[0] = segment(seed=1, action_loss_mask=[1, 1, 0, 1])
+    first = segment(seed=1, action_loss_mask=[1, 1, 0, 1])
+    segs = [first, segment(seed=2, version=0, version_spans=spans, after=first)]
     outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory(0.5, segments=segs))
     assert outcome.committed
     rows = db.execute(
@@ -404,7 +405,7 @@ def test_resume_state_reports_checkpoint_version_and_pending_batch(db, run):
     ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
     pending = ledger.claim_learner_batch(db, run.id, 2, max_groups=1)
     state = ledger.resume_state(db, run.id)
-    assert state.last_checkpoint == ledger.CheckpointInfo(1, 1, "file:///ckpt/1")
+    assert state.last_checkpoint == records.CheckpointInfo(1, 1, "file:///ckpt/1")
     assert (state.policy_version, state.weights_uri, state.next_learner_step) == (1, "file:///w/v1", 2)
     assert state.consumed_trajectories == 2
     assert state.pending_learner_groups == pending.group_ids
@@ -425,3 +426,12 @@ def test_runs_are_found_by_name_or_id_and_track_status_and_publication(db, run):
     assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is None
     ledger.mark_published(db, run.id, 1)
     assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is not None
+
+
+def test_a_retokenised_history_is_refused_at_commit(db, run):
+    """Invariant 2: each model call's prompt extends the previous call's; a break is never stored."""
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    unrelated = [segment(seed=1), segment(seed=2)]  # the second prompt does not start with the first turn
+    with pytest.raises(LooplineError, match="does not extend segment 0"):
+        ledger.commit_trajectory(db, lease.attempt_id, trajectory(1.0, segments=unrelated))

@@ -1,17 +1,21 @@
-"""Two synchronous RL steps through the ledger with the real engine, learner and environment; then `check`."""
+"""Two synchronous RL steps through the ledger with the real engine, learner and environment; then `check`.
+
+The step is composed exactly as the `train` flow's sync loop composes it (plan_step, rollout_batch,
+learner_step, sync_weights: the task functions themselves, called without a Prefect server)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import sqlalchemy as sa
 
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.tasks.stages import LoopContext, sync_step, tasks_by_id
+from loopline.tasks import loop as tasks
+from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
+from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
@@ -31,7 +35,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
     ctx = LoopContext(
         run_id=run.id,
         session_factory=lambda: new_session(engine),
-        engine=LocalEngine(tiny_dirs["v0"]),
+        engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), tasks_by_id(train)),
         learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"),
         workdir=tmp_path,
@@ -39,16 +43,20 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         group_size=4,
     )
 
-    async def go():
-        first = await sync_step(ctx, 1)
-        second = await sync_step(ctx, 2)
-        again = await sync_step(ctx, 2)  # a retry after the step completed
-        return first, second, again
+    def sync_step(step: int) -> dict:  # the train flow's sync loop, step by step
+        tasks.plan_step.fn(ctx, step)
+        rolled = tasks.rollout_batch.fn(ctx, step)
+        trained = tasks.learner_step.fn(ctx, step)
+        return {"committed": rolled["committed"], "trained": trained, "policy_version": tasks.sync_weights.fn(ctx)}
 
-    first, second, again = asyncio.run(go())
+    try:
+        first, second = sync_step(1), sync_step(2)
+        again = sync_step(2)  # a retry after the step completed
+        assert ctx.engine.version() == 2
+    finally:
+        ctx.engine.shutdown()
     assert (first["committed"], first["policy_version"], second["committed"], second["policy_version"]) == (12, 1, 12, 2)
-    assert again == {"step": 2, "committed": 0, "infra_failed": 0, "policy_version": 2, "trained": False}
-    assert ctx.engine.version() == 2
+    assert again == {"committed": 0, "trained": False, "policy_version": 2}
     versions = db.execute(
         sa.text("SELECT r.step, min(t.policy_version_min), max(t.policy_version_max) FROM trajectory t JOIN rollout_group r ON r.id = t.group_id WHERE t.run_id = :r GROUP BY r.step ORDER BY r.step"),
         {"r": run.id},
@@ -59,3 +67,34 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
     assert report.ok, report.violations
     assert report.stats["consumed"] == 24 and report.stats["policy_versions"] == 3
     assert report.stats["max_logprob_gap"] < 1e-4
+
+
+def test_tasks_retry_only_transient_failures():
+    """A sandbox, engine or database hiccup is retried by Prefect; a config or contract error fails at once."""
+    from prefect.states import Failed
+
+    from loopline.envregistry.sandbox.base import InfraFailure
+    from loopline.errors import LooplineError
+    from loopline.rollout.engine import EngineError
+    from loopline.store.errors import DatabaseUnavailable, LedgerConflict
+
+    for exc in (InfraFailure("sandbox died"), EngineError("server gone"), DatabaseUnavailable("down"), ConnectionError()):
+        assert tasks.transient(None, None, Failed(data=exc)), exc
+    for exc in (LooplineError("bad config"), LedgerConflict("would train twice"), RuntimeError("a bug"), ValueError()):
+        assert not tasks.transient(None, None, Failed(data=exc)), exc
+
+
+def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tmp_path):
+    spec = load_spec(ARITHMETIC)
+    train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:10]
+    run = ledger.create_run(db, f"attempts-{tmp_path.name}", {"test": True}, str(tiny_dirs["v0"]))
+    chat = ChatFormat.for_policy(tiny_dirs["v0"])
+    ctx = LoopContext(
+        run_id=run.id, session_factory=lambda: new_session(engine), engine=None,
+        binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), tasks_by_id(train)),
+        learner=None, workdir=tmp_path, groups_per_step=2, group_size=2, max_attempts=7,
+    )
+    tasks.plan_step.fn(ctx, 1)
+    attempts = db.execute(sa.text("SELECT DISTINCT max_attempts FROM rollout_group WHERE run_id = :r"), {"r": run.id}).scalars().all()
+    db.rollback()
+    assert attempts == [7]

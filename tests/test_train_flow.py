@@ -9,7 +9,7 @@ import sqlalchemy as sa
 import yaml
 
 from loopline.flows.config import load_config
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 
 @pytest.fixture(scope="module")

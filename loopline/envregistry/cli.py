@@ -20,7 +20,7 @@ from loopline.envregistry import images, registry
 from loopline.envregistry.smoke import run_smoke
 from loopline.envregistry.spec import json_schema
 from loopline.store.db import session
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 from loopline.store.migrate import open_ledger
 from loopline.store.models import Environment
 

@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 PYTHON_IMAGE = "loopline-python:bookworm"
 BUILD_COMMAND = "envreg image build"

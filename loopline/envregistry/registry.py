@@ -24,7 +24,7 @@ from sqlmodel import Session
 
 from loopline.envregistry.spec import EnvSpec, JsonlTasks, load_spec, spec_hash
 from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, load_tasks
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 from loopline.store.models import Environment
 
 

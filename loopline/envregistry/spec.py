@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
 

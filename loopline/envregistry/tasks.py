@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks, read_text
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 from loopline.store.records import Split
 
 

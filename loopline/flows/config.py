@@ -8,7 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 from loopline.trainer.advantages import AdvantageConfig
 from loopline.trainer.learner import LearnerConfig
 from loopline.trainer.losses import LossConfig

@@ -13,7 +13,7 @@ from prefect.settings import PREFECT_API_URL
 from loopline.flows.evaluate import evaluate
 from loopline.flows.train import learner, train
 from loopline.flows.worker import rollout_worker
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 TRAIN, LEARNER, EVALUATE, WORKER = "loopline-train", "loopline-learner", "loopline-evaluate", "loopline-rollout-worker"
 

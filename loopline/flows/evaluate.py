@@ -20,7 +20,7 @@ from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.local_engine import LocalEngine
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 from loopline.tasks import loop as tasks
 
 

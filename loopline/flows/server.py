@@ -32,7 +32,7 @@ import sqlalchemy as sa
 
 from loopline.holder import process_alive
 from loopline.store import db as store_db
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 
 @dataclass(frozen=True)

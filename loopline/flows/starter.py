@@ -163,7 +163,7 @@ def pull_smollm2(directory: str | Path) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loopline.store.errors import LooplineError
+    from loopline.errors import LooplineError
 
     target = Path(directory)
     if (target / "config.json").is_file():

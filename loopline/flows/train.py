@@ -28,7 +28,8 @@ from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
-from loopline.store.errors import LedgerConflict, LooplineError
+from loopline.errors import LooplineError
+from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.trainer.learner import Learner, clean_partial_writes
@@ -133,6 +134,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         group_size=config.group_size,
         concurrency=config.concurrency,
         seed=config.seed,
+        max_attempts=config.max_attempts,
         in_flight=config.in_flight,
         lease_seconds=config.lease_seconds,
     )

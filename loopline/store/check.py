@@ -12,8 +12,10 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-import sqlalchemy as sa
 from sqlmodel import Session
+
+from loopline.store._sql import q
+from loopline.store.records import first_chain_break
 
 LOGPROB_GAP_TOLERANCE = 1e-2  # mean |recomputed - rollout| per step above this is reported (invariant 3)
 
@@ -40,7 +42,7 @@ class CheckReport:
 
 
 def _rows(session: Session, sql: str, **params):
-    return session.execute(sa.text(sql), params).all()
+    return q(session, sql, **params).all()  # inside check_run's one transaction: every check sees one snapshot
 
 
 def check_run(session: Session, run_id: uuid.UUID) -> CheckReport:
@@ -75,10 +77,8 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
             unnamed.add(row.trajectory_id)
         if any(m not in (0, 1) for m in row.action_loss_mask) or len(row.action_loss_mask) != len(row.generated_ids):
             bad_masks.add(row.trajectory_id)
-        if previous is not None and previous.trajectory_id == row.trajectory_id:
-            head = list(previous.prompt_ids) + list(previous.generated_ids)
-            if list(row.prompt_ids[: len(head)]) != head:
-                broken_chains.add(row.trajectory_id)
+        if previous is not None and previous.trajectory_id == row.trajectory_id and first_chain_break([previous, row]):
+            broken_chains.add(row.trajectory_id)
         previous = row
     if bad_logprobs:
         report.add(1, f"{len(bad_logprobs)} trajectories hold logprobs that are not finite log-probabilities (> 0 or NaN)", bad_logprobs)

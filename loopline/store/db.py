@@ -16,7 +16,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlmodel import Session
 
-from loopline.store.errors import DatabaseUnavailable, LooplineError
+from loopline.errors import LooplineError
+from loopline.store.errors import DatabaseUnavailable
 
 DATABASE_URL_ENV = "LOOPLINE_DATABASE_URL"
 HOME_ENV = "LOOPLINE_HOME"

@@ -1,8 +1,6 @@
-"""Errors a user acts on: each message says what is wrong and what to run."""
+"""Errors of the ledger (the base, `LooplineError`, is shared by every layer: loopline/errors.py)."""
 
-
-class LooplineError(Exception):
-    """Printed as one line by the CLIs, never as a traceback."""
+from loopline.errors import LooplineError
 
 
 class DatabaseUnavailable(LooplineError):

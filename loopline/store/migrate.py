@@ -14,7 +14,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from loopline.store.db import describe_url, error_reason, make_engine
-from loopline.store.errors import LooplineError, SchemaOutOfDate
+from loopline.errors import LooplineError
+from loopline.store.errors import SchemaOutOfDate
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Sequence
 
-from loopline.store.errors import LooplineError
+from loopline.errors import LooplineError
 
 Split = Literal["train", "eval"]
 
@@ -65,10 +65,47 @@ class TrajectoryRecord:
             raise LooplineError("a trajectory needs at least one segment")
         for i, seg in enumerate(self.segments):
             seg.validate(f"segment {i}")
+        broken = first_chain_break(self.segments)
+        if broken is not None:
+            raise LooplineError(f"segment {broken} does not extend segment {broken - 1} (the history was re-tokenised)")
 
     def version_range(self) -> tuple[int, int]:
         versions = [v for seg in self.segments for v in seg.versions()]
         return min(versions), max(versions)
+
+
+def first_chain_break(segments: Sequence[Any]) -> int | None:
+    """The trajectory rule every reader checks: each model call's prompt starts with exactly the previous
+    call's prompt and generated tokens (the history is never re-tokenised). Returns the index of the first
+    segment that breaks it, or None. Segments are anything with `prompt_ids` and `generated_ids`."""
+    for i in range(1, len(segments)):
+        head = list(segments[i - 1].prompt_ids) + list(segments[i - 1].generated_ids)
+        if list(segments[i].prompt_ids[: len(head)]) != head:
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class StoredSegment:
+    """A committed segment's tokens, as the learner reads them back."""
+
+    seq: int
+    prompt_ids: Sequence[int]
+    generated_ids: Sequence[int]
+    action_loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
+
+
+@dataclass(frozen=True)
+class StoredTrajectory:
+    """A committed trajectory as the learner reads it back: its group, reward, versions and tokens."""
+
+    id: uuid.UUID
+    group_id: uuid.UUID
+    reward: float
+    policy_version_min: int
+    policy_version_max: int
+    segments: tuple[StoredSegment, ...]
 
 
 @dataclass(frozen=True)

@@ -13,28 +13,43 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import sqlalchemy.exc
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from loopline.rollout.engine import Engine
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup
 from loopline.store import queries
+from loopline.store.errors import DatabaseUnavailable
 from loopline.tasks import stages
 
+# What may succeed on a second try: the database, an inference engine, a sandbox, the network.
+# A config or contract error (LooplineError, LedgerConflict, a bug) fails at once instead.
+TRANSIENT = (
+    DatabaseUnavailable, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, EngineError, InfraFailure,
+    ConnectionError, TimeoutError,
+)
 
-@task(name="plan_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+
+def transient(task, task_run, state) -> bool:
+    """Prefect's `retry_condition_fn`: retry a task only when it failed for a transient reason."""
+    return isinstance(state.data, TRANSIENT)
+
+
+@task(name="plan_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
 def plan_step(ctx: stages.LoopContext, step: int) -> int:
     return len(stages.plan(ctx, step))
 
 
-@task(name="rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
 def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
     stats = asyncio.run(stages.rollout(ctx, step))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.concurrency)}
 
 
-@task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
 def rollout_worker(
     ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> dict:
@@ -43,19 +58,19 @@ def rollout_worker(
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
 
 
-@task(name="learner_step", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
+@task(name="learner_step", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient)
 def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
     """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
     stages.wait_for_groups(ctx, step, producing)
     return stages.learn(ctx, step, max_groups=ctx.groups_per_step, max_staleness=max_staleness) is not None
 
 
-@task(name="sync_weights", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="sync_weights", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
 def sync_weights(ctx: stages.RolloutContext) -> int:
     return asyncio.run(stages.sync_weights(ctx))
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
+@task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient)
 def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
     temperature: float, seed: int,

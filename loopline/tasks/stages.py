@@ -29,6 +29,7 @@ from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
+from loopline.store.records import LearnerCommit
 from loopline.trainer.batch import load_sequences
 from loopline.trainer.learner import Learner
 
@@ -55,6 +56,7 @@ class LoopContext(RolloutContext):
     groups_per_step: int
     group_size: int
     seed: int = 0
+    max_attempts: int = 3  # infra failures of one slot before its group is dropped
 
 
 class StopFlag(Protocol):
@@ -71,7 +73,7 @@ def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
     train = sorted(t for t, task in ctx.binding.tasks.items() if task.split == "train")
     chosen = random.Random(f"{ctx.seed}/{step}").sample(train, ctx.groups_per_step)
     with ctx.session_factory() as s:
-        return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.group_size)
+        return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.group_size, max_attempts=ctx.max_attempts)
 
 
 async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
@@ -105,7 +107,7 @@ def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] |
         time.sleep(poll_s)
 
 
-def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> ledger.LearnerCommit | None:
+def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> LearnerCommit | None:
     """Train on the groups claimed for `step` and commit consumption + checkpoint + version atomically."""
     with ctx.session_factory() as s:
         batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
@@ -137,14 +139,6 @@ async def sync_weights(ctx: RolloutContext) -> int:
     with ctx.session_factory() as s:
         ledger.mark_published(s, ctx.run_id, state.policy_version)
     return state.policy_version
-
-
-async def sync_step(ctx: LoopContext, step: int) -> dict:
-    plan(ctx, step)
-    stats = await rollout(ctx, step)
-    commit = learn(ctx, step, max_groups=ctx.groups_per_step)
-    version = await sync_weights(ctx)
-    return {"step": step, "committed": stats.committed, "infra_failed": stats.infra_failed, "policy_version": version, "trained": commit is not None}
 
 
 async def evaluate(

@@ -13,9 +13,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
-import sqlalchemy as sa
 import torch
 from sqlmodel import Session
+
+from loopline.store import ledger
+from loopline.store.records import StoredTrajectory, first_chain_break
 
 
 @dataclass(frozen=True)
@@ -38,53 +40,31 @@ class TrainSequence:
         return sum(self.action_mask)
 
 
-def sequence_from_segments(
-    segments: Sequence[dict], trajectory_id=None, group_id=None, reward: float = 0.0, policy_version: int = 0,
-    policy_version_max: int | None = None,
-) -> TrainSequence:
+def sequence_from_trajectory(trajectory: StoredTrajectory) -> TrainSequence:
+    """The whole conversation as one sequence: the last segment's context plus its generation; each
+    segment's action tokens keep their mask and rollout logprobs at their place in it."""
+    segments = trajectory.segments
     if not segments:
-        raise ValueError(f"trajectory {trajectory_id} has no segments")
-    for before, after in zip(segments, segments[1:]):
-        head = list(before["prompt_ids"]) + list(before["generated_ids"])
-        if list(after["prompt_ids"][: len(head)]) != head:
-            raise ValueError(f"trajectory {trajectory_id}: segment {after['seq']} does not extend segment {before['seq']}")
+        raise ValueError(f"trajectory {trajectory.id} has no segments")
+    broken = first_chain_break(segments)
+    if broken is not None:
+        raise ValueError(f"trajectory {trajectory.id}: segment {segments[broken].seq} does not extend the one before")
     last = segments[-1]
-    ids = list(last["prompt_ids"]) + list(last["generated_ids"])
+    ids = list(last.prompt_ids) + list(last.generated_ids)
     mask, logprobs = [0] * len(ids), [0.0] * len(ids)
     for seg in segments:
-        start = len(seg["prompt_ids"])
-        for i, (m, lp) in enumerate(zip(seg["action_loss_mask"], seg["rollout_logprobs"])):
+        start = len(seg.prompt_ids)
+        for i, (m, lp) in enumerate(zip(seg.action_loss_mask, seg.rollout_logprobs)):
             mask[start + i], logprobs[start + i] = int(m), float(lp)
-    return TrainSequence(trajectory_id, group_id, reward, tuple(ids), tuple(mask), tuple(logprobs), policy_version, policy_version_max)
+    return TrainSequence(
+        trajectory.id, trajectory.group_id, trajectory.reward, tuple(ids), tuple(mask), tuple(logprobs),
+        trajectory.policy_version_min, trajectory.policy_version_max,
+    )
 
 
 def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
     """The learner's view of a claimed batch, in the batch's order."""
-    rows = session.execute(
-        sa.text(
-            "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, s.generated_ids, "
-            "s.action_loss_mask, s.rollout_logprobs FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
-            "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq"
-        ),
-        {"ids": list(trajectory_ids)},
-    ).mappings().all()
-    session.rollback()
-    by_trajectory: dict[uuid.UUID, list] = {}
-    for row in rows:
-        by_trajectory.setdefault(row["id"], []).append(row)
-    missing = [t for t in trajectory_ids if t not in by_trajectory]
-    if missing:
-        raise ValueError(f"trajectories not in the ledger: {missing[:3]}")
-    out = []
-    for tid in trajectory_ids:
-        segs = by_trajectory[tid]
-        first = segs[0]
-        out.append(
-            sequence_from_segments(
-                segs, tid, first["group_id"], first["reward"], first["policy_version_min"], first["policy_version_max"]
-            )
-        )
-    return out
+    return [sequence_from_trajectory(t) for t in ledger.load_trajectories(session, trajectory_ids)]
 
 
 def micro_batches(sequences: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:

@@ -1,0 +1,195 @@
+"""Committing trajectories (token-exact, in bulk) and reading them back."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal, Sequence
+
+from psycopg.types.json import Jsonb
+from sqlalchemy.dialects import postgresql
+from sqlmodel import Session, SQLModel
+
+from loopline.errors import LooplineError
+from loopline.store._sql import q, transaction
+from loopline.store.models import Segment, Trajectory
+from loopline.store.records import CommitOutcome, StoredSegment, StoredTrajectory, TrajectoryRecord
+from loopline.store.slots import _NO_LEASE, _end_attempt
+
+BulkMethod = Literal["copy", "executemany"]
+
+
+def _copy_layout(model: type[SQLModel], written_by_server: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Column names and PostgreSQL type names for binary COPY, read from the table model (one source of truth)."""
+    dialect = postgresql.dialect()
+    columns = [c for c in model.__table__.columns if c.name not in written_by_server]
+    return tuple(c.name for c in columns), tuple(c.type.compile(dialect=dialect).lower() for c in columns)
+
+
+_TRAJECTORY_COLUMNS, _TRAJECTORY_TYPES = _copy_layout(Trajectory, written_by_server=("created_at",))
+_SEGMENT_COLUMNS, _SEGMENT_TYPES = _copy_layout(Segment)
+
+
+def commit_trajectory(
+    session: Session, attempt_id: uuid.UUID, trajectory: TrajectoryRecord, method: BulkMethod = "copy"
+) -> CommitOutcome:
+    return commit_trajectories(session, [(attempt_id, trajectory)], method)[0]
+
+
+def commit_trajectories(
+    session: Session,
+    items: Sequence[tuple[uuid.UUID, TrajectoryRecord]],
+    method: BulkMethod = "copy",
+) -> list[CommitOutcome]:
+    """Commit finished attempts as trajectories with their segments, in one transaction.
+
+    A slot keeps the first trajectory committed for it: a later (or racing)
+    attempt at a slot already done, or at a dropped group, is refused and
+    marked cancelled. Any attempt may commit while its slot is open, even
+    one whose lease expired: its trajectory is as valid as a retry's would be.
+    `method` picks the bulk path (binary COPY, or executemany for comparison).
+    """
+    for _, traj in items:
+        traj.validate()
+    outcomes: dict[uuid.UUID, CommitOutcome] = {}
+    with transaction(session):
+        refs = q(
+            session,
+            "SELECT a.id AS attempt_id, s.id AS slot_id, s.group_id FROM attempt a "
+            "JOIN slot s ON s.id = a.slot_id WHERE a.id = ANY(:ids)",
+            ids=[a for a, _ in items],
+        ).all()
+        known = {r.attempt_id for r in refs}
+        missing = [a for a, _ in items if a not in known]
+        if missing:
+            raise LooplineError(f"no attempt {missing[0]} in the ledger")
+        q(
+            session,
+            "SELECT id FROM rollout_group WHERE id = ANY(:g) ORDER BY id FOR UPDATE",
+            g=sorted({r.group_id for r in refs}),
+        )
+        slots = {
+            r.id: r
+            for r in q(
+                session,
+                "SELECT id, run_id, group_id, split, task_id, state FROM slot WHERE id = ANY(:s) ORDER BY id FOR UPDATE",
+                s=sorted({r.slot_id for r in refs}),
+            )
+        }
+        slot_of = {r.attempt_id: r.slot_id for r in refs}
+
+        trajectory_rows: list[tuple] = []
+        segment_rows: list[tuple] = []
+        done_slots: set[uuid.UUID] = set()
+        statuses: list[tuple[uuid.UUID, str]] = []
+        for attempt_id, traj in items:
+            slot = slots[slot_of[attempt_id]]
+            if slot.id in done_slots or slot.state == "done":
+                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "slot already has a committed trajectory")
+                _end_attempt(session, attempt_id, "cancelled", "SlotAlreadyCommitted", outcomes[attempt_id].reason)
+                continue
+            if slot.state == "abandoned":
+                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "its group was dropped after infra failures")
+                _end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
+                continue
+            trajectory_id = uuid.uuid4()
+            done_slots.add(slot.id)
+            outcomes[attempt_id] = CommitOutcome(attempt_id, trajectory_id)
+            statuses.append((attempt_id, "ok" if traj.failure_type is None else "task_failed"))
+            vmin, vmax = traj.version_range()
+            trajectory_rows.append(_row(_TRAJECTORY_COLUMNS, dict(
+                id=trajectory_id, run_id=slot.run_id, slot_id=slot.id, attempt_id=attempt_id, group_id=slot.group_id,
+                task_id=slot.task_id, split=slot.split, env_name=traj.env_name, env_version=traj.env_version,
+                verifier_version=traj.verifier_version, harness_version=traj.harness_version, reward=float(traj.reward),
+                terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
+                policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(traj.info),
+            )))
+            for seq, seg in enumerate(traj.segments):
+                segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
+                    trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
+                    version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
+                    tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids),
+                    generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
+                    rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
+                    sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(list(seg.tool_events)),
+                    started_at=seg.started_at, ended_at=seg.ended_at,
+                )))
+
+        if trajectory_rows:
+            raw = session.connection().connection.driver_connection
+            _bulk_write(raw, "trajectory", _TRAJECTORY_COLUMNS, _TRAJECTORY_TYPES, trajectory_rows, method)
+            _bulk_write(raw, "segment", _SEGMENT_COLUMNS, _SEGMENT_TYPES, segment_rows, method)
+            q(
+                session,
+                "UPDATE slot SET state = 'done', " + _NO_LEASE + " WHERE id = ANY(:s)",
+                s=list(done_slots),
+            )
+            for status in ("ok", "task_failed"):
+                ids = [a for a, s in statuses if s == status]
+                if ids:
+                    q(
+                        session,
+                        "UPDATE attempt SET status = :st, ended_at = now(), error_class = NULL, error_text = NULL "
+                        "WHERE id = ANY(:ids)",
+                        st=status,
+                        ids=ids,
+                    )
+            q(
+                session,
+                "UPDATE rollout_group g SET state = 'complete', completed_at = now() "
+                "WHERE g.id = ANY(:g) AND g.state = 'open' "
+                "AND NOT EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
+                g=list({slots[s].group_id for s in done_slots}),
+            )
+    return [outcomes[a] for a, _ in items]
+
+
+def _row(columns: tuple[str, ...], values: dict) -> tuple:
+    """A row in the table's column order; a column the model has and this code does not fill fails here."""
+    return tuple(values[name] for name in columns)
+
+
+def _bulk_write(raw, table: str, columns: Sequence[str], types: Sequence[str], rows: list[tuple], method: BulkMethod) -> None:
+    cols = ", ".join(columns)
+    with raw.cursor() as cur:
+        if method == "copy":
+            with cur.copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
+                copy.set_types(list(types))
+                for row in rows:
+                    copy.write_row(row)
+        elif method == "executemany":
+            placeholders = ", ".join(["%s"] * len(columns))
+            cur.executemany(f"INSERT INTO {table} ({cols}) VALUES ({placeholders})", rows)
+        else:
+            raise ValueError(f"unknown bulk method {method!r}")
+
+
+def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:
+    """Committed trajectories with their segments' tokens, in the order asked for; all must exist."""
+    rows = q(
+        session,
+        "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
+        "s.generated_ids, s.action_loss_mask, s.rollout_logprobs FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
+        "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
+        ids=list(trajectory_ids),
+    ).all()
+    session.rollback()
+    by_id: dict[uuid.UUID, list] = {}
+    for row in rows:
+        by_id.setdefault(row.id, []).append(row)
+    missing = [t for t in trajectory_ids if t not in by_id]
+    if missing:
+        raise LooplineError(f"trajectories not in the ledger: {', '.join(map(str, missing[:3]))}")
+    out = []
+    for trajectory_id in trajectory_ids:
+        segs = by_id[trajectory_id]
+        first = segs[0]
+        out.append(
+            StoredTrajectory(
+                first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
+                tuple(
+                    StoredSegment(r.seq, r.prompt_ids, r.generated_ids, r.action_loss_mask, r.rollout_logprobs) for r in segs
+                ),
+            )
+        )
+    return out
+

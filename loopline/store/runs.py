@@ -1,0 +1,210 @@
+"""Runs, their policy versions and evaluations, and where a run stands on resume."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable
+
+import sqlalchemy as sa
+from psycopg.types.json import Jsonb
+from sqlmodel import Session
+import hashlib
+import json
+from dataclasses import dataclass
+
+from loopline.errors import LooplineError
+from loopline.store._sql import q, transaction
+from loopline.store.errors import LedgerConflict
+from loopline.store.learning import _group_states, _groups_of_step
+from loopline.store.models import Run
+from loopline.store.records import CheckpointInfo, ResumeState
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+
+
+def create_run(
+    session: Session,
+    name: str,
+    config: dict[str, Any],
+    initial_weights_uri: str,
+    initial_sha256: str | None = None,
+) -> Run:
+    """Create a run with policy version 0, or return the existing run of that name if its config matches."""
+    digest = config_hash(config)
+    with transaction(session):
+        q(
+            session,
+            "INSERT INTO run (id, name, config, config_hash, status) "
+            "VALUES (:id, :name, :config, :hash, 'created') ON CONFLICT (name) DO NOTHING",
+            id=uuid.uuid4(),
+            name=name,
+            config=Jsonb(config),
+            hash=digest,
+        )
+        run = session.execute(sa.select(Run).where(Run.name == name)).scalar_one()
+        if run.config_hash != digest:
+            raise LedgerConflict(
+                f"run {name!r} already exists with a different config; resume it with its own config "
+                "or choose another run name"
+            )
+        q(
+            session,
+            "INSERT INTO policy_version (run_id, version, learner_step, weights_uri, sha256, published_at) "
+            "VALUES (:run, 0, 0, :uri, :sha, now()) ON CONFLICT DO NOTHING",
+            run=run.id,
+            uri=initial_weights_uri,
+            sha=initial_sha256,
+        )
+    return run
+
+
+def get_run(session: Session, name_or_id: str | uuid.UUID) -> Run:
+    try:
+        condition = Run.id == uuid.UUID(str(name_or_id))
+    except ValueError:
+        condition = Run.name == str(name_or_id)
+    # populate_existing: a long-lived session must see status changes made by other calls or processes
+    run = session.execute(sa.select(Run).where(condition).execution_options(populate_existing=True)).scalar_one_or_none()
+    session.commit()  # ends the read; with expire_on_commit=False the row stays usable
+    if run is None:
+        raise LooplineError(f"no run named {name_or_id!r}; `loopline runs` lists them")
+    return run
+
+
+def set_run_status(session: Session, run_id: uuid.UUID, status: str) -> None:
+    with transaction(session):
+        q(session, "UPDATE run SET status = :s WHERE id = :r", s=status, r=run_id)
+
+
+
+# --------------------------------------------------------------------------- versions and evaluations
+
+
+@dataclass(frozen=True)
+class VersionWeights:
+    version: int
+    uri: str
+
+
+def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
+    """Where a policy version's weights are (the newest version when `version` is None)."""
+    row = q(
+        session,
+        "SELECT version, weights_uri FROM policy_version WHERE run_id = :r AND (CAST(:v AS int) IS NULL OR version = :v) "
+        "ORDER BY version DESC LIMIT 1",
+        r=run_id,
+        v=version,
+    ).first()
+    session.rollback()
+    if row is None:
+        raise LooplineError(f"run {run_id} has no policy version {version}")
+    return VersionWeights(row.version, row.weights_uri)
+
+
+def owed_evaluations(
+    session: Session, run_id: uuid.UUID, scheduled: Callable[[int], bool], through: int
+) -> list[VersionWeights]:
+    """Versions up to `through` whose scheduled evaluation is not in the ledger yet, oldest first."""
+    rows = q(
+        session,
+        "SELECT p.version, p.weights_uri FROM policy_version p WHERE p.run_id = :r AND p.version <= :upto "
+        "AND NOT EXISTS (SELECT 1 FROM eval_result e WHERE e.run_id = p.run_id AND e.policy_version = p.version) "
+        "ORDER BY p.version",
+        r=run_id,
+        upto=through,
+    ).all()
+    session.rollback()
+    return [VersionWeights(r.version, r.weights_uri) for r in rows if scheduled(r.version)]
+
+
+def initial_weights(session: Session, run_id: uuid.UUID) -> str:
+    """Where the run's version 0 came from (the learner and tokenizer start there)."""
+    uri = q(session, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run_id).scalar_one()
+    session.rollback()
+    return uri
+
+
+def latest_policy_version(session: Session, run_id: uuid.UUID) -> int:
+    """The learner's newest version (what the staleness gate compares the engines' versions with)."""
+    version = q(session, "SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r", r=run_id).scalar_one()
+    session.rollback()
+    return version
+
+
+def record_eval_result(
+    session: Session,
+    run_id: uuid.UUID,
+    policy_version: int,
+    env_name: str,
+    env_version: int,
+    n_tasks: int,
+    n_success: int,
+    details: dict[str, Any] | None = None,
+) -> bool:
+    """Store a policy version's held-out success once; returns False if it was already recorded."""
+    with transaction(session):
+        inserted = q(
+            session,
+            "INSERT INTO eval_result (run_id, policy_version, env_name, env_version, n_tasks, n_success, success_rate, details) "
+            "VALUES (:r, :v, :e, :ev, :n, :k, :rate, :d) ON CONFLICT DO NOTHING",
+            r=run_id, v=policy_version, e=env_name, ev=env_version, n=n_tasks, k=n_success,
+            rate=n_success / n_tasks if n_tasks else 0.0, d=Jsonb(details or {}),
+        ).rowcount
+    return inserted == 1
+
+
+def mark_published(session: Session, run_id: uuid.UUID, version: int) -> None:
+    """Record that every engine now serves `version` (weight sync finished)."""
+    with transaction(session):
+        q(
+            session,
+            "UPDATE policy_version SET published_at = coalesce(published_at, now()) WHERE run_id = :r AND version = :v",
+            r=run_id,
+            v=version,
+        )
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def consumed_trajectory_ids(session: Session, run_id: uuid.UUID) -> set[uuid.UUID]:
+    ids = q(session, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id).scalars().all()
+    session.rollback()
+    return set(ids)
+
+
+def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
+    """Where a run stands in the ledger: the checkpoint to restore and what the next learner step is."""
+    with transaction(session):
+        ckpt = q(
+            session,
+            "SELECT learner_step, policy_version, uri FROM checkpoint WHERE run_id = :r AND complete "
+            "ORDER BY learner_step DESC LIMIT 1",
+            r=run_id,
+        ).first()
+        latest = q(
+            session,
+            "SELECT version, weights_uri FROM policy_version WHERE run_id = :r ORDER BY version DESC LIMIT 1",
+            r=run_id,
+        ).first()
+        if latest is None:
+            raise LooplineError(f"run {run_id} has no policy version; create it with create_run")
+        next_step = (ckpt.learner_step if ckpt else 0) + 1
+        consumed = q(session, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id).scalar_one()
+        pending = _groups_of_step(session, run_id, next_step, "claimed")
+        states = _group_states(session, run_id)
+    return ResumeState(
+        run_id=run_id,
+        last_checkpoint=CheckpointInfo(*ckpt) if ckpt else None,
+        policy_version=latest.version,
+        weights_uri=latest.weights_uri,
+        next_learner_step=next_step,
+        consumed_trajectories=consumed,
+        pending_learner_groups=pending,
+        group_states=states,
+    )
