@@ -55,7 +55,8 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
     from loopline.flows.config import load_config
     from loopline.store.check import check_run
     from loopline.trainer.batch import load_sequences
-    from loopline.trainer.learner import Learner, weights_sha256
+    from loopline.trainer.checkpoint import weights_sha256
+    from loopline.trainer.learner import Learner
 
     name = f"chaos-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
     config = tmp_path / "run.yaml"

@@ -15,7 +15,8 @@ import torch
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.batch import TrainSequence
-from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, weights_sha256
+from loopline.trainer.checkpoint import weights_sha256
+from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
 
 PROMPTS = [[1, 87, 85, 261, 201], [1, 67, 85, 85, 277, 86], [1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55]]
 

@@ -124,3 +124,15 @@ def test_micro_batch_shares_add_up_to_the_whole_batch_loss(how):
     tokens, seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
     parts = [aggregate(per_token[r], mask[r], how, tokens, seqs) for r in (slice(0, 2), slice(2, 5))]
     assert float(sum(parts)) == pytest.approx(float(whole))
+
+
+def test_learning_rate_schedule_by_hand():
+    from loopline.trainer.schedule import lr_factor
+
+    assert [lr_factor(s, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    # cosine from 1.0 to 0.1 over 10 steps: halfway 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
+    assert lr_factor(0, decay_steps=10) == 1.0
+    assert abs(lr_factor(5, decay_steps=10) - 0.55) < 1e-12
+    assert abs(lr_factor(10, decay_steps=10) - 0.1) < 1e-12 and abs(lr_factor(30, decay_steps=10) - 0.1) < 1e-12
+    # warm-up then decay: the decay starts where warm-up ends
+    assert lr_factor(1, warmup_steps=2, decay_steps=12) == 1.0 and lr_factor(2, warmup_steps=2, decay_steps=12) == 1.0

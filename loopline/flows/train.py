@@ -32,7 +32,8 @@ from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
-from loopline.trainer.learner import Learner, clean_partial_writes
+from loopline.trainer.checkpoint import clean_partial_writes
+from loopline.trainer.learner import Learner
 
 FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 

@@ -1,0 +1,182 @@
+"""How a learner applies its updates: DeepSpeed (ZeRO, several ranks) or a plain torch loop, behind one interface.
+
+`Learner` computes losses; a backend owns the model wrapper, the optimizer and the schedule, runs the
+optimizer step over a step's micro-batches, and saves and restores that state. On CPU DeepSpeed runs
+fp32 with gloo (`DS_ACCELERATOR=cpu`); one process needs no launcher, and the `deepspeed` launcher
+runs several.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Literal, Protocol
+
+import torch
+
+from loopline.failpoints import failpoint
+from loopline.trainer.batch import Padded
+
+BackendName = Literal["deepspeed", "torch"]
+LossFn = Callable[[Padded], tuple[torch.Tensor, dict[str, float]]]  # (share of the step's loss, metrics)
+
+
+class Backend(Protocol):
+    model: torch.nn.Module  # the plain model (for export, config, parameters)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself)."""
+
+    def world(self) -> tuple[int, int]:
+        """(data-parallel size, this rank)."""
+
+    def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
+        """One optimizer step over the step's micro-batches (the same list on every rank); `on_error` is
+        the learner's refusal: raised by `loss_of`, or by this when an earlier step broke halfway."""
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None: ...
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        """Restore the model, optimizer and schedule; returns the client state saved with them."""
+
+
+def _init_distributed(backend: str) -> None:
+    """Join the launcher's process group, or form a one-process one.
+
+    Without a launcher the group rendezvouses through a file, not a TCP port: a port chosen in
+    advance can be taken by any outgoing connection before DeepSpeed binds it (it happened in CI),
+    and two learners on one machine would collide on a fixed one.
+    """
+    import deepspeed
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    if not torch.distributed.is_initialized() and not launched:  # (a stray RANK alone, e.g. inherited, is no launcher)
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            os.environ[key] = value
+        rendezvous = Path(tempfile.mkdtemp(prefix="loopline-dist-"))
+        atexit.register(shutil.rmtree, rendezvous, ignore_errors=True)
+        torch.distributed.init_process_group(backend, init_method=f"file://{rendezvous / 'store'}", rank=0, world_size=1)
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce (`deepspeed_shm_comm`, ~2 min
+        # of c++ at the first run on a machine) behind a lock file that a killed build leaves behind, after
+        # which every later start waits on it forever. gloo does the all-reduce instead: one process needs
+        # none, and several ranks on one host lose only a faster reduction. DeepSpeed consults this table
+        # before building the op.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    failpoint("deepspeed_start")
+    deepspeed.init_distributed(backend)
+
+
+
+
+class DeepSpeedBackend:
+    def __init__(self, model, optimizer, scheduler, grad_clip: float, zero_stage: int, bf16: bool):
+        import deepspeed
+
+        _init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.model = self.engine.module
+        self._broken: str | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.engine(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def world(self) -> tuple[int, int]:
+        if not torch.distributed.is_initialized():
+            return 1, 0
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+
+    def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
+        """Rank r trains micro-batches r, r + world, ...; every rank runs the same number of
+        accumulation steps (an empty one where it has none left), and because each loss is its
+        share of the whole step's loss, the averaged gradient equals one process's on the full batch."""
+        if self._broken:
+            raise on_error(f"an earlier step was refused halfway ({self._broken}); restore the last checkpoint")
+        metrics = []
+        world, rank = self.world()
+        mine = micro[rank::world]
+        count = math.ceil(len(micro) / world)
+        self.engine.set_train_batch_size(count * world)  # gradient accumulation over exactly `count` micro-batches
+        for i in range(count):
+            if i < len(mine):
+                try:
+                    loss, m = loss_of(mine[i])
+                except on_error as exc:
+                    # DeepSpeed already holds this step's earlier gradients: this learner must not step again
+                    self._broken = str(exc)
+                    raise
+                metrics.append(m)
+            else:  # a real forward through the engine, weighted 0: this rank has no micro-batch left
+                loss = loss_of(micro[0])[0] * 0.0
+            self.engine.backward(loss * count * world)  # DeepSpeed divides by accumulation steps and ranks
+            self.engine.step()
+        return metrics
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(directory), tag="state", client_state={"loopline": client_state})
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        _, client = self.engine.load_checkpoint(str(directory), tag="state")
+        return client["loopline"]
+
+
+class TorchBackend:
+    def __init__(self, model, optimizer, scheduler, grad_clip: float, device: torch.device):
+        self.model, self.optimizer, self.scheduler = model.to(device), optimizer, scheduler
+        self.grad_clip = grad_clip
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def world(self) -> tuple[int, int]:
+        return 1, 0
+
+    def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
+        metrics = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for batch in micro:
+            loss, m = loss_of(batch)
+            loss.backward()
+            metrics.append(m)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        torch.save({**state, "loopline": client_state}, directory / "state.pt")
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        blob = torch.load(directory / "state.pt", weights_only=False)
+        self.model.load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        return blob["loopline"]
+
+
+def build_backend(name: BackendName, model, optimizer, scheduler, config, device: torch.device) -> Backend:
+    """The backend a run config names (`learner.backend`)."""
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, optimizer, scheduler, config.grad_clip, config.zero_stage, config.dtype == "bf16")
+    if name == "torch":
+        return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
+    raise ValueError(f"unknown learner backend {name!r}: deepspeed or torch")

@@ -1,0 +1,95 @@
+"""Checkpoints and weight exports on disk: written beside their target and renamed into place when complete,
+so a reader never sees half a directory, and the half-written ones of dead writers can be found and removed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from loopline.holder import process_alive
+
+COMPLETE_MARKER = "loopline_checkpoint.json"
+_TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template", "generation_config", "loopline_prompt")
+
+
+def partial_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+
+
+def write_complete(target: str | Path, fill: Callable[[Path], None]) -> Path:
+    """Let `fill` write a fresh directory beside `target`, then move it into place in one rename."""
+    target = Path(target)
+    tmp = partial_name(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def clean_partial_writes(root: Path) -> list[Path]:
+    """Remove half-written checkpoints and exports under `root` whose writer process is gone."""
+    removed = []
+    for path in root.glob("*/.*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def save_rng(directory: Path) -> None:
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+
+
+def load_rng(directory: Path) -> None:
+    rng = torch.load(directory / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+
+
+def mark_complete(directory: Path, marker: dict[str, Any]) -> None:
+    (directory / COMPLETE_MARKER).write_text(json.dumps(marker, default=str))
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint's marker, or None when the directory is not a complete loopline checkpoint."""
+    path = directory / COMPLETE_MARKER
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def mismatched_model(directory: Path, current: dict[str, Any]) -> str | None:
+    """Why a checkpoint does not fit the model loaded now (its config differs where shapes depend on it)."""
+    saved = json.loads((directory / "model_config.json").read_text())
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if saved.get(key) != current.get(key):
+            return f"{key}: {saved.get(key)} vs {current.get(key)}"
+    return None
+
+
+def export_weights(model, model_dir: Path, target: str | Path) -> str:
+    """HF-format safetensors plus the policy's tokenizer files, for the engines; returns the weights' sha256."""
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in os.listdir(model_dir):
+            if name.startswith(_TOKENIZER_FILES) and not (tmp / name).exists():
+                shutil.copy(model_dir / name, tmp / name)
+
+    return weights_sha256(write_complete(target, fill))
+
+
+def weights_sha256(directory: str | Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
