@@ -1,7 +1,10 @@
-"""Tests run against a real PostgreSQL: a fresh database per test session, built by the migrations."""
+"""Fixtures by what a test needs. tests/unit needs nothing running; tests/ledger a PostgreSQL server
+(a fresh database per test session, built by the migrations); tests/integration also Docker, a Prefect
+server, a browser, or minutes of training. tests/fakes holds the stand-in servers."""
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import uuid
@@ -17,7 +20,8 @@ from loopline.store.db import HOME_ENV, embedded_url, make_engine, session as ne
 from loopline.store.migrate import upgrade
 
 
-def _admin_url() -> str:
+@functools.cache
+def admin_url() -> str:
     """The server that hosts throwaway test databases.
 
     LOOPLINE_TEST_ADMIN_URL if set; else the PostgreSQL on 127.0.0.1:5432
@@ -35,20 +39,17 @@ def _admin_url() -> str:
         return embedded_url().set(database="postgres").render_as_string(hide_password=False)
 
 
-ADMIN_URL = _admin_url()
-
-
 def create_scratch_database(prefix: str = "loopline_test") -> str:
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(admin_url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     admin.dispose()
-    return make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    return make_url(admin_url()).set(database=name).render_as_string(hide_password=False)
 
 
 def drop_scratch_database(url: str) -> None:
-    admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(admin_url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
     admin.dispose()
@@ -129,7 +130,7 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def local_envd(docker_image):
     """E2B's in-sandbox daemon stood in by `tests/envd_over_docker.py`; the real SDK in debug mode talks to it."""
-    from tests.envd_over_docker import EnvdOverDocker
+    from tests.fakes.envd_over_docker import EnvdOverDocker
 
     previous = os.environ.get("E2B_DEBUG")
     os.environ["E2B_DEBUG"] = "true"

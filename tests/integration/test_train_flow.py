@@ -24,7 +24,7 @@ def prefect_server():
 def _config(tmp_path, policy, **overrides):
     data = {
         "name": f"flow-{tmp_path.name}"[:60].replace("_", "-"),
-        "env": str((os.path.dirname(__file__) + "/../examples/arithmetic_env.yaml")),
+        "env": str((os.path.dirname(__file__) + "/../../examples/arithmetic_env.yaml")),
         "policy": str(policy),
         "steps": 2,
         "groups_per_step": 2,

@@ -19,7 +19,7 @@ from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.local_engine import LocalEngine, load_model
 from loopline.store import ledger
 
-ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_env.yaml"
+ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
 TASK = Task("t1", "train", "What is 12 + 3 * 4?", {"expression": "12 + 3 * 4", "answer": 24})
 
 

@@ -18,7 +18,7 @@ from loopline.envregistry.sandbox.e2b import E2BSandbox
 from loopline.envregistry.spec import EnvSpec, Sandbox, load_spec
 from loopline.envregistry.tasks import load_tasks
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 E2B_SPEC = Sandbox(backend="e2b", template="loopline-python")
 
 

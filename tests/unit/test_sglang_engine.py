@@ -14,7 +14,7 @@ from loopline.rollout.sglang_engine import SGLangEngine
 
 @pytest.fixture
 def server():
-    from tests.sglang_protocol_server import SGLangProtocolServer, load_api_types
+    from tests.fakes.sglang_protocol_server import SGLangProtocolServer, load_api_types
 
     if load_api_types() is None:
         if os.environ.get("CI"):
@@ -132,7 +132,7 @@ def test_sglang_client_against_protocol_server_abort_matches_prefix_free_rids(se
 
 
 def test_sglang_client_against_protocol_server_tracks_each_replica(tmp_path):
-    from tests.sglang_protocol_server import SGLangProtocolServer, load_api_types
+    from tests.fakes.sglang_protocol_server import SGLangProtocolServer, load_api_types
 
     if load_api_types() is None:
         pytest.skip("sglang's schema classes are not installed")

@@ -173,7 +173,7 @@ def test_two_process_zero2_through_the_deepspeed_launcher(tiny_dirs, batch, tmp_
     script.write_text(DS_WORKER)
     data = tmp_path / "batch.json"
     data.write_text(json.dumps([[s.group_id, s.reward, s.input_ids, s.action_mask, s.behaviour_logprobs] for s in batch]))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launched = subprocess.run(
@@ -191,7 +191,7 @@ def test_deepspeed_learner_without_a_launcher_even_with_a_stray_rank(tiny_dirs, 
     """A child of a process that ran a learner inherits RANK etc. but no MASTER_*: still a one-process world."""
     script = f"from loopline.trainer.learner import Learner; Learner({str(tiny_dirs['v0'])!r}, backend='deepspeed'); print('ok')"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
@@ -206,7 +206,7 @@ def test_a_stale_extension_build_lock_cannot_hang_the_learner(tiny_dirs, tmp_pat
         f"from loopline.trainer.learner import Learner; Learner({str(tiny_dirs['v0'])!r}, backend='deepspeed'); "
         "import deepspeed.comm.comm as c; print('ok', c.cdb.shm_comm_op)"
     )
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -34,7 +34,7 @@ from loopline.tasks import loop as loop_tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.trainer.learner import Learner, LearnerConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 APP = str(ROOT / "loopline" / "ui" / "app.py")
 SCRIPT = "<script>alert('owned')</script>"
 

@@ -18,7 +18,7 @@ from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import load_tasks
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WRONG = "\ndef add_pair(a, b):\n    return a - b\n"
 RIGHT = "\ndef add_pair(a, b):\n    return a + b\n"
 FORGED = '{"passed": 1000, "total": 1}'

@@ -14,7 +14,7 @@ from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CODING = EXAMPLES / "coding_env.yaml"
 
 

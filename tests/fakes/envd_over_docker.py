@@ -25,7 +25,7 @@ from protobuf import Oneof
 
 from loopline.envregistry.sandbox.docker import DockerSandbox
 from loopline.envregistry.spec import Sandbox
-from tests.asgi import BackgroundServer, read_body
+from tests.fakes.asgi import BackgroundServer, read_body
 
 ENVD_PORT = 49983  # e2b.ConnectionConfig.envd_port: where the SDK looks for envd in debug mode
 

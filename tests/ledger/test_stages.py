@@ -24,7 +24,7 @@ from loopline.store.check import check_run
 from loopline.store.db import session as new_session
 from loopline.trainer.learner import Learner, LearnerConfig
 
-ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_env.yaml"
+ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
 
 
 def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs, engine, db, tmp_path):

@@ -19,7 +19,7 @@ from loopline.rollout.scheduler import Binding, WorkerConfig, run_barrier, run_c
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 
-ARITHMETIC = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_env.yaml"
+ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
 TASKS = {f"t{i}": Task(f"t{i}", "train", f"What is {i} + 1?", {"expression": f"{i} + 1", "answer": i + 1}) for i in range(6)}
 
 

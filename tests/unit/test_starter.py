@@ -1,14 +1,9 @@
-"""Starter policies: SFT data in the harness's exact token format, SmolLM2 from PyPI (the tiny build: test_learning)."""
+"""Starter policies: SFT data in the harness's exact token format (SmolLM2 from PyPI: integration/test_models.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
@@ -19,7 +14,7 @@ from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.engine import SamplingParams
 from loopline.trainer.tiny import train_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = ROOT / "examples" / "arithmetic_env.yaml"
 
 
@@ -52,20 +47,3 @@ def test_sft_transcripts_are_exactly_what_the_harness_produces():
         direct = transcript(chat, spec, task, direct=True)  # the transcripts that skip the calculator
         one = asyncio.run(run_episode(Replay(chat, turns[1:]), EpisodeSetup(spec, 1, chat, SamplingParams()), task, "d"))
         assert list(direct.input_ids) == list(one.segments[0].prompt_ids) + list(one.segments[0].generated_ids)
-
-
-def _cli(*args, home):
-    env = {**os.environ, "LOOPLINE_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "loopline.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-
-
-@pytest.mark.slow
-def test_pull_smollm2_from_pypi(tmp_path):
-    result = _cli("models", "pull", "smollm2-135m", home=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    model = tmp_path / "models" / "smollm2-135m"
-    assert (model / "model.safetensors").stat().st_size > 400_000_000  # fp32, converted from the GGUF
-    chat = ChatFormat.for_policy(model)
-    assert chat.few_shot and chat.tokenizer.eos_token_id == 2
-    prompt = chat.tokenizer.decode(chat.initial_ids("sys", "What is 1 + 2?"))
-    assert "<calc>12 + 7 * 3</calc>" in prompt and prompt.endswith("<|im_start|>assistant\n")

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

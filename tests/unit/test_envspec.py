@@ -1,21 +1,18 @@
-"""Environment specs, the registry, tasks, the calculator, verifiers and episodes on the local backend."""
+"""Environment specs, tasks, the calculator, verifiers and episodes on the local backend (no services)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
-import os
 import re
-import time
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from loopline.envregistry import registry
 from loopline.envregistry.calculator import CalculatorError, calculate
 from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
@@ -25,41 +22,10 @@ from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
 from loopline.envregistry.verifiers import evaluate_expression, parse_verdict, verify_arithmetic
 from loopline.errors import LooplineError
+from tests.envfiles import JSONL_SPEC, ROWS, write_env
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ARITHMETIC = EXAMPLES / "arithmetic_env.yaml"
-
-JSONL_SPEC = """\
-name: {name}
-sandbox:
-  backend: local
-tasks:
-  kind: jsonl
-  path: tasks.jsonl
-tools:
-  - name: run
-    description: run a shell command
-    args: {{cmd: {{type: string}}}}
-    command: "{{cmd}}"
-verifier:
-  command: "echo '{{\\"passed\\": 1, \\"total\\": 1}}' > verdict.json"
-"""
-
-
-def _write_env(tmp_path: Path, name: str, rows: list[dict], extra: str = "") -> Path:
-    (tmp_path / "tasks.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    path = tmp_path / "env.yaml"
-    path.write_text(JSONL_SPEC.format(name=name) + extra)
-    return path
-
-
-ROWS = [
-    {"id": "a", "split": "train", "prompt": "p1"},
-    {"id": "b", "split": "eval", "prompt": "p2"},
-]
-
-
-# --------------------------------------------------------------------------- spec errors
 
 
 def _error(tmp_path: Path, text: str) -> str:
@@ -99,9 +65,6 @@ def test_tool_template_must_use_declared_args(tmp_path):
     assert "tools.0:" in message and "{command}" in message
 
 
-# --------------------------------------------------------------------------- tasks
-
-
 def test_arithmetic_problem_split_holds_out_problems():
     spec = load_spec(ARITHMETIC)  # the example uses this split
     tasks = load_tasks(spec, EXAMPLES)
@@ -133,55 +96,12 @@ def test_arithmetic_template_split_holds_out_a_whole_form(tmp_path):
 
 
 def test_jsonl_duplicate_ids_and_overlapping_splits_are_refused(tmp_path):
-    dup = _write_env(tmp_path, "dup", ROWS + [{"id": "a", "split": "train", "prompt": "p3"}])
+    dup = write_env(tmp_path, "dup", ROWS + [{"id": "a", "split": "train", "prompt": "p3"}])
     with pytest.raises(LooplineError, match=r"tasks.jsonl:3: duplicate task id 'a' \(first on line 1\)"):
         load_tasks(load_spec(dup), tmp_path)
-    overlap = _write_env(tmp_path, "overlap", ROWS + [{"id": "c", "split": "eval", "prompt": "p1"}])
+    overlap = write_env(tmp_path, "overlap", ROWS + [{"id": "c", "split": "eval", "prompt": "p1"}])
     with pytest.raises(LooplineError, match="repeat train prompts"):
         load_tasks(load_spec(overlap), tmp_path)
-
-
-# --------------------------------------------------------------------------- registry
-
-
-def test_registry_versions_only_on_change_and_diffs(db, tmp_path):
-    name = f"env-{os.getpid()}-{tmp_path.name[-6:]}".lower().replace("_", "-")
-    path = _write_env(tmp_path, name, ROWS)
-    first = registry.add(db, path)
-    assert first.created and first.version == 1
-    assert registry.add(db, path) == registry.Registered(name, 1, first.spec_hash, created=False)
-    # an equivalent file (defaults spelled out) is the same environment
-    path.write_text(path.read_text() + "budgets: {max_turns: 4}\n")
-    assert not registry.add(db, path).created
-    # a changed task file is a new version, even with the YAML untouched
-    _write_env(tmp_path, name, ROWS + [{"id": "c", "split": "train", "prompt": "p3"}])
-    second = registry.add(db, path)
-    assert second.created and second.version == 2
-    text = registry.diff(registry.get(db, f"{name}@1"), registry.get(db, f"{name}@2"))
-    assert "-  rows: <2 tasks" in text and "+  rows: <3 tasks" in text
-    assert [t.id for t in registry.tasks_of(registry.get(db, name))] == ["a", "b", "c"]
-    registry.set_deprecated(db, f"{name}@2", True)
-    assert registry.get(db, name).version == 1
-    with pytest.raises(LooplineError, match="already deprecated"):
-        registry.set_deprecated(db, f"{name}@2", True)
-    assert registry.add(db, path).deprecated  # re-adding the same spec says it is deprecated
-    registry.set_deprecated(db, f"{name}@2", False)
-    assert registry.get(db, name).version == 2
-    with pytest.raises(LooplineError, match="not deprecated"):
-        registry.set_deprecated(db, f"{name}@2", False)
-    with pytest.raises(LooplineError, match="has versions 1, 2"):
-        registry.get(db, f"{name}@7")
-
-
-def test_invalid_task_file_registers_nothing(db, tmp_path):
-    path = _write_env(tmp_path, "never-registered", ROWS + [{"id": "a", "split": "eval", "prompt": "x"}])
-    with pytest.raises(LooplineError, match="duplicate task id"):
-        registry.add(db, path)
-    with pytest.raises(LooplineError, match="no environment named"):
-        registry.get(db, "never-registered")
-
-
-# --------------------------------------------------------------------------- calculator and verifier
 
 
 @pytest.mark.parametrize("expression, value", [("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("-7 // 2", -4), ("2 ** 10", 1024), ("7 / 2", 3.5)])
@@ -261,9 +181,6 @@ def test_a_declared_reward_range_is_honoured():
     assert parse_verdict('{"reward": -1}', (-1.0, 1.0)).reward == -1.0
     with pytest.raises(InfraFailure, match="outside the env's reward_range"):
         parse_verdict('{"passed": 1, "total": 1}', (0.0, 0.5))
-
-
-# --------------------------------------------------------------------------- episodes
 
 
 def test_bad_tool_calls_are_observations_not_crashes():
@@ -371,46 +288,6 @@ def test_sandbox_paths_cannot_escape():
         asyncio.run(go())
 
 
-# --------------------------------------------------------------------------- CLI
-
-
-def _envreg(*args, url: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from loopline.envregistry.cli import app; app()", *args],
-        env={**os.environ, "LOOPLINE_DATABASE_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def test_envreg_add_then_test_the_arithmetic_environment(database_url):
-    added = _envreg("add", str(ARITHMETIC), url=database_url)
-    assert added.returncode == 0, added.stderr
-    assert "arithmetic@" in added.stdout
-    again = _envreg("add", str(ARITHMETIC), url=database_url)
-    assert again.stdout.startswith("unchanged arithmetic@")
-    tested = _envreg("test", "arithmetic", "--tasks", "3", url=database_url)
-    assert tested.returncode == 0, tested.stdout + tested.stderr
-    assert tested.stdout.count("ok") >= 3
-
-
-def test_envreg_test_verbose_shows_steps_and_plays_eval_tasks(database_url):
-    assert _envreg("add", str(ARITHMETIC), url=database_url).returncode == 0
-    tested = _envreg("test", "arithmetic", "--split", "eval", "--verbose", url=database_url)
-    assert tested.returncode == 0, tested.stdout + tested.stderr
-    assert "task arith-eval-00000" in tested.stdout and "calc(expression=" in tested.stdout
-    assert "| " in tested.stdout and "verdict: reward 1" in tested.stdout
-
-
-def test_show_prints_what_a_user_wrote(db, tmp_path):
-    name = f"show-{os.getpid()}-{tmp_path.name[-6:]}".lower().replace("_", "-")
-    path = _write_env(tmp_path, name, ROWS, extra="reset:\n  system_prompt: |\n    line one\n    line two\n")
-    text = registry.show(registry.get(db, registry.add(db, path).ref))
-    assert "workdir" not in text  # the local backend has no fixed workdir
-    assert "system_prompt: |\n    line one\n    line two\n" in text
-
-
 def test_local_backend_refuses_unisolated_commands_unless_unsafe_host(monkeypatch):
     monkeypatch.setattr("loopline.envregistry.sandbox.local.shutil.which", lambda name: None)
 
@@ -424,12 +301,3 @@ def test_local_backend_refuses_unisolated_commands_unless_unsafe_host(monkeypatc
     with pytest.raises(InfraFailure, match="needs bubblewrap"):
         asyncio.run(run(Sandbox(backend="local")))
     assert asyncio.run(run(Sandbox(backend="local", unsafe_host=True))).stdout == "42\n"
-
-
-def test_envreg_validate_reports_one_clear_error(tmp_path, database_url):
-    bad = tmp_path / "env.yaml"
-    bad.write_text(ARITHMETIC.read_text().replace("max_turns: 3", "max_turns: 0"))
-    result = _envreg("validate", str(bad), url=database_url)
-    assert result.returncode == 1
-    assert f"{bad}:" in result.stderr and "budgets.max_turns" in result.stderr
-    assert "Traceback" not in result.stderr

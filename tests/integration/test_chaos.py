@@ -21,7 +21,7 @@ import sqlalchemy as sa
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KILLS = ["rollout_commit:3", "learner_step", "learner_commit", "weight_sync"]
 
 

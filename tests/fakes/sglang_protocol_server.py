@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.asgi import BackgroundServer, read_body
+from tests.fakes.asgi import BackgroundServer, read_body
 
 
 def load_api_types():
