@@ -49,9 +49,8 @@ def db_status() -> None:
     console.print(table)
     migrate.require_current_schema(engine)
     counts = Table("table", "rows", box=None)
-    with engine.connect() as conn:
-        for name in ("environment", "run", "slot", "trajectory", "consumption", "policy_version"):
-            counts.add_row(name, str(conn.exec_driver_sql(f"SELECT count(*) FROM {name}").scalar_one()))
+    for name, count in store_db.row_counts(engine, ("environment", "run", "slot", "trajectory", "consumption", "policy_version")).items():
+        counts.add_row(name, str(count))
     console.print("[green]schema up to date[/]")
     console.print(counts)
 

@@ -10,7 +10,6 @@ import signal
 import sys
 from pathlib import Path
 
-import sqlalchemy as sa
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -22,7 +21,7 @@ from loopline.envregistry.spec import json_schema
 from loopline.store.db import session
 from loopline.errors import LooplineError
 from loopline.store.migrate import open_ledger
-from loopline.store.models import Environment
+from loopline.store import environments
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
 image_app = typer.Typer(help="Sandbox images, built without any image registry.", no_args_is_help=True)
@@ -104,11 +103,8 @@ def add(file: Path) -> None:
 @friendly_errors
 def list_environments(all_versions: bool = typer.Option(False, "--all", help="Include deprecated versions.")) -> None:
     """List registered environments, newest version first."""
-    query = sa.select(Environment).order_by(Environment.name, Environment.version.desc())
-    if not all_versions:
-        query = query.where(Environment.deprecated.is_(False))
     with session(open_ledger()) as s:
-        envs = s.execute(query).scalars().all()
+        envs = environments.listing(s, include_deprecated=all_versions)
     if not envs:
         console.print("no environments registered (`envreg add FILE` registers one)")
         return

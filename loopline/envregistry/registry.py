@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 import yaml
 from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from loopline.envregistry.spec import EnvSpec, JsonlTasks, load_spec, spec_hash
 from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, load_tasks
 from loopline.errors import LooplineError
+from loopline.store import environments
 from loopline.store.models import Environment
 
 
@@ -111,32 +110,14 @@ def content_hash(path: str | Path) -> str:
 def add(session: Session, source: str | Path | Prepared) -> Registered:
     prepared = source if isinstance(source, Prepared) else prepare(source)
     spec, stored, digest = prepared.spec, prepared.stored, prepared.digest
+    labels = {"env_version": spec.versions.env, "verifier_version": spec.versions.verifier, "harness_version": spec.versions.harness}
     for _ in range(3):  # two processes may race for the next version number
-        existing = session.execute(
-            sa.select(Environment).where(Environment.name == spec.name, Environment.spec_hash == digest)
-        ).scalar_one_or_none()
+        existing = environments.find(session, spec.name, spec_hash=digest)
         if existing is not None:
-            session.commit()
             return Registered(existing.name, existing.version, digest, created=False, deprecated=existing.deprecated)
-        latest = session.execute(
-            sa.select(sa.func.max(Environment.version)).where(Environment.name == spec.name)
-        ).scalar_one()
-        row = Environment(
-            name=spec.name,
-            version=(latest or 0) + 1,
-            spec_hash=digest,
-            spec=stored,
-            env_version=spec.versions.env,
-            verifier_version=spec.versions.verifier,
-            harness_version=spec.versions.harness,
-        )
-        session.add(row)
-        try:
-            session.commit()
-        except IntegrityError:
-            session.rollback()
-            continue
-        return Registered(row.name, row.version, digest, created=True)
+        row = environments.insert_next_version(session, spec.name, digest, stored, labels)
+        if row is not None:
+            return Registered(row.name, row.version, digest, created=True)
     raise LooplineError(f"could not register {spec.name}: too many concurrent registrations, try again")
 
 
@@ -152,18 +133,9 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
 def get(session: Session, ref: str) -> Environment:
     """NAME@VERSION exactly, or NAME for its newest version that is not deprecated."""
     name, version = parse_ref(ref)
-    query = sa.select(Environment).where(Environment.name == name)
-    if version is None:
-        query = query.where(Environment.deprecated.is_(False)).order_by(Environment.version.desc()).limit(1)
-    else:
-        query = query.where(Environment.version == version)
-    row = session.execute(query.execution_options(populate_existing=True)).scalar_one_or_none()
-    session.commit()  # ends the read; with expire_on_commit=False the row stays usable
+    row = environments.find(session, name, version)
     if row is None:
-        known = session.execute(
-            sa.select(Environment.version).where(Environment.name == name).order_by(Environment.version)
-        ).scalars().all()
-        session.rollback()
+        known = environments.versions(session, name)
         if not known:
             raise LooplineError(f"no environment named {name!r}; `envreg list` shows what is registered")
         raise LooplineError(f"{ref}: no such (non-deprecated) version; {name} has versions {', '.join(map(str, known))}")
@@ -232,15 +204,8 @@ def set_deprecated(session: Session, ref: str, deprecated: bool) -> Environment:
     name, version = parse_ref(ref)
     if version is None:
         raise LooplineError(f"{verb} needs an exact version, e.g. {name}@1")
-    row = session.execute(
-        sa.select(Environment).where(Environment.name == name, Environment.version == version)
-    ).scalar_one_or_none()
-    if row is None:
-        session.rollback()
-        get(session, ref)  # raises the usual "no such version" message
+    row = get(session, ref)
     if row.deprecated == deprecated:
-        session.rollback()
         raise LooplineError(f"{ref} is {'already' if deprecated else 'not'} deprecated")
-    session.execute(sa.update(Environment).where(Environment.id == row.id).values(deprecated=deprecated))
-    session.commit()
+    environments.set_deprecated(session, row, deprecated)
     return row

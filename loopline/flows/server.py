@@ -54,21 +54,8 @@ def prefect_database_url(database: str) -> str | None:
     """Create `database` (with pg_trgm) next to the ledger; None when the ledger is the embedded server."""
     if store_db.is_embedded():
         return None
-    server = store_db.resolve_url()
-    admin = sa.create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            if not conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :d"), {"d": database}).first():
-                conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
-    finally:
-        admin.dispose()
-    target = sa.create_engine(server.set(database=database), isolation_level="AUTOCOMMIT")
-    try:
-        with target.connect() as conn:
-            conn.exec_driver_sql("CREATE EXTENSION IF NOT EXISTS pg_trgm")
-    finally:
-        target.dispose()
-    return server.set(drivername="postgresql+asyncpg", database=database).render_as_string(hide_password=False)
+    url = store_db.ensure_database(database, extensions=("pg_trgm",))
+    return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
 
 
 def start(host: str = "127.0.0.1", port: int = 4200, database: str = "prefect", wait_s: float = 90) -> ServerInfo:

@@ -125,6 +125,36 @@ def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
     return engine
 
 
+def ensure_database(database: str, extensions: tuple[str, ...] = ()) -> URL:
+    """Create `database` (and `extensions` in it) on the ledger's server unless it exists; returns its URL."""
+    server = resolve_url()
+    admin = sa.create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            if not conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :d"), {"d": database}).first():
+                conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
+    finally:
+        admin.dispose()
+    target = sa.create_engine(server.set(database=database), isolation_level="AUTOCOMMIT")
+    try:
+        with target.connect() as conn:
+            for extension in extensions:
+                conn.exec_driver_sql(f'CREATE EXTENSION IF NOT EXISTS "{extension}"')
+    finally:
+        target.dispose()
+    return server.set(database=database)
+
+
+def row_counts(engine: Engine, tables: tuple[str, ...]) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {name: conn.exec_driver_sql(f'SELECT count(*) FROM "{name}"').scalar_one() for name in tables}
+
+
+def read_only_engine(url: str | URL | None = None) -> Engine:
+    """An engine whose every transaction is read-only: PostgreSQL refuses a write (the inspector's)."""
+    return make_engine(url, connect_args={"options": "-c default_transaction_read_only=on"})
+
+
 def check_connection(engine: Engine) -> None:
     try:
         with engine.connect() as conn:

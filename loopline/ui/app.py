@@ -17,14 +17,14 @@ from functools import lru_cache
 import pandas as pd
 import streamlit as st
 
-from loopline.ui.data import Ledger, Token, segment_tokens
+from loopline.ui.data import LedgerView, Token, segment_tokens
 
 PAGES = {"runs": "Runs", "trajectories": "Trajectories", "trajectory": "Trajectory", "group": "Group", "environments": "Environments"}
 
 
 @st.cache_resource
-def ledger() -> Ledger:
-    return Ledger(os.environ.get("LOOPLINE_DATABASE_URL") or None)
+def ledger() -> LedgerView:
+    return LedgerView(os.environ.get("LOOPLINE_DATABASE_URL") or None)
 
 
 @lru_cache(maxsize=8)
@@ -89,7 +89,7 @@ def render_tokens(tokens: list[Token]) -> str:
 # --------------------------------------------------------------------------- pages
 
 
-def page_runs(db: Ledger) -> None:
+def page_runs(db: LedgerView) -> None:
     st.header("Runs")
     runs = db.runs()
     if runs.empty:
@@ -134,7 +134,7 @@ def page_runs(db: Ledger) -> None:
             st.line_chart(metrics, x="step", y="logprob_abs_diff")
 
 
-def page_trajectories(db: Ledger) -> None:
+def page_trajectories(db: LedgerView) -> None:
     st.header("Trajectories")
     runs = db.runs()
     if runs.empty:
@@ -165,7 +165,7 @@ def page_trajectories(db: Ledger) -> None:
             go("trajectory", id=str(row.id))
 
 
-def page_trajectory(db: Ledger) -> None:
+def page_trajectory(db: LedgerView) -> None:
     trajectory_id = _uuid(st.query_params.get("id"))
     t = db.trajectory(trajectory_id) if trajectory_id else None
     if t is None:
@@ -212,7 +212,7 @@ def page_trajectory(db: Ledger) -> None:
     st.dataframe(db.attempts(t["slot_id"]), hide_index=True)
 
 
-def page_group(db: Ledger) -> None:
+def page_group(db: LedgerView) -> None:
     from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 
     group_id = _uuid(st.query_params.get("id"))
@@ -241,7 +241,7 @@ def page_group(db: Ledger) -> None:
                 go("trajectory", id=str(row.id))
 
 
-def page_environments(db: Ledger) -> None:
+def page_environments(db: LedgerView) -> None:
     from loopline.envregistry import registry
     from loopline.store import db as store_db
 

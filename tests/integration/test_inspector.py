@@ -143,9 +143,9 @@ def test_environments_page_shows_spec_and_diff(app, seeded):
 
 
 def test_the_inspector_cannot_write(seeded):
-    from loopline.ui.data import Ledger
+    from loopline.ui.data import LedgerView
 
-    with Ledger(seeded["url"]).connect() as conn, pytest.raises(sa.exc.InternalError, match="read-only transaction"):
+    with LedgerView(seeded["url"]).connect() as conn, pytest.raises(sa.exc.InternalError, match="read-only transaction"):
         conn.execute(sa.text("DELETE FROM consumption"))
 
 

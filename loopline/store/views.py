@@ -1,0 +1,173 @@
+"""The inspector's reads: one query per view, on a read-only connection (`db.read_only_engine`).
+
+Each returns plain rows (`Table`: column names and tuples) or one mapping; the UI turns them into
+frames. PostgreSQL refuses any write on these connections, so a view cannot change the ledger.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+
+@dataclass(frozen=True)
+class Table:
+    columns: list[str]
+    rows: list[tuple]
+
+
+def _table(conn: sa.Connection, sql: str, **params: Any) -> Table:
+    result = conn.execute(sa.text(sql), params)
+    return Table(list(result.keys()), [tuple(r) for r in result.fetchall()])
+
+
+def _one(conn: sa.Connection, sql: str, **params: Any) -> dict | None:
+    row = conn.execute(sa.text(sql), params).mappings().first()
+    return dict(row) if row is not None else None
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def runs(conn: sa.Connection) -> Table:
+    return _table(
+        conn,
+        "SELECT r.name, r.id, r.status, r.created_at, "
+        "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS policy_version, "
+        "(SELECT count(*) FROM trajectory t WHERE t.run_id = r.id) AS trajectories, "
+        "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed "
+        "FROM run r ORDER BY r.created_at DESC",
+    )
+
+
+def run_id(conn: sa.Connection, name: str) -> uuid.UUID | None:
+    row = _one(conn, "SELECT id FROM run WHERE name = :n", n=name)
+    return row["id"] if row else None
+
+
+def metrics(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Long form: (step, name, value) per learner-step metric."""
+    return _table(conn, "SELECT step, name, value FROM metric WHERE run_id = :r", r=run)
+
+
+def evals(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Held-out success per version, with when it was measured and how many tokens had been trained by then."""
+    return _table(
+        conn,
+        "SELECT e.policy_version, e.success_rate, e.n_tasks, "
+        "extract(epoch FROM e.created_at - r.created_at)::float8 AS seconds, "
+        "coalesce((SELECT sum(m.value) FROM metric m WHERE m.run_id = e.run_id AND m.name = 'tokens_trained' "
+        "          AND m.step <= e.policy_version), 0)::float8 AS tokens_trained "
+        "FROM eval_result e JOIN run r ON r.id = e.run_id WHERE e.run_id = :r ORDER BY e.policy_version",
+        r=run,
+    )
+
+
+def throughput(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Trajectories committed per minute since the run started."""
+    return _table(
+        conn,
+        "SELECT floor(extract(epoch FROM t.created_at - r.created_at) / 60)::int AS minute, count(*) AS trajectories "
+        "FROM trajectory t JOIN run r ON r.id = t.run_id WHERE t.run_id = :r GROUP BY 1 ORDER BY 1",
+        r=run,
+    )
+
+
+def version_lags(conn: sa.Connection, run: uuid.UUID) -> Table:
+    return _table(conn, "SELECT version_lag, count(*) AS samples FROM consumption WHERE run_id = :r GROUP BY 1 ORDER BY 1", r=run)
+
+
+def failure_classes(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Per planned step: attempts that ended in success, task failure, truncation or infra failure."""
+    return _table(
+        conn,
+        "SELECT s.step, CASE WHEN a.status = 'ok' AND t.truncated THEN 'truncated' "
+        "WHEN a.status = 'ok' THEN 'succeeded or scored' ELSE a.status END AS class, count(*) AS attempts "
+        "FROM attempt a JOIN slot s ON s.id = a.slot_id LEFT JOIN trajectory t ON t.attempt_id = a.id "
+        "WHERE a.run_id = :r AND a.status <> 'running' GROUP BY 1, 2 ORDER BY 1",
+        r=run,
+    )
+
+
+def initial_weights(conn: sa.Connection, run: uuid.UUID) -> str | None:
+    row = _one(conn, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run)
+    return row["weights_uri"] if row else None
+
+
+def run_config(conn: sa.Connection, run: uuid.UUID) -> dict:
+    row = _one(conn, "SELECT config FROM run WHERE id = :r", r=run)
+    return dict(row["config"]) if row else {}
+
+
+# --------------------------------------------------------------------------- trajectories
+
+
+def trajectories(conn: sa.Connection, run: uuid.UUID, limit: int = 1000) -> Table:
+    return _table(
+        conn,
+        "SELECT t.id, t.task_id, t.env_name || '@' || t.env_version AS environment, t.split, t.reward, "
+        "coalesce(t.failure_type, 'passed') AS failure_class, "
+        "(t.info->>'generated_tokens')::int AS generated_tokens, "  # the harness records it: no segment reads
+        "c.version_lag, c.learner_step IS NOT NULL AS consumed, t.policy_version_min AS policy_version, "
+        "g.step, g.group_index, t.group_id, t.created_at "
+        "FROM trajectory t JOIN rollout_group g ON g.id = t.group_id "
+        "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id "
+        "WHERE t.run_id = :r ORDER BY g.step, g.group_index, t.created_at LIMIT :n",
+        r=run,
+        n=limit,
+    )
+
+
+def trajectory(conn: sa.Connection, trajectory_id: uuid.UUID) -> dict | None:
+    return _one(
+        conn,
+        "SELECT t.*, r.name AS run_name, c.learner_step, c.version_lag, g.step, g.group_index "
+        "FROM trajectory t JOIN run r ON r.id = t.run_id JOIN rollout_group g ON g.id = t.group_id "
+        "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id WHERE t.id = :t",
+        t=trajectory_id,
+    )
+
+
+def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
+    rows = conn.execute(sa.text("SELECT * FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id})
+    return [dict(r) for r in rows.mappings().all()]
+
+
+def attempts(conn: sa.Connection, slot_id: uuid.UUID) -> Table:
+    return _table(
+        conn,
+        "SELECT id, worker, status, error_class, error_text, started_at, ended_at FROM attempt "
+        "WHERE slot_id = :s ORDER BY started_at",
+        s=slot_id,
+    )
+
+
+def group(conn: sa.Connection, group_id: uuid.UUID) -> Table:
+    return _table(
+        conn,
+        "SELECT t.id, s.sample_index, t.reward, coalesce(t.failure_type, 'passed') AS failure_class, "
+        "(SELECT sum(cardinality(x.generated_ids)) FROM segment x WHERE x.trajectory_id = t.id) AS generated_tokens, "
+        "t.policy_version_min AS policy_version, c.learner_step IS NOT NULL AS consumed "
+        "FROM trajectory t JOIN slot s ON s.id = t.slot_id LEFT JOIN consumption c ON c.trajectory_id = t.id "
+        "WHERE t.group_id = :g ORDER BY s.sample_index",
+        g=group_id,
+    )
+
+
+# --------------------------------------------------------------------------- environments
+
+
+def environments(conn: sa.Connection) -> Table:
+    return _table(
+        conn,
+        "SELECT name, version, env_version, verifier_version, harness_version, deprecated, created_at, spec_hash "
+        "FROM environment ORDER BY name, version",
+    )
+
+
+def environment_spec(conn: sa.Connection, name: str, version: int) -> dict:
+    row = _one(conn, "SELECT spec FROM environment WHERE name = :n AND version = :v", n=name, v=version)
+    return dict(row["spec"]) if row else {}

@@ -1,0 +1,76 @@
+"""The layering DESIGN.md states, checked on the source: nothing imports upward, SQL lives in `store/`,
+Prefect only in `tasks/` and `flows/`."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
+NEUTRAL = {"errors", "holder", "failpoints"}  # importable from every layer
+# layer -> the layers it may import (besides itself and the neutral modules)
+ALLOWED = {
+    "store": set(),
+    "migrations": {"store"},
+    "envregistry": {"store", "cli_support"},
+    "rollout": {"store", "envregistry"},
+    "trainer": {"store"},
+    "tasks": {"store", "envregistry", "rollout", "trainer"},
+    "flows": {"store", "envregistry", "rollout", "trainer", "tasks"},
+    # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers and
+    # recomputes advantages with the trainer's (until the learner stores them: issue 15).
+    "ui": {"store", "envregistry", "trainer"},
+}
+SQL = re.compile(r"\b(SELECT .* FROM|INSERT INTO|UPDATE \w+ SET|DELETE FROM)\b|exec_driver_sql|sa\.text\(|sa\.select\(|sa\.update\(")
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        yield path, parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_nothing_imports_upward():
+    wrong = []
+    for path, layer in _modules():
+        if layer not in ALLOWED:
+            continue  # the command lines sit on top of everything
+        for module in _imports(path):
+            if module.startswith("loopline."):
+                target = module.split(".")[1]
+                if target != layer and target not in NEUTRAL and target not in ALLOWED[layer]:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_sql_outside_the_store():
+    wrong = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path, layer in _modules()
+        if layer not in ("store", "migrations")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if SQL.search(line)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_prefect_only_in_tasks_and_flows():
+    wrong = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path, layer in _modules()
+        if layer not in ("tasks", "flows")
+        for module in _imports(path)
+        if module == "prefect" or module.startswith("prefect.")
+    ]
+    assert not wrong, "\n".join(wrong)
