@@ -167,11 +167,11 @@ def check_disjoint(tasks: list[Task], where: str) -> None:
 
 def check_fields(spec: EnvSpec, tasks: list[Task]) -> None:
     """Every task field the spec refers to exists on every task: known now, not at the first episode."""
-    for field, where in spec.task_fields().items():
-        lacking = [t.id for t in tasks if field not in t.data]
+    for name, where in spec.task_fields().items():
+        lacking = [t.id for t in tasks if name not in t.data]
         if lacking:
             raise LooplineError(
-                f"{where} uses task field {field!r}, which task {lacking[0]!r}"
+                f"{where} uses task field {name!r}, which task {lacking[0]!r}"
                 + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else "")
                 + f" does not have; task fields: {', '.join(sorted({k for t in tasks for k in t.data})) or 'none'}"
             )

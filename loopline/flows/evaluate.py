@@ -29,8 +29,8 @@ def evaluate(run: str, version: int | None = None) -> dict:
     """Evaluate `version` of `run` (default: its newest); a version already evaluated is read back, not re-run."""
     log = get_run_logger()
     config, _ = run_config(None, run)
-    engine = migrate.open_ledger()
-    with store_db.session(engine) as s:
+    database = migrate.open_ledger()
+    with store_db.session(database) as s:
         run_id = ledger.get_run(s, run).id
         weights = ledger.version_weights(s, run_id, version)
         initial = Path(ledger.initial_weights(s, run_id))
@@ -48,7 +48,7 @@ def evaluate(run: str, version: int | None = None) -> dict:
     served = EngineThread(LocalEngine(weights.uri, version=version, max_batch=config.concurrency))
     try:
         success = tasks.evaluate(
-            run_id, quote(served), quote(setup), quote(lambda: store_db.session(engine)), quote(evals), row.version,
+            run_id, quote(served), quote(setup), quote(lambda: store_db.session(database)), quote(evals), row.version,
             config.eval.temperature, config.eval.seed,
         )
     finally:

@@ -98,9 +98,9 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
 
 
 def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
-    engine = store_db.make_engine()
-    migrate.upgrade(engine)
-    with store_db.session(engine) as s:
+    database = store_db.make_engine()
+    migrate.upgrade(database)
+    with store_db.session(database) as s:
         ref = registry.add(s, base / config.env).ref if config.env_is_file else config.env
         row = registry.get(s, ref)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
@@ -108,7 +108,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
-    with store_db.session(engine) as s:
+    with store_db.session(database) as s:
         run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
         ledger.set_run_status(s, run_id, "running")
@@ -126,7 +126,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     setup = EpisodeSetup(spec, row.version, ChatFormat.for_policy(initial), sampling)
     ctx = LoopContext(
         run_id=run_id,
-        session_factory=lambda: store_db.session(engine),
+        session_factory=lambda: store_db.session(database),
         engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=config.concurrency)),
         binding=Binding(setup, tasks_by_id(train)),
         learner=learner,
@@ -148,29 +148,29 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     """Train a policy as the run config says; continue where the ledger says the run stands."""
     log = get_run_logger()
     config, base = run_config(config_path, resume)
-    p = prepare(config, base, fork)
-    c, ctx = p.config, p.ctx
+    prepared = prepare(config, base, fork)
+    config, ctx = prepared.config, prepared.ctx
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
 
     def evaluate(engine) -> None:
         failpoint("evaluate")
         success = tasks.evaluate(
-            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(p.eval_tasks),
-            p.env_version, c.eval.temperature, c.eval.seed,
+            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(prepared.eval_tasks),
+            prepared.env_version, config.eval.temperature, config.eval.seed,
         )
-        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(p.eval_tasks))
+        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(prepared.eval_tasks))
 
     def owed_evaluations() -> None:
         """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
         between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
         with ctx.session_factory() as s:
-            owed = ledger.owed_evaluations(s, ctx.run_id, lambda v: eval_scheduled(c, v), ctx.engine.version())
+            owed = ledger.owed_evaluations(s, ctx.run_id, lambda v: eval_scheduled(config, v), ctx.engine.version())
         for weights in owed:
             if weights.version == ctx.engine.version():
                 evaluate(ctx.engine)
                 continue
             log.info("evaluating v%d, owed since an earlier process stopped before it", weights.version)
-            engine = EngineThread(LocalEngine(weights.uri, version=weights.version, max_batch=c.concurrency))
+            engine = EngineThread(LocalEngine(weights.uri, version=weights.version, max_batch=config.concurrency))
             try:
                 evaluate(engine)
             finally:
@@ -184,21 +184,21 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     try:
         tasks.sync_weights(live)  # a resumed run may have committed a version it never published
         owed_evaluations()
-        if c.mode == "sync":
-            for step in range(p.first_step, c.steps + 1):
+        if config.mode == "sync":
+            for step in range(prepared.first_step, config.steps + 1):
                 tasks.plan_step(live, step)
                 rolled = tasks.rollout_batch(live, step)
                 log.info("step %d: %d trajectories, %d infra failures", step, rolled["committed"], rolled["infra_failed"])
                 tasks.learner_step(live, step)
                 after_step(step)
         else:
-            _run_async(ctx, c, p.first_step, after_step)
+            _run_async(ctx, config, prepared.first_step, after_step)
     finally:
         ctx.engine.shutdown()
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "completed")
         history = [(version, rate) for version, _, rate in queries.eval_results(s, ctx.run_id)]
-    return {"run": c.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
+    return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
 
 
 def eval_scheduled(config: RunConfig, version: int) -> bool:
@@ -206,20 +206,20 @@ def eval_scheduled(config: RunConfig, version: int) -> bool:
     return version == 0 or version % config.eval.every == 0 or version == config.steps
 
 
-def _run_async(ctx: LoopContext, c: RunConfig, first_step: int, after_step) -> None:
+def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step) -> None:
     """A rollout worker task runs beside the learner steps; slots are planned just as far ahead as they may start."""
     live = quote(ctx)
-    s = c.max_staleness
-    for step in range(first_step, min(c.steps, first_step + s) + 1):
+    staleness = config.max_staleness
+    for step in range(first_step, min(config.steps, first_step + staleness) + 1):
         tasks.plan_step(live, step)
     stop = threading.Event()
-    worker = tasks.rollout_worker.submit(live, stop, s, None) if c.local_rollout else None
+    worker = tasks.rollout_worker.submit(live, stop, staleness, None) if config.local_rollout else None
     producing = (lambda: not worker.state.is_final()) if worker else None
     try:
-        for step in range(first_step, c.steps + 1):
-            tasks.learner_step(live, step, max_staleness=s, producing=producing)
-            if step + 1 + s <= c.steps:  # version `step` may now start slots of step `step + 1 + s`
-                tasks.plan_step(live, step + 1 + s)
+        for step in range(first_step, config.steps + 1):
+            tasks.learner_step(live, step, max_staleness=staleness, producing=producing)
+            if step + 1 + staleness <= config.steps:  # version `step` may now start slots of step `step + 1 + staleness`
+                tasks.plan_step(live, step + 1 + staleness)
             after_step(step)
     finally:
         stop.set()

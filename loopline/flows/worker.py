@@ -47,8 +47,8 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     """Claim and play `run`'s slots until the run ends; returns what this worker committed."""
     log = get_run_logger()
     config, _ = run_config(None, run)
-    engine = migrate.open_ledger()
-    with store_db.session(engine) as s:
+    database = migrate.open_ledger()
+    with store_db.session(database) as s:
         run_id = ledger.get_run(s, run).id
         state = ledger.resume_state(s, run_id)
         initial = Path(ledger.initial_weights(s, run_id))
@@ -57,7 +57,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
     ctx = stages.RolloutContext(
         run_id=run_id,
-        session_factory=lambda: store_db.session(engine),
+        session_factory=lambda: store_db.session(database),
         engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=concurrency or config.concurrency)),
         binding=Binding(EpisodeSetup(registry.spec_of(row), row.version, ChatFormat.for_policy(initial), sampling), train),
         concurrency=concurrency or config.concurrency,

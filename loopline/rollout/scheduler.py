@@ -72,7 +72,7 @@ class Binding:
     tasks: dict[str, Task]
 
 
-class _Ledger:
+class _LedgerCalls:
     """Blocking ledger calls, each in a worker thread with its own session."""
 
     def __init__(self, session_factory: Callable[[], Session]):
@@ -86,7 +86,7 @@ class _Ledger:
         return await asyncio.to_thread(run)
 
 
-async def _play(engine: Engine, binding: Binding, lease: Lease, db: _Ledger, stats: RolloutStats) -> None:
+async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
     started = time.monotonic()
     labels = {"loopline.run": str(lease.run_id), "loopline.attempt": str(lease.attempt_id)}
     try:
@@ -119,7 +119,7 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _Ledger, sta
 class _Renewer:
     """Keeps the leases of in-flight episodes alive; cancels an episode whose lease was lost."""
 
-    def __init__(self, db: _Ledger, lease_seconds: float):
+    def __init__(self, db: _LedgerCalls, lease_seconds: float):
         self.db, self.lease_seconds, self.inflight = db, lease_seconds, {}
 
     async def run(self, stats: RolloutStats) -> None:
@@ -137,7 +137,7 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
     Slots leased by another worker are waited for: if that worker died, its leases expire and the
     slots come back here, so the barrier never ends with a group left open.
     """
-    db, stats, start = _Ledger(session_factory), RolloutStats(), time.monotonic()
+    db, stats, start = _LedgerCalls(session_factory), RolloutStats(), time.monotonic()
     renewer = _Renewer(db, cfg.lease_seconds)
     keeper = asyncio.create_task(renewer.run(stats))
     try:
@@ -162,7 +162,7 @@ async def run_continuous(
     engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: asyncio.Event | None = None
 ) -> RolloutStats:
     """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set)."""
-    db, stats, start = _Ledger(session_factory), RolloutStats(), time.monotonic()
+    db, stats, start = _LedgerCalls(session_factory), RolloutStats(), time.monotonic()
     stop = stop or asyncio.Event()
     renewer = _Renewer(db, cfg.lease_seconds)
     keeper = asyncio.create_task(renewer.run(stats))
@@ -203,20 +203,20 @@ async def run_continuous(
     return stats
 
 
-async def _reap_dead_holders(db: _Ledger, cfg: WorkerConfig) -> int:
+async def _reap_dead_holders(db: _LedgerCalls, cfg: WorkerConfig) -> int:
     """Take back at once the leases of holders known dead (a resumed run does not wait `lease_seconds`
     for the process it replaces); returns how many."""
     dead = [h for h in await db.call(ledger.lease_holders, cfg.run_id) if holder.is_dead(h)]
     return await db.call(ledger.expire_leases, cfg.run_id, dead) if dead else 0
 
 
-async def _unfinished(db: _Ledger, cfg: WorkerConfig) -> bool:
+async def _unfinished(db: _LedgerCalls, cfg: WorkerConfig) -> bool:
     """Whether slots may still come back (to this worker or another)."""
     await _reap_dead_holders(db, cfg)
     return await db.call(ledger.unfinished_slots, cfg.run_id, cfg.split) > 0
 
 
-async def _gate(engine: Engine, db: _Ledger, cfg: WorkerConfig) -> Literal["staleness", "backpressure"] | None:
+async def _gate(engine: Engine, db: _LedgerCalls, cfg: WorkerConfig) -> Literal["staleness", "backpressure"] | None:
     """Why no new work may start now, or None."""
     if cfg.max_staleness is not None:
         latest = await db.call(ledger.latest_policy_version, cfg.run_id)
