@@ -137,18 +137,20 @@ def diff(a: str = typer.Argument(..., metavar="NAME@A"), b: str = typer.Argument
 @friendly_errors
 def deprecate(ref: str = typer.Argument(..., metavar="NAME@VERSION")) -> None:
     """Hide a version from `list` and from NAME lookups (runs that used it keep it)."""
-    with session(open_ledger()) as s:
-        row = registry.set_deprecated(s, ref, True)
-    console.print(f"deprecated {row.name}@{row.version}")
+    _set_deprecated(ref, True, "deprecated")
 
 
 @app.command("undeprecate")
 @friendly_errors
 def undeprecate(ref: str = typer.Argument(..., metavar="NAME@VERSION")) -> None:
     """Make a deprecated version visible to `list` and NAME lookups again."""
+    _set_deprecated(ref, False, "restored")
+
+
+def _set_deprecated(ref: str, deprecated: bool, done: str) -> None:
     with session(open_ledger()) as s:
-        row = registry.set_deprecated(s, ref, False)
-    console.print(f"restored {row.name}@{row.version}")
+        row = registry.set_deprecated(s, ref, deprecated)
+    console.print(f"{done} {row.name}@{row.version}")
 
 
 @app.command("schema")

@@ -155,15 +155,10 @@ class Tool(_Strict):
     stdin: str | None = Field(None, description="template whose value is fed to the command's stdin")
     timeout_s: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S)
 
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, name: str) -> str:
-        if name in RESERVED_TOOL_NAMES:
-            raise ValueError(f"{name!r} is reserved: <{name}>...</{name}> ends the episode")
-        return name
-
     @model_validator(mode="after")
     def _one_way_to_run(self) -> "Tool":
+        if self.name in RESERVED_TOOL_NAMES:
+            raise ValueError(f"name {self.name!r} is reserved: <{self.name}>...</{self.name}> ends the episode")
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a tool needs exactly one of `builtin` or `command`")
         for key in ("command", "stdin"):

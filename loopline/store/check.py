@@ -44,6 +44,43 @@ class CheckReport:
 def _rows(session: Session, sql: str, **params):
     return q(session, sql, **params).all()  # inside check_run's one transaction: every check sees one snapshot
 
+# (invariant, what the offending rows are, a query returning their ids): each row found is a violation.
+GROUP_OFFENDERS = (
+    (4, "groups mix samples of different tasks",
+     "SELECT g.id FROM rollout_group g JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
+     "GROUP BY g.id HAVING count(DISTINCT t.task_id) > 1 OR bool_or(t.task_id <> g.task_id)"),
+    (4, "groups were handed to the learner without all their samples",
+     "SELECT g.id FROM rollout_group g LEFT JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
+     "AND g.state IN ('complete', 'claimed', 'consumed') GROUP BY g.id, g.size HAVING count(t.id) <> g.size"),
+)
+EXACTLY_ONCE_OFFENDERS = (
+    (5, "trajectories were consumed more than once",
+     "SELECT trajectory_id FROM consumption WHERE run_id = :r GROUP BY trajectory_id HAVING count(*) > 1"),
+    (5, "eval trajectories were trained on",
+     "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id "
+     "WHERE c.run_id = :r AND t.split <> 'train'"),
+    (5, "consumed groups were only partly trained",
+     "SELECT t.group_id FROM trajectory t JOIN rollout_group g ON g.id = t.group_id "
+     "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id "
+     "WHERE t.run_id = :r AND g.state = 'consumed' GROUP BY t.group_id HAVING count(c.trajectory_id) <> count(t.id)"),
+    (5, "trajectories were consumed outside a consumed group",
+     "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id "
+     "JOIN rollout_group g ON g.id = t.group_id WHERE c.run_id = :r AND g.state <> 'consumed'"),
+    (5, "slots are done but their trajectory is missing",
+     "SELECT s.id FROM slot s LEFT JOIN trajectory t ON t.slot_id = s.id WHERE s.run_id = :r AND s.state = 'done' "
+     "AND t.id IS NULL"),
+    (5, "consumptions name a policy version other than the one their step trained",
+     "SELECT c.trajectory_id FROM consumption c JOIN checkpoint k ON k.run_id = c.run_id AND k.learner_step = c.learner_step "
+     "WHERE c.run_id = :r AND c.policy_version <> k.policy_version - 1"),
+)
+
+
+def _offenders(session: Session, run_id: uuid.UUID, report: CheckReport, checks) -> None:
+    for invariant, what, sql in checks:
+        ids = [row[0] for row in _rows(session, sql, r=run_id)]
+        if ids:
+            report.add(invariant, f"{len(ids)} {what}", ids)
+
 
 def check_run(session: Session, run_id: uuid.UUID) -> CheckReport:
     report = CheckReport(run_id)
@@ -119,22 +156,7 @@ def _logprob_gap(session: Session, run_id: uuid.UUID, report: CheckReport) -> No
 
 def _groups(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
     """4: a group holds samples of one task, complete before training; zero-variance groups are counted."""
-    mixed = _rows(
-        session,
-        "SELECT g.id FROM rollout_group g JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
-        "GROUP BY g.id HAVING count(DISTINCT t.task_id) > 1 OR bool_or(t.task_id <> g.task_id)",
-        r=run_id,
-    )
-    if mixed:
-        report.add(4, f"{len(mixed)} groups mix samples of different tasks", [r.id for r in mixed])
-    incomplete = _rows(
-        session,
-        "SELECT g.id FROM rollout_group g LEFT JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
-        "AND g.state IN ('complete', 'claimed', 'consumed') GROUP BY g.id, g.size HAVING count(t.id) <> g.size",
-        r=run_id,
-    )
-    if incomplete:
-        report.add(4, f"{len(incomplete)} groups were handed to the learner without all their samples", [r.id for r in incomplete])
+    _offenders(session, run_id, report, GROUP_OFFENDERS)
     degenerate = _rows(
         session,
         "SELECT g.id FROM rollout_group g JOIN trajectory t ON t.group_id = g.id WHERE g.run_id = :r "
@@ -146,54 +168,13 @@ def _groups(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
 
 def _exactly_once(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
     """5: nothing consumed twice or partially, nothing committed lost, no eval trained, versions monotonic."""
-    twice = _rows(session, "SELECT trajectory_id FROM consumption WHERE run_id = :r GROUP BY trajectory_id HAVING count(*) > 1", r=run_id)
-    if twice:
-        report.add(5, f"{len(twice)} trajectories were consumed more than once", [r.trajectory_id for r in twice])
-    evals = _rows(
-        session,
-        "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id WHERE c.run_id = :r AND t.split <> 'train'",
-        r=run_id,
-    )
-    if evals:
-        report.add(5, f"{len(evals)} eval trajectories were trained on", [r.trajectory_id for r in evals])
-    partial = _rows(
-        session,
-        "SELECT t.group_id FROM trajectory t JOIN rollout_group g ON g.id = t.group_id "
-        "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id "
-        "WHERE t.run_id = :r AND g.state = 'consumed' GROUP BY t.group_id HAVING count(c.trajectory_id) <> count(t.id)",
-        r=run_id,
-    )
-    if partial:
-        report.add(5, f"{len(partial)} consumed groups were only partly trained", [r.group_id for r in partial])
-    stray = _rows(
-        session,
-        "SELECT c.trajectory_id FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id "
-        "JOIN rollout_group g ON g.id = t.group_id WHERE c.run_id = :r AND g.state <> 'consumed'",
-        r=run_id,
-    )
-    if stray:
-        report.add(5, f"{len(stray)} trajectories were consumed outside a consumed group", [r.trajectory_id for r in stray])
-    lost = _rows(
-        session,
-        "SELECT s.id FROM slot s LEFT JOIN trajectory t ON t.slot_id = s.id WHERE s.run_id = :r AND s.state = 'done' AND t.id IS NULL",
-        r=run_id,
-    )
-    if lost:
-        report.add(5, f"{len(lost)} slots are done but their trajectory is missing", [r.id for r in lost])
+    _offenders(session, run_id, report, EXACTLY_ONCE_OFFENDERS)
     versions = [r.version for r in _rows(session, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)]
     if versions != list(range(len(versions))):
         report.add(5, f"policy versions are not 0..{len(versions) - 1} without gaps: {versions[:12]}")
     steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM checkpoint WHERE run_id = :r ORDER BY learner_step", r=run_id)]
     if steps != list(range(1, len(steps) + 1)):
         report.add(5, f"learner steps are not 1..{len(steps)} without gaps: {steps[:12]}")
-    wrong_version = _rows(
-        session,
-        "SELECT c.trajectory_id FROM consumption c JOIN checkpoint k ON k.run_id = c.run_id AND k.learner_step = c.learner_step "
-        "WHERE c.run_id = :r AND c.policy_version <> k.policy_version - 1",
-        r=run_id,
-    )
-    if wrong_version:
-        report.add(5, f"{len(wrong_version)} consumptions name a policy version other than the one their step trained", [r.trajectory_id for r in wrong_version])
     report.stats["trajectories"] = _rows(session, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run_id)[0][0]
     report.stats["consumed"] = _rows(session, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0]
     report.stats["policy_versions"] = len(versions)

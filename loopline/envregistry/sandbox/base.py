@@ -53,6 +53,17 @@ def verifier_env(verify_dir: str, workdir: str, agent_exec: list[str]) -> dict[s
     }
 
 
+async def collect_verdict(sandbox, result: ExecResult, verdict_path: str, user: str) -> VerifierRun:
+    """After a verifier command ran in a container: end what the agent's code started while it was
+    tested, then read the verdict file as the verifier's user (missing: no verdict)."""
+    await sandbox.end_agent()
+    try:
+        verdict = await sandbox.read_file(verdict_path, user=user)
+    except FileNotFoundError:
+        verdict = None
+    return VerifierRun(result, verdict)
+
+
 class Sandbox(Protocol):
     async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
         """Run a shell command in the working directory; a timeout or OOM is a result, not an exception."""

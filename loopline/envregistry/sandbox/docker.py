@@ -22,7 +22,7 @@ import time
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, verifier_env
 from loopline.holder import process_alive
 
 LABEL = "loopline.sandbox"
@@ -197,12 +197,7 @@ class DockerSandbox:
             await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
         env = verifier_env(VERIFY_DIR, self.spec.workdir, AGENT_EXEC)
         result = await asyncio.to_thread(self._exec, command, timeout_s, OUTPUT_LIMIT, VERIFIER, VERIFY_DIR, env)
-        await self.end_agent()  # whatever the agent's code started while it was tested
-        try:
-            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
-        except FileNotFoundError:
-            verdict = None
-        return VerifierRun(result, verdict)
+        return await collect_verdict(self, result, env["LOOPLINE_VERDICT_FILE"], VERIFIER)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._remove)

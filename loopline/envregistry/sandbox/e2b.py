@@ -17,7 +17,7 @@ import shlex
 import time
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
+from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, verifier_env
 
 AGENT = "user"  # E2B's default unprivileged user
 VERIFIER = "root"
@@ -161,12 +161,7 @@ class E2BSandbox:
         agent_exec = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         env = verifier_env(VERIFY_DIR, self.spec.workdir, agent_exec)
         result = await self.exec(command, timeout_s, cwd=VERIFY_DIR, user=VERIFIER, envs=env)
-        await self.end_agent()
-        try:
-            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
-        except FileNotFoundError:
-            verdict = None
-        return VerifierRun(result, verdict)
+        return await collect_verdict(self, result, env["LOOPLINE_VERDICT_FILE"], VERIFIER)
 
     async def close(self) -> None:
         from e2b.exceptions import SandboxException
