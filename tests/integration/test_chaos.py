@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 KILLS = ["rollout_commit:3", "learner_step", "learner_commit", "weight_sync"]
 
 
-def _train(config: Path, env: dict, failpoint: str | None, log: Path) -> int:
-    """One `loopline train` in its own process group; the whole group dies with it, as on a lost machine
-    (a SIGKILLed parent would otherwise leave Prefect's temporary server running)."""
+def _train(config: Path, env: dict, failpoint: str | None, log: Path, leftovers: list[str] | None = None) -> int:
+    """One `loopline train` in its own process group; returns its exit code. A failpoint SIGKILLs the main
+    pid only, as the OOM killer does; `leftovers` then receives what the dead process left running in its
+    group after a grace of 15 s. The group is killed afterwards, so one failure does not leak into the next."""
     env = {**env, "LOOPLINE_FAILPOINT": failpoint or ""}
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -35,7 +36,13 @@ def _train(config: Path, env: dict, failpoint: str | None, log: Path) -> int:
             start_new_session=True,
         )
         try:
-            return proc.wait(timeout=600)
+            code = proc.wait(timeout=600)
+            if leftovers is not None:
+                deadline = time.monotonic() + 15
+                while _group_members(proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                leftovers += _group_members(proc.pid)
+            return code
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -121,29 +128,6 @@ def _group_members(pgid: int) -> list[str]:
     return alive
 
 
-def _train_killed_by_main_pid(config: Path, env: dict, failpoint: str, log: Path) -> list[str]:
-    """Run until the failpoint SIGKILLs the main pid only (as the OOM killer does), then report what the
-    dead process left running in its process group after a grace of 15 s."""
-    env = {**env, "LOOPLINE_FAILPOINT": failpoint}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=600)
-            assert code == -signal.SIGKILL, f"{failpoint}: the failpoint did not fire ({code})\n{log.read_text()[-4000:]}"
-            deadline = time.monotonic() + 15
-            while _group_members(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            return _group_members(proc.pid)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left, so one failure does not leak into the next
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_dirs, database_url, db, tmp_path):
@@ -164,7 +148,8 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
     for kill in ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"]:
-        left = _train_killed_by_main_pid(config, env, kill, tmp_path / f"{kill}.log")
+        log, left = tmp_path / f"{kill}.log", []
+        assert _train(config, env, kill, log, left) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
         assert left == [], f"killed at {kill}, still running: {left}"
     log = tmp_path / "final.log"
     started = time.monotonic()
