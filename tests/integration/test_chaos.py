@@ -50,6 +50,19 @@ def _train(config: Path, env: dict, failpoint: str | None, log: Path, leftovers:
                 pass
 
 
+def _small_run(tmp_path: Path, name: str, policy, database_url: str, *, mode: str, lease_seconds: float, backend: str, every: int):
+    """A 3-step run of 2 groups of 4 on the arithmetic env: its config file and the environment to train it in."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(policy),
+        "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
+        "lease_seconds": lease_seconds, "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": backend},
+        "eval": {"every": every, "tasks": 4},
+    }))
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return config, env
+
+
 def _rows(db, sql, **params):
     rows = db.execute(sa.text(sql), params).all()
     db.rollback()
@@ -66,14 +79,7 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
     from loopline.trainer.learner import Learner
 
     name = f"chaos-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
-        "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
-        "lease_seconds": 3, "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "torch"},
-        "eval": {"every": 3, "tasks": 4},
-    }))
-    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode=mode, lease_seconds=3, backend="torch", every=3)
     for kill in KILLS:
         log = tmp_path / f"{kill}.log"
         assert _train(config, env, kill, log) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
@@ -138,14 +144,7 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     from loopline.store.check import check_run
 
     name = f"orphans-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
-        "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
-        "lease_seconds": 600, "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "deepspeed"},
-        "eval": {"every": 1, "tasks": 4},
-    }))
-    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode=mode, lease_seconds=600, backend="deepspeed", every=1)
     env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
     for kill in ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"]:
         log, left = tmp_path / f"{kill}.log", []
