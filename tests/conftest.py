@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import tempfile
 import uuid
 
@@ -18,6 +19,15 @@ from sqlalchemy.engine import make_url
 from loopline.store import ledger
 from loopline.store.db import HOME_ENV, embedded_url, make_engine, session as new_session
 from loopline.store.migrate import upgrade
+
+
+@pytest.fixture(autouse=True)
+def _main_module_restored():
+    """Streamlit's AppTest runs an app as `__main__` and leaves it installed there; a process spawned by a later
+    test (multiprocessing "spawn") would then re-run the inspector app instead of its target."""
+    main = sys.modules.get("__main__")
+    yield
+    sys.modules["__main__"] = main
 
 
 @functools.cache
