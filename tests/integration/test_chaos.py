@@ -70,7 +70,7 @@ def _rows(db, sql, **params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync"])  # async: the main-pid test below (the kill points' code is shared)
 def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode, tiny_dirs, database_url, db, tmp_path):
     from loopline.flows.config import load_config
     from loopline.store.check import check_run
@@ -146,7 +146,10 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     name = f"orphans-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
     config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode=mode, lease_seconds=600, backend="deepspeed", every=1)
     env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
-    for kill in ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"]:
+    # DeepSpeed's start and the learner commit run the same code in both modes: async repeats the kills
+    # whose surroundings differ (its rollout worker beside the learner, its evaluations between steps).
+    kills = ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"] if mode == "sync" else ["rollout_commit:3", "evaluate:2"]
+    for kill in kills:
         log, left = tmp_path / f"{kill}.log", []
         assert _train(config, env, kill, log, left) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
         assert left == [], f"killed at {kill}, still running: {left}"
