@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.util
 import os
 import signal
 import socket
@@ -126,8 +127,6 @@ class TemporaryServer:
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"prefect-server-{os.getpid()}.log"
-        import importlib.util
-
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
         env = {
             **os.environ,

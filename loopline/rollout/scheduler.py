@@ -22,10 +22,10 @@ from typing import Callable, Literal
 
 from sqlmodel import Session
 
-from loopline.envregistry.sandbox.base import InfraFailure
 from loopline import holder
-from loopline.failpoints import failpoint
+from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.tasks import Task
+from loopline.failpoints import failpoint
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
