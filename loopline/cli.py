@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import typer
@@ -80,12 +81,15 @@ def train(
 ) -> None:
     """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
     server_ready = _prefect_server()
-    from loopline.cli_progress import follow_run
-    from loopline.flows.train import run_config
+    from loopline.cli_progress import follow_run, step_progress
+    from loopline.flows.train import ready_policy, run_config
     from loopline.flows.train import train as train_flow
 
     path = str(config) if config is not None else None
-    settings, _ = run_config(path, resume)  # refuse a bad config before any flow runs
+    settings, base = run_config(path, resume)  # refuse a bad config before any flow runs
+    if path is not None:  # a resumed run's policy exists already
+        with step_progress(f"policy {settings.policy}") as update:
+            ready_policy(settings, base, update)
     server_ready()
     with follow_run(fork or settings.name, settings.steps):
         summary = train_flow(path, resume=resume, fork=fork)
@@ -249,26 +253,26 @@ def models_build_tiny(
     out: Path = typer.Option(None, help="Where to write it (default: where `loopline train` looks, under LOOPLINE_HOME/models)."),
     env: Path = typer.Option(Path("examples/arithmetic_env.yaml"), help="The arithmetic environment spec."),
     seed: int = typer.Option(0),
+    ship: bool = typer.Option(False, "--ship", help="Write it among the package's shipped starters (loopline/starters), replacing the one there."),
 ) -> None:
     """Build the tiny calculator policy: tokenizer, random Llama, SFT warm start, held-out success."""
-    from rich.progress import Progress
-
+    from loopline.cli_progress import step_progress
     from loopline.envregistry.registry import content_hash
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.flows.starter import TinyRecipe, build_tiny_policy, tiny_policy_dir
+    from loopline.flows.starter import SHIPPED_STARTERS, TinyRecipe, build_tiny_policy, tiny_policy_dir, tiny_policy_name
 
     if not env.is_file():
         raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
     spec = load_spec(env)
-    target = out or tiny_policy_dir(content_hash(env), seed)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("SFT warm start", total=TinyRecipe().sft_steps)
-        report = build_tiny_policy(
-            target, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed),
-            progress=lambda s, n, loss: progress.update(task, completed=s, description=f"SFT loss {loss:.3f}"),
-        )
-    console.print(f"built {report.directory} in {report.seconds:.0f} s; held-out success {report.eval_success:.0%} on {report.eval_tasks} eval tasks")
+    digest = content_hash(env)
+    target = SHIPPED_STARTERS / tiny_policy_name(digest, seed) if ship else out or tiny_policy_dir(digest, seed)
+    staging = target.with_name(target.name + ".partial")
+    with step_progress("tiny starter: SFT warm start") as update:
+        report = build_tiny_policy(staging, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed), progress=update)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    console.print(f"built {target} in {report.seconds:.0f} s; held-out success {report.eval_success:.0%} on {report.eval_tasks} eval tasks")
 
 
 @models_app.command("pull")

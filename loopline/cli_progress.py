@@ -1,13 +1,14 @@
-"""`loopline train`'s live progress: a bar fed by the ledger, so it shows what is committed, not what is hoped."""
+"""Live progress in the CLI: a run's bar fed by the ledger (what is committed, not what is hoped), and a
+bar for any long step before it (a starter build, a model pull, an image build)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from loopline.cli_support import console
 from loopline.store import db as store_db
@@ -60,3 +61,19 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
         finally:
             stop.set()
             watcher.join(timeout=5)
+
+
+@contextlib.contextmanager
+def step_progress(title: str) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields `update(description, completed, total)` (total 0: no known end) for a step that may take minutes."""
+    progress = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+    with progress:
+        bar = progress.add_task(title, total=None)
+
+        def update(description: str, completed: int, total: int) -> None:
+            progress.update(bar, description=description, completed=completed, total=total or None)
+
+        yield update

@@ -8,8 +8,11 @@ of waiting. Holders on other hosts are never judged from here.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+from typing import Callable
 
 
 def process_alive(pid: int) -> bool:
@@ -45,3 +48,16 @@ def is_dead(holder: str | None) -> bool:
     if len(parts) < 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
         return False
     return _start_ticks(int(parts[1])) != parts[2]
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for subprocess.Popen: the child gets SIGTERM when this process dies, even by SIGKILL
+    (the kernel sends it), so a killed trainer leaves no server behind."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec

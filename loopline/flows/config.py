@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
 from loopline.trainer.advantages import AdvantageConfig
@@ -31,6 +31,36 @@ class LearnerSettings(_Strict):
     minibatches: int = Field(1, ge=1)
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
+
+
+class LaunchSettings(_Strict):
+    """SGLang servers loopline starts for the run (on this machine), stops at its end and restarts if they die."""
+
+    replicas: int = Field(1, ge=1)
+    args: list[str] = Field(default_factory=list, description="extra arguments to the server, e.g. [--mem-fraction-static, '0.6']")
+    module: str = Field("sglang.launch_server", description="the server's Python module (python -m MODULE --model-path ... --port ...)")
+    python: str | None = Field(None, description="the interpreter that has SGLang installed (default: this one)")
+    startup_timeout_s: float = Field(900.0, gt=0)
+
+
+class EngineSettings(_Strict):
+    """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
+
+    kind: Literal["local", "sglang"] = "local"
+    servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
+    launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
+    timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EngineSettings":
+        if self.kind == "local" and (self.servers or self.launch):
+            raise ValueError("servers and launch are for kind: sglang (kind: local runs in this process)")
+        if self.kind == "sglang" and bool(self.servers) == (self.launch is not None):
+            raise ValueError("kind: sglang needs exactly one of servers: [URL, ...] (connect) or launch: {...} (start them)")
+        for url in self.servers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server {url!r}: expected an http:// or https:// URL")
+        return self
 
 
 class EvalSettings(_Strict):
@@ -64,6 +94,7 @@ class RunConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     learner: LearnerSettings = LearnerSettings()
     eval: EvalSettings = EvalSettings()
+    engine: EngineSettings = EngineSettings()
 
     @field_validator("group_size")
     @classmethod

@@ -16,10 +16,8 @@ with its last process) Prefect keeps its default SQLite database instead.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from loopline.holder import process_alive
+from loopline.holder import die_with_parent, process_alive
 from loopline.store import db as store_db
 from loopline.errors import LooplineError
 
@@ -110,13 +108,6 @@ def configured_api_url() -> str | None:
     return profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL")
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: SIGTERM when the parent dies, even by SIGKILL (the kernel sends it)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 class TemporaryServer:
     """A Prefect API server for this process only: started now, waited for later, ended with the process."""
 
@@ -137,7 +128,6 @@ class TemporaryServer:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
         env.pop("PREFECT_API_URL", None)
-        parent = os.getpid()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [
@@ -146,7 +136,7 @@ class TemporaryServer:
                     "--log-level", "error", "--lifespan", "on",
                 ],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=lambda: _die_with_parent(parent),
+                preexec_fn=die_with_parent(),
             )
         atexit.register(self.stop)
 

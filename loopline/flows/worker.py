@@ -11,20 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from loopline import holder
-from loopline.envregistry import registry
+from loopline.flows import assembly
 from loopline.flows.train import run_config
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.tasks import loop as tasks
@@ -50,17 +43,14 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     database = migrate.open_ledger()
     with store_db.session(database) as s:
         run_id = ledger.get_run(s, run).id
-        state = ledger.resume_state(s, run_id)
-        initial = Path(ledger.initial_weights(s, run_id))
-        row = registry.get(s, config.env)
-    train = {t.id: t for t in registry.tasks_of(row) if t.split == "train"}
-    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
+    parts = assembly.open_run(config, run_id, database)
+    concurrency = concurrency or config.concurrency
     ctx = stages.RolloutContext(
         run_id=run_id,
-        session_factory=lambda: store_db.session(database),
-        engine=EngineThread(LocalEngine(state.weights_uri, version=state.policy_version, max_batch=concurrency or config.concurrency)),
-        binding=Binding(EpisodeSetup(registry.spec_of(row), row.version, ChatFormat.for_policy(initial), sampling), train),
-        concurrency=concurrency or config.concurrency,
+        session_factory=parts.session_factory(),
+        engine=assembly.build_run_engine(parts, parts.state.weights_uri, parts.state.policy_version, concurrency),
+        binding=assembly.build_binding(parts),
+        concurrency=concurrency,
         lease_seconds=config.lease_seconds,
         in_flight=config.in_flight,
     )

@@ -93,8 +93,9 @@ class ContextOverflow(ValueError):
 class Engine(Protocol):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation: ...
 
-    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> None:
-        """Serve `version` from now on; in-flight requests finish on the old weights, are aborted, or continue."""
+    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
+        """Serve `version` from now on; in-flight requests finish on the old weights, are aborted, or continue.
+        Returns how long its parts took, in seconds (recorded with the published version)."""
 
     def version(self) -> int: ...
 

@@ -36,8 +36,12 @@ class EngineThread:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
         return await self._call(self.inner.generate(prompt_ids, sampling, request_id))
 
-    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> None:
-        await self._call(self.inner.update_weights(version, weights_dir, in_flight))
+    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
+        return await self._call(self.inner.update_weights(version, weights_dir, in_flight))
+
+    def call(self, coro: Coroutine[object, object, T], timeout_s: float | None = None) -> T:
+        """Run a coroutine of the engine (e.g. SGLangEngine.refresh_versions) on its loop, from a plain thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
 
     def version(self) -> int:
         return self.inner.version()

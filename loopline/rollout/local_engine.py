@@ -15,6 +15,7 @@ import collections
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -164,8 +165,11 @@ class LocalEngine:
         except asyncio.TimeoutError:
             raise EngineError(f"request {request_id} did not finish within {self.request_timeout_s:g} s") from None
 
-    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> None:
+    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+        """Returns the seconds spent loading the weights and waiting to swap them in (after the batch in flight)."""
+        started = time.monotonic()
         new_model = await asyncio.to_thread(load_model, weights_dir)
+        loaded = time.monotonic()
         mismatched = [
             k for k in _COMPATIBLE_KEYS if getattr(new_model.config, k, None) != getattr(self.model.config, k, None)
         ]
@@ -177,6 +181,7 @@ class LocalEngine:
         self._update = update
         self._kick()
         await update.done
+        return {"load_s": loaded - started, "swap_s": time.monotonic() - loaded}
 
     async def close(self) -> None:
         if self._task is not None:

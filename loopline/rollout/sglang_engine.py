@@ -5,13 +5,20 @@ Requests go to the replica with the fewest in flight; each replica's weight
 version is tracked, and `version()` is the oldest one serving, so a staleness
 gate never trusts a replica that has not been updated yet.
 
-Weight versions are integers in loopline and strings in SGLang (`"3"`); a
-server that still reports its startup version (`"default"`) serves
-`initial_version`.
+Weight versions are integers in loopline and strings in SGLang (`"3"`). A
+server that still reports its startup version (`"default"`) serves the
+weights it was started with: `initial_version` if its model path is
+`initial_path` (or no path was given), else an unknown version (-1) that the
+next weight sync replaces. A new client asks the servers on `refresh_versions()`.
+
+Every weights directory is checked against the served model's tensor layout
+before any server sees it (`weights.check_weights`): a bad file kills a real
+SGLang server.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,6 +34,7 @@ from loopline.rollout.engine import (
     SamplingParams,
     VersionSpan,
 )
+from loopline.rollout.weights import Layout, check_weights
 
 # in_flight policy -> /pause_generation mode (None: no pause; the update waits for in-flight requests)
 _PAUSE_MODE = {"finish": None, "abort": "abort", "continue": "retract"}
@@ -37,6 +45,9 @@ class Replica:
     url: str
     version: int
     inflight: int = 0
+    # what "default" means on this replica: the weights it was started with
+    default_version: int = 0
+    default_path: str | None = None
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -55,21 +66,29 @@ def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
 
 
 class SGLangEngine:
-    def __init__(self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = 600.0):
+    def __init__(
+        self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = 600.0, initial_path: str | None = None,
+        served_layout: Layout | None = None,
+    ):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.initial_version = initial_version
-        self.replicas = [Replica(u.rstrip("/"), initial_version) for u in urls]
+        self.replicas = [Replica(u.rstrip("/"), initial_version, default_version=initial_version, default_path=initial_path) for u in urls]
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.served_layout = served_layout  # the tensors every weights directory must match (None: not checked)
 
     def version(self) -> int:
         return min(r.version for r in self.replicas)
 
-    def _parse_version(self, value: str | None) -> int:
+    def _parse_version(self, value: str | None, replica: Replica | None = None, model_path: str | None = None) -> int:
         try:
             return int(value) if value is not None else self.initial_version
-        except ValueError:
-            return self.initial_version  # "default": the weights the server started with
+        except ValueError:  # "default": the weights the server started with
+            if replica is None:
+                return self.initial_version
+            if replica.default_path is None or model_path is None or model_path.rstrip("/") == replica.default_path.rstrip("/"):
+                return replica.default_version
+            return -1  # started with other weights than this run's: the next sync replaces them
 
     async def _post(self, replica: Replica, path: str, body: dict[str, Any]) -> httpx.Response:
         try:
@@ -99,7 +118,8 @@ class SGLangEngine:
                 raise EngineError(f"SGLang at {replica.url} is unreachable ({type(exc).__name__}: {exc})") from None
             if response.status_code != 200:
                 raise EngineError(f"SGLang at {replica.url} answered /model_info with {response.status_code}")
-            replica.version = self._parse_version(response.json().get("weight_version"))
+            info = response.json()
+            replica.version = self._parse_version(info.get("weight_version"), replica, info.get("model_path"))
         return [r.version for r in self.replicas]
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
@@ -155,16 +175,25 @@ class SGLangEngine:
         )
 
     async def abort(self, request_id: str) -> None:
-        """Abort one request on every replica. SGLang matches rids by prefix: loopline's rids end with '/'."""
+        """Abort one request on every replica. SGLang matches the exact rid (a prefix aborts nothing)."""
         for replica in self.replicas:
             response = await self._post(replica, "/abort_request", {"rid": request_id})
             if response.status_code != 200:
                 raise EngineError(f"SGLang at {replica.url} refused /abort_request: {self._error_text(response)}")
 
-    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> None:
-        """Load `weights_dir` as `version` on every replica, one at a time; raises on the first that fails."""
+    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+        """Load `weights_dir` as `version` on every replica that does not serve it yet, one at a time; raises
+        on the first that fails. Returns the seconds spent: check (the files, before any server sees them),
+        load (every replica's update, which in `finish` mode includes waiting for its requests in flight)
+        and confirm (asking every replica what it serves)."""
+        started = time.monotonic()
+        if self.served_layout is not None:
+            check_weights(weights_dir, self.served_layout)
+        checked = time.monotonic()
         mode = _PAUSE_MODE[in_flight]
         for replica in self.replicas:
+            if replica.version == version:
+                continue  # an earlier, partly failed sync reached this one already
             if mode is not None:
                 await self._expect_ok(replica, "/pause_generation", {"mode": mode})
             try:
@@ -173,18 +202,25 @@ class SGLangEngine:
                     "/update_weights_from_disk",
                     {"model_path": str(weights_dir), "weight_version": str(version), "flush_cache": True},
                 )
+                replica.version = version
             finally:
                 if mode is not None:
                     await self._expect_ok(replica, "/continue_generation", {})
+        loaded = time.monotonic()
         versions = await self.refresh_versions()
         if any(v != version for v in versions):
             raise EngineError(f"after the update the replicas serve versions {versions}, not {version}")
+        return {"check_s": checked - started, "load_s": loaded - checked, "confirm_s": time.monotonic() - loaded, "replicas": float(len(self.replicas))}
 
     async def _expect_ok(self, replica: Replica, path: str, body: dict[str, Any]) -> None:
         response = await self._post(replica, path, body)
         payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if response.status_code != 200 or (isinstance(payload, dict) and payload.get("success") is False):
-            raise EngineError(f"SGLang at {replica.url} refused {path} ({response.status_code}): {self._error_text(response)}")
+            message = self._error_text(response)
+            if "weights iterator" in message and "Name or service not known" in message:
+                # SGLang tries a path it cannot find as a hub id: say what it means
+                message = f"{body.get('model_path')} does not exist on the server's machine (do the learner and it share that filesystem?); SGLang said: {message}"
+            raise EngineError(f"SGLang at {replica.url} refused {path} ({response.status_code}): {message}")
 
     async def close(self) -> None:
         await self.client.aclose()

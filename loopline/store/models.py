@@ -132,6 +132,7 @@ class PolicyVersion(SQLModel, table=True):
     sha256: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime | None = _created_at()
     published_at: datetime | None = _timestamp()
+    sync_timings: dict[str, Any] = _jsonb()  # seconds per part of the first publication (check, load, confirm)
 
 
 class RolloutGroup(SQLModel, table=True):

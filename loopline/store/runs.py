@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import sqlalchemy as sa
 from psycopg.types.json import Jsonb
 from sqlmodel import Session
-import hashlib
-import json
-from dataclasses import dataclass
 
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
@@ -158,14 +158,17 @@ def record_eval_result(
     return inserted == 1
 
 
-def mark_published(session: Session, run_id: uuid.UUID, version: int) -> None:
-    """Record that every engine now serves `version` (weight sync finished)."""
+def mark_published(session: Session, run_id: uuid.UUID, version: int, timings: dict[str, float] | None = None) -> None:
+    """Record that every engine now serves `version` (weight sync finished), and what the first sync took."""
     with transaction(session):
         q(
             session,
-            "UPDATE policy_version SET published_at = coalesce(published_at, now()) WHERE run_id = :r AND version = :v",
+            "UPDATE policy_version SET published_at = coalesce(published_at, now()), "
+            "sync_timings = CASE WHEN published_at IS NULL THEN :t ELSE sync_timings END "
+            "WHERE run_id = :r AND version = :v",
             r=run_id,
             v=version,
+            t=Jsonb(timings or {}),
         )
 
 

@@ -118,26 +118,39 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         sequences = load_sequences(s, batch.trajectory_ids)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
+    clock = [time.monotonic()]
+
+    def lap() -> float:
+        clock.append(time.monotonic())
+        return clock[-1] - clock[-2]
+
     result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
+    timings = {"learner_s": lap()}
     failpoint("learner_step")
     version = batch.policy_version + 1
     checkpoint = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
+    timings["checkpoint_s"] = lap()
     weights = ctx.workdir / "weights" / f"v{version:06d}"
     digest = ctx.learner.export_weights(weights)
+    timings["export_s"] = lap()
     failpoint("learner_commit")
+    metrics = {**result.metrics, **timings, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
-        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics={**result.metrics, "groups_stale_dropped": batch.stale_dropped})
+        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics=metrics)
 
 
 async def sync_weights(ctx: RolloutContext) -> int:
     """Serve the ledger's newest version on the engine, then record it as published."""
     with ctx.session_factory() as s:
         state = ledger.resume_state(s, ctx.run_id)
+    timings = None
     if ctx.engine.version() < state.policy_version:
-        await ctx.engine.update_weights(state.policy_version, state.weights_uri, ctx.in_flight)
+        started = time.monotonic()
+        timings = dict(await ctx.engine.update_weights(state.policy_version, state.weights_uri, ctx.in_flight) or {})
+        timings["total_s"] = time.monotonic() - started
         failpoint("weight_sync")
     with ctx.session_factory() as s:
-        ledger.mark_published(s, ctx.run_id, state.policy_version)
+        ledger.mark_published(s, ctx.run_id, state.policy_version, timings)
     return state.policy_version
 
 

@@ -1,15 +1,24 @@
-"""A protocol-faithful stand-in for an SGLang server (no SGLang can run here: it needs CUDA packages).
+"""A stand-in for an SGLang server: SGLang's HTTP API, with pseudo-random tokens or a real model.
 
-It validates every /generate request with SGLang's own schema classes
-(`sglang.api.v1.api_types`, loaded from the installed wheel's file without
-importing the heavy `sglang` package), encodes responses with them, and
-reproduces the behaviours verified against a real server in
-shared/notes/sglang.md: 400 on unknown sampling keys, abort as HTTP 200 with
-the partial ids, per-token `weight_versions` spans, updates that wait for
-in-flight requests unless paused, pause modes abort / retract / in_place
-(in_place + flush_cache -> 400 without advancing the version), rid prefix
-matching in /abort_request, and /model_info's weight_version. Tokens are
-pseudo-random: the model is fake, the protocol is not.
+A real SGLang server runs on this CPU only as a slow manual check (shared/notes/sglang-cpu/), so the
+tests use this. It validates every /generate request with SGLang's own schema classes
+(`sglang.api.v1.api_types`, loaded from the installed wheel's file without importing the heavy
+`sglang` package), encodes responses with them, and reproduces what a real SGLang 0.5.23 server was
+observed to do (shared/notes/sglang.md, issue 14): 400 on unknown sampling keys; abort as HTTP 200
+with the partial ids; `weight_versions` spans in every response (one span when the weights did not
+change); updates that wait for in-flight requests unless paused; pause modes abort / retract /
+in_place (in_place + flush_cache -> 400 without advancing the version); `/abort_request` matching
+the exact rid; a missing weights directory answered 400 "Failed to get weights iterator ... Name or
+service not known" (it is tried as a hub id); `/model_info`'s weight_version ("default" until the
+first update).
+
+With `model_path` (the subprocess form, `python -m tests.fakes.sglang_protocol_server --model-path
+DIR --port N`, which is what loopline's `engine: {kind: sglang, launch: ...}` can start too) tokens
+come from that transformers model, sampled as SGLang does (logprobs = log_softmax(logits / T) over
+the full vocabulary; greedy below T = 1e-6), and also: `sampling_seed` is ignored unless the server
+runs with --enable-deterministic-inference; a retracted request is recomputed on the new weights;
+and an update from a corrupt or wrong-shape weights file kills the server process, as the real
+updater does (it points the model path at the bad directory before loading, so its rollback fails).
 """
 
 from __future__ import annotations
@@ -44,14 +53,87 @@ class _Running:
     versions: list[str] = field(default_factory=list)
 
 
+class RandomTokens:
+    """Pseudo-random tokens (a fake model): fast, for protocol tests."""
+
+    def __init__(self, vocab: int = 1000):
+        self.vocab = vocab
+        self.eos_ids: frozenset[int] = frozenset()
+
+    def start(self, ids: list[int], sampling, seed: int | None):
+        return random.Random(f"{ids}/{seed}")
+
+    def next(self, rng, generated: list[int]) -> tuple[int, float]:
+        return rng.randrange(self.vocab), -3 * rng.random()
+
+    def load(self, path: str) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Sequence:
+    ids: list[int]
+    sampling: object
+    generator: object
+    kv: object = None
+    kv_weights: int = -1  # which load of the weights the cache was computed with
+    logits: object = None
+
+
+class ModelTokens:
+    """A transformers model sampled token by token, one KV cache per request (recomputed when the weights change)."""
+
+    def __init__(self, path: str):
+        self.load(path)
+
+    def load(self, path: str) -> None:
+        from loopline.rollout.local_engine import load_model
+
+        self.model = load_model(path)
+        self.loads = getattr(self, "loads", -1) + 1
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def start(self, ids: list[int], sampling, seed: int | None) -> _Sequence:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+        return _Sequence(list(ids), sampling, generator)
+
+    def next(self, seq: _Sequence, generated: list[int]) -> tuple[int, float]:
+        import torch
+
+        from loopline.rollout.engine import SamplingParams
+        from loopline.rollout.local_engine import sample_token
+
+        with torch.inference_mode():
+            if seq.kv_weights != self.loads:  # new request, or retracted onto new weights: recompute the prefix
+                out = self.model(torch.tensor([seq.ids + generated]), use_cache=True)
+                seq.kv_weights = self.loads
+            else:
+                out = self.model(torch.tensor([generated[-1:]]), past_key_values=seq.kv, use_cache=True)
+            seq.kv, logits = out.past_key_values, out.logits[0, -1]
+        s = seq.sampling
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k and s.top_k > 0 else 0)
+        token, logprob, _ = sample_token(logits, params, seq.generator)
+        return token, logprob
+
+
 class SGLangProtocolServer:
-    def __init__(self, token_delay_s: float = 0.005, context_length: int = 512, vocab: int = 1000):
+    def __init__(
+        self, token_delay_s: float = 0.005, context_length: int = 512, vocab: int = 1000, model_path: str | None = None,
+        deterministic: bool = False, die_on_bad_weights: bool = False,
+    ):
         self.api = load_api_types()
         if self.api is None:
             raise RuntimeError("sglang is not installed: pip install --no-deps sglang==0.5.23 msgspec")
-        self.token_delay_s, self.context_length, self.vocab = token_delay_s, context_length, vocab
+        self.tokens = ModelTokens(model_path) if model_path else RandomTokens(vocab)
+        if model_path:
+            context_length = int(getattr(self.tokens.model.config, "max_position_embeddings", context_length))
+        self.token_delay_s, self.context_length = token_delay_s, context_length
+        self.deterministic, self.die_on_bad_weights = deterministic, die_on_bad_weights
         self.weight_version = "default"
-        self.model_path = "/models/initial"
+        self.model_path = model_path or "/models/initial"
         self.paused: str | None = None
         self.running: dict[str, _Running] = {}
         self.requests: list[dict] = []  # every validated /generate body, for assertions
@@ -82,6 +164,7 @@ class SGLangProtocolServer:
         body = await read_body(receive)
         route = (scope["method"], scope["path"])
         handlers = {
+            ("GET", "/health"): self.health,
             ("POST", "/generate"): self.generate,
             ("POST", "/pause_generation"): self.pause,
             ("POST", "/continue_generation"): self.resume,
@@ -117,7 +200,10 @@ class SGLangProtocolServer:
         running = _Running(rid)
         self.running[rid] = running
         self._idle.clear()
-        rng = random.Random(f"{ids}/{sampling.sampling_seed}")
+        # a real server ignores sampling_seed unless it runs with --enable-deterministic-inference
+        seed = sampling.sampling_seed if self.deterministic or isinstance(self.tokens, RandomTokens) else None
+        state = self.tokens.start(ids, sampling, seed)
+        stop_ids = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(self.tokens.eos_ids))
         out, logprobs, finish = [], [], None
         try:
             for _ in range(sampling.max_new_tokens):
@@ -127,11 +213,11 @@ class SGLangProtocolServer:
                 await asyncio.sleep(self.token_delay_s)
                 if running.aborted:
                     break
-                token = rng.randrange(self.vocab)
+                token, logprob = self.tokens.next(state, out)
                 out.append(token)
-                logprobs.append(-3 * rng.random())
+                logprobs.append(logprob)
                 running.versions.append(self.weight_version)
-                if token in (sampling.stop_token_ids or ()):
+                if token in stop_ids:
                     finish = self.api.FinishStop(matched=token)
                     break
             else:
@@ -155,7 +241,7 @@ class SGLangProtocolServer:
             finish_reason=finish,
             output_token_logprobs=[self.api.LogprobEntry(logprob=lp, token_id=t, text=None) for lp, t in zip(logprobs, out)] if request.return_logprob else None,
             weight_version=self.weight_version,
-            weight_versions=[self.api.WeightVersionSpan(**s) for s in spans] if len(spans) > 1 else [],
+            weight_versions=[self.api.WeightVersionSpan(**s) for s in spans],
         )
         payload = self.api.GenerateResponse(text="", meta_info=meta, output_ids=out).to_json_value()
         return 200, payload
@@ -183,11 +269,22 @@ class SGLangProtocolServer:
     async def update(self, body: bytes):
         value = json.loads(body)
         path = value.get("model_path", "")
-        if not os.path.isdir(path):
-            return 400, {"success": False, "message": f"Failed to get weights iterator: {path} is not a directory", "num_paused_requests": 0}
+        if not os.path.isdir(path):  # tried as a hub id, which this offline machine cannot resolve
+            message = (
+                f"Failed to get weights iterator: {path} (repository not found: "
+                "[Errno -2] Name or service not known)"
+            )
+            return 400, {"success": False, "message": message, "num_paused_requests": 0}
         if self.paused is None:
             await self._idle.wait()  # not paused: the update waits for in-flight requests to finish
-        self.model_path = path
+        self.model_path = path  # set before loading, as the real updater does: its rollback reloads this path
+        try:
+            self.tokens.load(path)
+        except Exception as exc:
+            if self.die_on_bad_weights:
+                print(f"update_weights_from_disk: loading {path} failed ({exc}); rollback failed too: exiting", flush=True)
+                os._exit(1)
+            return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
         if self.paused == "in_place" and value.get("flush_cache", True):
             return 400, {"success": False, "message": "Failed to flush cache: the cache was not flushed because requests are in flight", "num_paused_requests": len(self.running)}
         self.weight_version = value.get("weight_version") or self.weight_version
@@ -196,10 +293,36 @@ class SGLangProtocolServer:
     async def abort(self, body: bytes):
         request = self.api.AbortRequest.from_json_value(json.loads(body))
         for rid, running in self.running.items():
-            if request.abort_all or rid.startswith(request.rid):  # SGLang matches by prefix
+            if request.abort_all or rid == request.rid:  # the exact rid: a prefix aborts nothing
                 running.aborted = True
+        return 200, None
+
+    async def health(self, body: bytes):
         return 200, None
 
     async def model_info(self, body: bytes):
         info = self.api.GetModelInfoResponse(model_path=self.model_path, is_generation=True, weight_version=self.weight_version)
         return 200, info.to_json_value()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a model the way `python -m sglang.launch_server --model-path DIR --port N` would."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--context-length", type=int, default=None)
+    args = parser.parse_args(argv)
+    server = SGLangProtocolServer(token_delay_s=0.0, model_path=args.model_path, deterministic=args.enable_deterministic_inference, die_on_bad_weights=True)
+    if args.context_length:
+        server.context_length = args.context_length
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning", lifespan="off", interface="asgi3")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 """The main job learns: the README's first command, as a new user runs it, raises held-out success by 25+ points.
 
-Embedded PostgreSQL in a fresh loopline home, an ephemeral Prefect server, LocalEngine, the tiny
-starter policy built on first use, DeepSpeed learner - nothing prepared in advance. Measured in the full
-suite on 2 cores: 14.5 min, ~12 of them the starter's SFT build (1,250 steps, ~0.56 s each, the same before
-and after this session's changes); the hard limit is 20 min until the starter ships prebuilt (issue 17).
+Embedded PostgreSQL in a fresh loopline home, a temporary Prefect server, LocalEngine, the tiny starter
+policy shipped in the package (copied into the home on first use), DeepSpeed learner - nothing prepared in
+advance. Measured on an idle 2-core machine: 45 s from an empty home. The hard limit (10 min) is generous
+for a busy CI machine; the README promises minutes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(25 * 60)
+@pytest.mark.timeout(12 * 60)
 def test_quickstart_raises_held_out_success_by_25_points(tmp_path, monkeypatch):
     env = {**os.environ, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     for key in ("LOOPLINE_DATABASE_URL", "PREFECT_API_URL"):
@@ -29,7 +29,7 @@ def test_quickstart_raises_held_out_success_by_25_points(tmp_path, monkeypatch):
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "loopline.cli", "train", "examples/arithmetic_quickstart.yaml"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=20 * 60,
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=10 * 60,
     )
     minutes = (time.monotonic() - started) / 60
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

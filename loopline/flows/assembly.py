@@ -1,0 +1,133 @@
+"""One run assembly: what `train`, `learner`, `rollout_worker` and `evaluate` build from a run's config.
+
+Each component is built by name from the run config (torchtitan's `build_*` style), so a process
+that joins a run - a worker on another machine, an evaluation a week later - builds exactly what
+the trainer built: the environment version the ledger pinned, the chat format of the run's
+initial policy, the sampling settings and the engine the config names.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from sqlalchemy.engine import Engine as Database
+from sqlmodel import Session
+
+from loopline.envregistry import registry
+from loopline.envregistry.spec import EnvSpec
+from loopline.envregistry.tasks import Task
+from loopline.flows.config import EngineSettings, RunConfig
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.harness import EpisodeSetup
+from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.scheduler import Binding
+from loopline.store import db as store_db
+from loopline.store import ledger, migrate
+from loopline.store.records import ResumeState
+from loopline.trainer.learner import Learner
+
+
+@dataclass
+class RunParts:
+    """A run as the ledger knows it, with its environment and episode setup (no engine, no learner)."""
+
+    config: RunConfig
+    database: Database
+    run_id: uuid.UUID
+    env_name: str
+    env_version: int
+    spec: EnvSpec
+    tasks: list[Task]
+    initial: Path  # version 0's weights: the tokenizer and the served model's tensor layout come from here
+    state: ResumeState
+
+    def session_factory(self) -> Callable[[], Session]:
+        database = self.database
+        return lambda: store_db.session(database)
+
+    def train_tasks(self) -> dict[str, Task]:
+        return {t.id: t for t in self.tasks if t.split == "train"}
+
+    def eval_tasks(self) -> list[Task]:
+        """The fixed eval split: the environment's first `eval.tasks` eval tasks."""
+        return [t for t in self.tasks if t.split == "eval"][: self.config.eval.tasks]
+
+    def setup(self) -> EpisodeSetup:
+        return build_setup(self.config, self.spec, self.env_version, self.initial)
+
+    def workdir(self) -> Path:
+        return store_db.loopline_home() / "runs" / self.config.name
+
+
+def open_run(config: RunConfig, run_id: uuid.UUID, database: Database | None = None) -> RunParts:
+    """The parts of a run that exists in the ledger (its environment is the registered version it pinned)."""
+    database = database or migrate.open_ledger()
+    with store_db.session(database) as s:
+        row = registry.get(s, config.env)
+        env = (row.name, row.version, registry.spec_of(row), registry.tasks_of(row))  # before a rollback expires the row
+        state = ledger.resume_state(s, run_id)
+        initial = Path(ledger.initial_weights(s, run_id))
+    return RunParts(config, database, run_id, *env, initial, state)
+
+
+def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Path) -> EpisodeSetup:
+    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
+    return EpisodeSetup(spec, env_version, ChatFormat.for_policy(initial), sampling)
+
+
+def build_binding(parts: RunParts) -> Binding:
+    return Binding(parts.setup(), parts.train_tasks())
+
+
+def build_engine(
+    settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path
+) -> EngineThread:
+    """The engine the config names, serving `version` (whose weights are at `weights`), on its own loop thread.
+
+    local: LocalEngine in this process. sglang + servers: a client of running servers; each is asked what
+    it serves, and one serving other weights is brought to `version` by the next weight sync. sglang +
+    launch: replicas started here on `weights` (logs in `log_dir`), stopped when the engine shuts down.
+    """
+    if settings.kind == "local":
+        return EngineThread(LocalEngine(weights, version=version, max_batch=concurrency))
+    from loopline.rollout.sglang_engine import SGLangEngine
+    from loopline.rollout.weights import read_layout
+
+    if settings.launch is not None:
+        from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
+
+        launch = settings.launch
+        plan = LaunchPlan(launch.replicas, tuple(launch.args), launch.module, launch.python, launch.startup_timeout_s)
+        return EngineThread(LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s))
+    client = SGLangEngine(
+        settings.servers, initial_version=version, timeout_s=settings.timeout_s, initial_path=str(weights),
+        served_layout=read_layout(initial),
+    )
+    engine = EngineThread(client)
+    try:
+        engine.call(client.refresh_versions(), timeout_s=60)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None) -> EngineThread:
+    return build_engine(
+        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang"
+    )
+
+
+def build_learner(config: RunConfig, initial: Path, state: ResumeState) -> Learner | None:
+    """The learner at the run's last checkpoint; None when the run has no step left to train (no DeepSpeed start)."""
+    if state.next_learner_step > config.steps:
+        return None
+    learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
+    if state.last_checkpoint is not None:
+        learner.load_checkpoint(state.last_checkpoint.uri)
+    return learner

@@ -1,0 +1,177 @@
+"""SGLang servers started by loopline for a run: launched, health-checked, revived, stopped.
+
+`LaunchedSGLang` is an Engine: an `SGLangEngine` client over replicas this process started with
+`python -m sglang.launch_server --model-path W --host 127.0.0.1 --port P ARGS...`. Each replica's
+log goes to the run directory; each dies with this process (PR_SET_PDEATHSIG), so a killed trainer
+leaves no server behind. When a request or a weight update fails and a replica's process is gone (a
+real server dies on a bad weights file, or runs out of memory), the replica is restarted on the
+last version every replica loaded successfully, and the call still fails as an `EngineError`: the
+attempt is retried as an infra failure and the next weight sync brings the replica up to date.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+from loopline.holder import die_with_parent
+from loopline.rollout.engine import EngineError, Generation, InFlightPolicy, SamplingParams
+from loopline.rollout.sglang_engine import SGLangEngine
+from loopline.rollout.weights import read_layout
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    replicas: int = 1
+    args: tuple[str, ...] = ()
+    module: str = "sglang.launch_server"
+    python: str | None = None
+    startup_timeout_s: float = 900.0
+
+
+@dataclass
+class _Server:
+    index: int
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started: list[float] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class LaunchedSGLang:
+    def __init__(self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = 600.0):
+        self.plan = plan
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers = [_Server(i, _free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
+        self.good = (version, str(weights))  # the newest version every replica loaded
+        self.client = SGLangEngine(
+            [s.url for s in self.servers], initial_version=version, timeout_s=timeout_s, initial_path=str(weights),
+            served_layout=read_layout(initial_path),
+        )
+        for server in self.servers:
+            self._spawn(server)
+        try:
+            for server in self.servers:
+                self._wait_healthy(server)
+        except BaseException:
+            self.stop()
+            raise
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, server: _Server) -> None:
+        version, weights = self.good
+        command = [
+            self.plan.python or sys.executable, "-m", self.plan.module, "--model-path", weights,
+            "--host", "127.0.0.1", "--port", str(server.port), *self.plan.args,
+        ]
+        with open(server.log_path, "ab") as out:
+            out.write(f"\n--- loopline: starting replica {server.index} on v{version}: {' '.join(command)}\n".encode())
+            out.flush()
+            server.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent(),
+            )
+        server.started.append(time.monotonic())
+        replica = self.client.replicas[server.index]
+        replica.version, replica.default_version, replica.default_path = version, version, weights
+
+    def _wait_healthy(self, server: _Server) -> None:
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while True:
+            if not server.alive():
+                raise EngineError(f"SGLang replica {server.index} exited while starting (log {server.log_path}): {self._tail(server)}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"SGLang replica {server.index} not healthy after {self.plan.startup_timeout_s:g} s (log {server.log_path})")
+            time.sleep(0.5)
+
+    @staticmethod
+    def _tail(server: _Server) -> str:
+        try:
+            return server.log_path.read_text(errors="replace")[-600:]
+        except OSError:
+            return ""
+
+    async def _revive_dead(self) -> list[int]:
+        """Restart every replica whose process is gone, on the last good version; returns their indices."""
+        dead = [s for s in self.servers if not s.alive()]
+        for server in dead:
+            log.warning("SGLang replica %d died (log %s); restarting it on v%d", server.index, server.log_path, self.good[0])
+            server.restarts += 1
+            self._spawn(server)
+        for server in dead:
+            await asyncio.to_thread(self._wait_healthy, server)
+        return [s.index for s in dead]
+
+    # ------------------------------------------------------------------ Engine
+
+    def version(self) -> int:
+        return self.client.version()
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
+        try:
+            return await self.client.generate(prompt_ids, sampling, request_id)
+        except EngineError:
+            await self._revive_dead()
+            raise
+
+    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+        try:
+            timings = await self.client.update_weights(version, weights_dir, in_flight)
+        except EngineError as exc:
+            revived = await self._revive_dead()
+            if revived:
+                raise EngineError(f"{exc}; replicas {revived} died and were restarted on v{self.good[0]}") from None
+            raise
+        self.good = (version, str(weights_dir))
+        return timings
+
+    async def refresh_versions(self) -> list[int]:
+        return await self.client.refresh_versions()
+
+    async def close(self) -> None:
+        await self.client.close()
+        await asyncio.to_thread(self.stop)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            if server.alive():
+                server.process.terminate()
+        for server in self.servers:
+            if server.process is None:
+                continue
+            try:
+                server.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
