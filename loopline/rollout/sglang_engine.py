@@ -156,9 +156,9 @@ class SGLangEngine:
             raise EngineError(f"SGLang response for {request_id}: unknown finish reason {finish!r}")
         spans = meta.get("weight_versions") or []
         if spans:
-            version_spans = tuple(VersionSpan(self._parse_version(s["version"]), s["start"], s["end"]) for s in spans)
+            version_spans = tuple(VersionSpan(self._parse_version(s["version"], replica), s["start"], s["end"]) for s in spans)
         else:
-            version_spans = (VersionSpan(self._parse_version(meta.get("weight_version")), 0, len(ids)),) if ids else ()
+            version_spans = (VersionSpan(self._parse_version(meta.get("weight_version"), replica), 0, len(ids)),) if ids else ()
         sampling_lp = meta.get("output_token_sampling_logprobs")
         return Generation(
             token_ids=ids,

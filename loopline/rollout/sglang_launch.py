@@ -69,6 +69,7 @@ class LaunchedSGLang:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [_Server(i, _free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
         self.good = (version, str(weights))  # the newest version every replica loaded
+        self._reviving: asyncio.Lock | None = None  # made on the engine's loop
         self.client = SGLangEngine(
             [s.url for s in self.servers], initial_version=version, timeout_s=timeout_s, initial_path=str(weights),
             served_layout=read_layout(initial_path),
@@ -122,15 +123,29 @@ class LaunchedSGLang:
         except OSError:
             return ""
 
-    async def _revive_dead(self) -> list[int]:
-        """Restart every replica whose process is gone, on the last good version; returns their indices."""
-        dead = [s for s in self.servers if not s.alive()]
-        for server in dead:
-            log.warning("SGLang replica %d died (log %s); restarting it on v%d", server.index, server.log_path, self.good[0])
-            server.restarts += 1
-            self._spawn(server)
-        for server in dead:
-            await asyncio.to_thread(self._wait_healthy, server)
+    def _dead_after(self, grace_s: float) -> list[_Server]:
+        """The replicas that are gone, waiting up to `grace_s` for one to go: a server that dropped a
+        connection may still be exiting."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [s for s in self.servers if not s.alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    async def _revive_dead(self, grace_s: float = 2.0) -> list[int]:
+        """Restart every replica whose process is gone, on the last good version; returns their indices.
+        Concurrent failures revive a replica once (the lock; a revived replica is alive again)."""
+        if self._reviving is None:
+            self._reviving = asyncio.Lock()
+        async with self._reviving:
+            dead = await asyncio.to_thread(self._dead_after, grace_s)
+            for server in dead:
+                log.warning("SGLang replica %d died (log %s); restarting it on v%d", server.index, server.log_path, self.good[0])
+                server.restarts += 1
+                self._spawn(server)
+            for server in dead:
+                await asyncio.to_thread(self._wait_healthy, server)
         return [s.index for s in dead]
 
     # ------------------------------------------------------------------ Engine

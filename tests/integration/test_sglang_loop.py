@@ -1,0 +1,184 @@
+"""`engine: sglang` in the loop, against the model-backed SGLang stand-in (tests/fakes/sglang_protocol_server.py).
+
+A real SGLang server decodes 1-3 tokens/s on this CPU (shared/notes/sglang-cpu/), so these tests run
+`loopline train` against stand-in server processes that speak SGLang's HTTP API (validated with SGLang's
+own schema classes) and generate with the real tiny model, reproducing the real server's observed
+behaviour (exact-rid abort, seeds ignored without deterministic inference, "default" version, dying on a
+bad weights file). `benchmarks/sglang_real.py` runs the same kind of run against a real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.test_chaos import _rows, _small_run, _train
+
+ROOT = Path(__file__).resolve().parents[2]
+STAND_IN = "tests.fakes.sglang_protocol_server"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandIns:
+    """SGLang stand-in server processes serving `model` (what a user would start with sglang.launch_server)."""
+
+    def __init__(self, model: Path, count: int, log_dir: Path):
+        self.ports = [_free_port() for _ in range(count)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", STAND_IN, "--model-path", str(model), "--port", str(port)],
+                cwd=ROOT, stdout=(log_dir / f"server-{port}.log").open("w"), stderr=subprocess.STDOUT,
+            )
+            for port in self.ports
+        ]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        deadline = time.monotonic() + 60
+        for url, proc in zip(self.urls, self.procs):
+            while True:
+                assert proc.poll() is None, f"stand-in at {url} exited"
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"stand-in at {url} did not start"
+                time.sleep(0.2)
+
+    def versions(self) -> list[str]:
+        return [httpx.get(f"{u}/model_info").json()["weight_version"] for u in self.urls]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def stand_ins(tiny_dirs, tmp_path):
+    from tests.fakes.sglang_protocol_server import load_api_types
+
+    if load_api_types() is None:
+        pytest.fail("the SGLang tests need SGLang's schema classes: pip install --no-deps sglang==0.5.23 msgspec")
+    servers = StandIns(tiny_dirs["v0"], 2, tmp_path)
+    yield servers
+    servers.stop()
+
+
+def _sglang_run(tmp_path: Path, name: str, policy: Path, database_url: str, engine: dict, steps: int = 2):
+    config, env = _small_run(tmp_path, name, policy, database_url, mode="sync", lease_seconds=3, backend="torch", every=steps)
+    data = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**data, "steps": steps, "engine": engine}))
+    return config, env
+
+
+@pytest.mark.slow
+def test_train_with_sglang_servers_syncs_every_replica_and_survives_sigkill(stand_ins, tiny_dirs, database_url, db, tmp_path):
+    from loopline.store.check import check_run
+
+    name = f"sglang-{tmp_path.name[-12:]}".replace("_", "-")
+    config, env = _sglang_run(tmp_path, name, tiny_dirs["v0"], database_url, {"kind": "sglang", "servers": stand_ins.urls}, steps=3)
+    # killed right after the replicas loaded v1 (before the ledger says it is published), then inside the
+    # learner's commit of step 2; each resume finds the servers as they are and carries on
+    for kill in ("weight_sync", "learner_commit:2"):
+        log = tmp_path / f"{kill}.log"
+        assert _train(config, env, kill, log) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
+    log = tmp_path / "final.log"
+    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
+
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    report = check_run(db, run_id)
+    assert report.ok, report.violations
+    assert stand_ins.versions() == ["3", "3"]  # every replica serves the newest version
+    published = _rows(db, "SELECT version, sync_timings FROM policy_version WHERE run_id = :r AND version > 0 ORDER BY version", r=run_id)
+    assert [v for v, _ in published] == [1, 2, 3]
+    for version, timings in published[1:]:  # v1's sync was cut short by the kill: its servers already had it
+        assert timings["replicas"] == 2 and timings["load_s"] > 0 and "check_s" in timings, (version, timings)
+    consumed, distinct = _rows(
+        db, "SELECT count(*), count(DISTINCT trajectory_id) FROM consumption WHERE run_id = :r", r=run_id
+    )[0]
+    assert consumed == distinct == 3 * 2 * 4
+    # the learner's recompute agrees with the servers' logprobs on the tokens its own weights generated
+    gaps = [v for (v,) in _rows(db, "SELECT value FROM metric WHERE run_id = :r AND name = 'logprob_abs_diff'", r=run_id)]
+    assert gaps and max(gaps) < 1e-3, gaps
+
+    # `loopline eval` goes through the same engine: the servers serve v3, so v2 cannot be evaluated on them
+    refused = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "eval", name, "--version", "2"], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode == 1 and "serve v3, not v2" in refused.stderr, refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
+def test_train_launching_sglang_replicas_leaves_none_behind(tiny_dirs, database_url, db, tmp_path):
+    name = f"sglang-launch-{tmp_path.name[-12:]}".replace("_", "-")
+    engine = {"kind": "sglang", "launch": {"replicas": 2, "module": STAND_IN, "startup_timeout_s": 60}}
+    config, env = _sglang_run(tmp_path, name, tiny_dirs["v0"], database_url, engine, steps=2)
+    leftovers: list[str] = []
+    log = tmp_path / "killed.log"
+    assert _train(config, env, "weight_sync", log, leftovers) == -signal.SIGKILL, log.read_text()[-4000:]
+    assert leftovers == [], f"the killed trainer left {leftovers} running"  # its replicas died with it
+    log = tmp_path / "final.log"
+    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    assert [v for (v,) in _rows(db, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)] == [0, 1, 2]
+    replica_logs = sorted((tmp_path / "home" / "runs" / name / "sglang").glob("sglang-*.log"))
+    assert len(replica_logs) == 2 and all("starting replica" in p.read_text() for p in replica_logs)
+
+
+def test_launched_replica_that_dies_is_restarted_on_the_last_good_version(tiny_dirs, tmp_path):
+    """A real server dies on a bad weights file; loopline refuses such a file before any server sees it, and
+    restarts a replica that died anyway (here: killed) on the newest version every replica had loaded."""
+    from loopline.rollout.engine import EngineError, SamplingParams
+    from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
+    from loopline.rollout.weights import BadWeights
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_dirs["v1"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a partial write
+
+    plan = LaunchPlan(replicas=2, module=STAND_IN, startup_timeout_s=60)
+    engine = LaunchedSGLang(plan, tmp_path / "logs", str(tiny_dirs["v0"]), 0, str(tiny_dirs["v0"]))
+
+    async def scenario():
+        sampling = SamplingParams(max_new_tokens=4)
+        await engine.update_weights(1, str(tiny_dirs["v1"]))
+        with pytest.raises(BadWeights, match="partial or corrupt"):
+            await engine.update_weights(2, str(bad))
+        assert all(s.alive() for s in engine.servers) and engine.version() == 1  # untouched
+        # without the check, the corrupt file kills the server, as on a real one
+        engine.client.served_layout = None
+        with pytest.raises(EngineError, match=r"replicas \[0\] died and were restarted on v1"):
+            await engine.update_weights(2, str(bad))
+        assert engine.servers[0].restarts == 1 and await engine.refresh_versions() == [1, 1]
+        os.kill(engine.servers[1].process.pid, signal.SIGKILL)
+        engine.servers[1].process.wait()
+        with pytest.raises(EngineError):
+            await asyncio.gather(*(engine.generate([1, 2, 3], sampling, f"r{i}") for i in range(4)))
+        assert engine.servers[1].restarts == 1
+        generation = await engine.generate([1, 2, 3], sampling, "after")
+        assert generation.version_spans[0].version == 1
+        await engine.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert all(not s.alive() for s in engine.servers)
