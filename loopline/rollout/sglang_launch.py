@@ -89,7 +89,7 @@ class LaunchedSGLang:
         version, weights = self.good
         command = [
             self.plan.python or sys.executable, "-m", self.plan.module, "--model-path", weights,
-            "--host", "127.0.0.1", "--port", str(server.port), *self.plan.args,
+            "--host", "127.0.0.1", "--port", str(server.port), "--weight-version", str(version), *self.plan.args,
         ]
         with open(server.log_path, "ab") as out:
             out.write(f"\n--- loopline: starting replica {server.index} on v{version}: {' '.join(command)}\n".encode())

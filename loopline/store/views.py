@@ -76,6 +76,28 @@ def throughput(conn: sa.Connection, run: uuid.UUID) -> Table:
     )
 
 
+def step_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Seconds per learner step, part by part (seed §7.4): rollout (first attempt to last commit of the step's
+    train groups, wall time), the learner's own parts (metrics), and publishing the new version to the engines.
+    Also the tokens generated for the step, for a tokens/s."""
+    return _table(
+        conn,
+        "SELECT p.version AS step, "
+        "(SELECT extract(epoch FROM max(a.ended_at) - min(a.started_at))::float8 FROM attempt a JOIN slot s ON s.id = a.slot_id "
+        " JOIN rollout_group g ON g.id = s.group_id WHERE g.run_id = p.run_id AND g.step = p.version AND g.split = 'train') AS rollout_s, "
+        "(SELECT coalesce(sum(cardinality(sg.generated_ids)), 0) FROM segment sg JOIN trajectory t ON t.id = sg.trajectory_id "
+        " JOIN rollout_group g ON g.id = t.group_id WHERE g.run_id = p.run_id AND g.step = p.version AND g.split = 'train') AS tokens, "
+        "(SELECT value FROM metric m WHERE m.run_id = p.run_id AND m.step = p.version AND m.name = 'learner_s') AS learner_s, "
+        "(SELECT value FROM metric m WHERE m.run_id = p.run_id AND m.step = p.version AND m.name = 'checkpoint_s') AS checkpoint_s, "
+        "(SELECT value FROM metric m WHERE m.run_id = p.run_id AND m.step = p.version AND m.name = 'export_s') AS export_s, "
+        "(p.sync_timings->>'check_s')::float8 AS sync_check_s, "
+        "coalesce((p.sync_timings->>'load_s')::float8, 0) + coalesce((p.sync_timings->>'swap_s')::float8, 0) AS sync_load_s, "
+        "(p.sync_timings->>'confirm_s')::float8 AS sync_confirm_s, (p.sync_timings->>'total_s')::float8 AS sync_s "
+        "FROM policy_version p WHERE p.run_id = :r AND p.version > 0 ORDER BY p.version",
+        r=run,
+    )
+
+
 def version_lags(conn: sa.Connection, run: uuid.UUID) -> Table:
     return _table(conn, "SELECT version_lag, count(*) AS samples FROM consumption WHERE run_id = :r GROUP BY 1 ORDER BY 1", r=run)
 

@@ -317,10 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--weight-version", default="default")
     args = parser.parse_args(argv)
     server = SGLangProtocolServer(token_delay_s=0.0, model_path=args.model_path, deterministic=args.enable_deterministic_inference, die_on_bad_weights=True)
     if args.context_length:
         server.context_length = args.context_length
+    server.weight_version = args.weight_version
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning", lifespan="off", interface="asgi3")
 
 
