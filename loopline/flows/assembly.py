@@ -85,13 +85,15 @@ def build_binding(parts: RunParts) -> Binding:
 
 
 def build_engine(
-    settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path
+    settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path, tag: str | None = None
 ) -> EngineThread:
     """The engine the config names, serving `version` (whose weights are at `weights`), on its own loop thread.
 
     local: LocalEngine in this process. sglang + servers: a client of running servers; each is asked what
     it serves, and one serving other weights is brought to `version` by the next weight sync. sglang +
     launch: replicas started here on `weights` (logs in `log_dir`), stopped when the engine shuts down.
+    `tag` (the run's) goes into every weight version a server is given, so that no server passes another
+    run's weights off as this run's version.
     """
     if settings.kind == "local":
         return EngineThread(LocalEngine(weights, version=version, max_batch=concurrency))
@@ -103,10 +105,10 @@ def build_engine(
 
         launch = settings.launch
         plan = LaunchPlan(launch.replicas, tuple(launch.args), launch.module, launch.python, launch.startup_timeout_s)
-        return EngineThread(LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s))
+        return EngineThread(LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s, tag=tag))
     client = SGLangEngine(
         settings.servers, initial_version=version, timeout_s=settings.timeout_s, initial_path=str(weights),
-        served_layout=read_layout(initial),
+        served_layout=read_layout(initial), tag=tag,
     )
     engine = EngineThread(client)
     try:
@@ -119,7 +121,8 @@ def build_engine(
 
 def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None) -> EngineThread:
     return build_engine(
-        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang"
+        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang",
+        tag=parts.run_id.hex[:8],
     )
 
 

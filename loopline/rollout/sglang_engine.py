@@ -5,11 +5,15 @@ Requests go to the replica with the fewest in flight; each replica's weight
 version is tracked, and `version()` is the oldest one serving, so a staleness
 gate never trusts a replica that has not been updated yet.
 
-Weight versions are integers in loopline and strings in SGLang (`"3"`). A
-server that still reports its startup version (`"default"`) serves the
-weights it was started with: `initial_version` if its model path is
-`initial_path` (or no path was given), else an unknown version (-1) that the
-next weight sync replaces. A new client asks the servers on `refresh_versions()`.
+Weight versions are integers in loopline and strings in SGLang. With a `tag`
+(the run's), loopline labels version 3 `"3@TAG"`: a version number means
+something only within one run, and a server left serving another run's v5
+must not pass for this run's v5 (found against a real server: a second run
+trusted the first run's weights). A label of another tag, or a bare number,
+is an unknown version (-1) that the next weight sync replaces. A server
+still on its startup version (`"default"`) serves the weights it was started
+with: `initial_version` if its model path is `initial_path` (or no path was
+given), else unknown. A new client asks the servers on `refresh_versions()`.
 
 Every weights directory is checked against the served model's tensor layout
 before any server sees it (`weights.check_weights`): a bad file kills a real
@@ -68,11 +72,11 @@ def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
 class SGLangEngine:
     def __init__(
         self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = 600.0, initial_path: str | None = None,
-        served_layout: Layout | None = None,
+        served_layout: Layout | None = None, tag: str | None = None,
     ):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
-        self.initial_version = initial_version
+        self.initial_version, self.tag = initial_version, tag
         self.replicas = [Replica(u.rstrip("/"), initial_version, default_version=initial_version, default_path=initial_path) for u in urls]
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.served_layout = served_layout  # the tensors every weights directory must match (None: not checked)
@@ -80,15 +84,22 @@ class SGLangEngine:
     def version(self) -> int:
         return min(r.version for r in self.replicas)
 
+    def label(self, version: int) -> str:
+        """The weight_version string a server is given for `version`."""
+        return f"{version}@{self.tag}" if self.tag else str(version)
+
     def _parse_version(self, value: str | None, replica: Replica | None = None, model_path: str | None = None) -> int:
-        try:
-            return int(value) if value is not None else self.initial_version
-        except ValueError:  # "default": the weights the server started with
-            if replica is None:
-                return self.initial_version
-            if replica.default_path is None or model_path is None or model_path.rstrip("/") == replica.default_path.rstrip("/"):
-                return replica.default_version
-            return -1  # started with other weights than this run's: the next sync replaces them
+        if value is None:
+            return self.initial_version
+        number, at, tag = value.partition("@")
+        if number.isdigit():
+            return int(number) if self.tag is None or (at and tag == self.tag) else -1
+        # "default" (or a label loopline never gives): the weights the server started with
+        if replica is None:
+            return self.initial_version
+        if replica.default_path is None or model_path is None or model_path.rstrip("/") == replica.default_path.rstrip("/"):
+            return replica.default_version
+        return -1  # started with other weights than this run's: the next sync replaces them
 
     async def _post(self, replica: Replica, path: str, body: dict[str, Any]) -> httpx.Response:
         try:
@@ -200,7 +211,7 @@ class SGLangEngine:
                 await self._expect_ok(
                     replica,
                     "/update_weights_from_disk",
-                    {"model_path": str(weights_dir), "weight_version": str(version), "flush_cache": True},
+                    {"model_path": str(weights_dir), "weight_version": self.label(version), "flush_cache": True},
                 )
                 replica.version = version
             finally:

@@ -64,7 +64,10 @@ class _Server:
 
 
 class LaunchedSGLang:
-    def __init__(self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = 600.0):
+    def __init__(
+        self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = 600.0,
+        tag: str | None = None,
+    ):
         self.plan = plan
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [_Server(i, _free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
@@ -72,7 +75,7 @@ class LaunchedSGLang:
         self._reviving: asyncio.Lock | None = None  # made on the engine's loop
         self.client = SGLangEngine(
             [s.url for s in self.servers], initial_version=version, timeout_s=timeout_s, initial_path=str(weights),
-            served_layout=read_layout(initial_path),
+            served_layout=read_layout(initial_path), tag=tag,
         )
         for server in self.servers:
             self._spawn(server)
@@ -89,7 +92,7 @@ class LaunchedSGLang:
         version, weights = self.good
         command = [
             self.plan.python or sys.executable, "-m", self.plan.module, "--model-path", weights,
-            "--host", "127.0.0.1", "--port", str(server.port), "--weight-version", str(version), *self.plan.args,
+            "--host", "127.0.0.1", "--port", str(server.port), "--weight-version", self.client.label(version), *self.plan.args,
         ]
         with open(server.log_path, "ab") as out:
             out.write(f"\n--- loopline: starting replica {server.index} on v{version}: {' '.join(command)}\n".encode())

@@ -103,7 +103,7 @@ def test_train_with_sglang_servers_syncs_every_replica_and_survives_sigkill(stan
     run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
     report = check_run(db, run_id)
     assert report.ok, report.violations
-    assert stand_ins.versions() == ["3", "3"]  # every replica serves the newest version
+    assert stand_ins.versions() == [f"3@{run_id.hex[:8]}"] * 2  # every replica serves the run's newest version
     published = _rows(db, "SELECT version, sync_timings FROM policy_version WHERE run_id = :r AND version > 0 ORDER BY version", r=run_id)
     assert [v for v, _ in published] == [1, 2, 3]
     for version, timings in published[1:]:  # v1's sync was cut short by the kill: its servers already had it

@@ -151,3 +151,22 @@ def test_sglang_client_against_protocol_server_tracks_each_replica(tmp_path):
     assert before == [2, 0] and oldest == 0 and after == 3
     assert {g.meta["replica"] for g in gens} == {a.url, b.url}  # load was spread
     assert a.weight_version == b.weight_version == "3"
+
+
+def test_sglang_client_does_not_trust_a_version_of_another_run(tmp_path):
+    """A server left serving another run's v5 (or an untagged "5") is not this run's v5: the first sync replaces it."""
+    from tests.fakes.sglang_protocol_server import SGLangProtocolServer, load_api_types
+
+    if load_api_types() is None:
+        pytest.skip("sglang's schema classes are not installed")
+    with SGLangProtocolServer() as other, SGLangProtocolServer() as bare, SGLangProtocolServer() as ours:
+        other.weight_version, bare.weight_version, ours.weight_version = "5@aaaa1111", "5", "5@bbbb2222"
+
+        async def body(engine):
+            before = await engine.refresh_versions()
+            await engine.update_weights(5, str(tmp_path))
+            return before, await engine.refresh_versions()
+
+        before, after = _run(_with([other.url, bare.url, ours.url], body, initial_version=0, tag="bbbb2222"))
+    assert before == [-1, -1, 5] and after == [5, 5, 5]
+    assert other.weight_version == bare.weight_version == "5@bbbb2222"
