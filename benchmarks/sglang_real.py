@@ -87,7 +87,6 @@ def side_by_side(server: str, model: Path, prompts: int, concurrency: int, max_n
 
 
 def short_run(server: str, model: Path, steps: int, groups: int, group_size: int, max_new_tokens: int, concurrency: int) -> None:
-    import sqlalchemy as sa
 
     home = Path(tempfile.mkdtemp(prefix="loopline-sglang-real-"))
     name = f"sglang-real-{int(time.time())}"

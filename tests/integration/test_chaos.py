@@ -63,6 +63,25 @@ def _small_run(tmp_path: Path, name: str, policy, database_url: str, *, mode: st
     return config, env
 
 
+def _kill_at_each_then_resume(config: Path, env: dict, kills, tmp_path: Path) -> None:
+    """`loopline train` SIGKILLed at each failpoint in turn, then run to the end undisturbed."""
+    for kill in kills:
+        log = tmp_path / f"{kill}.log"
+        assert _train(config, env, kill, log) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
+    log = tmp_path / "final.log"
+    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
+
+
+def _checked_run(db, name: str):
+    """The run's id, after `check` found every invariant holding."""
+    from loopline.store.check import check_run
+
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    report = check_run(db, run_id)
+    assert report.ok, report.violations
+    return run_id
+
+
 def _rows(db, sql, **params):
     rows = db.execute(sa.text(sql), params).all()
     db.rollback()
@@ -73,22 +92,14 @@ def _rows(db, sql, **params):
 @pytest.mark.parametrize("mode", ["sync"])  # async: the main-pid test below (the kill points' code is shared)
 def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode, tiny_dirs, database_url, db, tmp_path):
     from loopline.flows.config import load_config
-    from loopline.store.check import check_run
     from loopline.trainer.batch import load_sequences
     from loopline.trainer.checkpoint import weights_sha256
     from loopline.trainer.learner import Learner
 
     name = f"chaos-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
     config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode=mode, lease_seconds=3, backend="torch", every=3)
-    for kill in KILLS:
-        log = tmp_path / f"{kill}.log"
-        assert _train(config, env, kill, log) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
-    log = tmp_path / "final.log"
-    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
-
-    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
-    report = check_run(db, run_id)
-    assert report.ok, report.violations
+    _kill_at_each_then_resume(config, env, KILLS, tmp_path)
+    run_id = _checked_run(db, name)
     # the kill mid-rollout left leased slots behind: their leases expired and the slots were retried
     assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run_id)[0][0] > 0
     versions = [v for (v,) in _rows(db, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)]
@@ -141,8 +152,6 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     and its evaluation, before a learner commit — leave no process behind (the temporary Prefect server
     dies with its parent), and the resumed run finishes with every scheduled evaluation and passes `check`.
     Leases of the killed process are taken back at once (its holder is dead), not after `lease_seconds`."""
-    from loopline.store.check import check_run
-
     name = f"orphans-{mode}-{tmp_path.name[-12:]}".replace("_", "-")
     config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode=mode, lease_seconds=600, backend="deepspeed", every=1)
     env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
@@ -157,10 +166,7 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     started = time.monotonic()
     assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
     assert time.monotonic() - started < 400  # never waited out a 600 s lease of a dead holder
-
-    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
-    report = check_run(db, run_id)
-    assert report.ok, report.violations
+    run_id = _checked_run(db, name)
     evaluated = [v for (v,) in _rows(db, "SELECT policy_version FROM eval_result WHERE run_id = :r ORDER BY 1", r=run_id)]
     assert evaluated == [0, 1, 2, 3]  # v1's evaluation was killed before it ran: the resume ran it
     assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'HolderDied'", r=run_id)[0][0] > 0

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.test_chaos import _rows, _small_run, _train
+from tests.integration.test_chaos import _checked_run, _kill_at_each_then_resume, _rows, _small_run, _train
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "tests.fakes.sglang_protocol_server"
@@ -88,21 +88,12 @@ def _sglang_run(tmp_path: Path, name: str, policy: Path, database_url: str, engi
 
 @pytest.mark.slow
 def test_train_with_sglang_servers_syncs_every_replica_and_survives_sigkill(stand_ins, tiny_dirs, database_url, db, tmp_path):
-    from loopline.store.check import check_run
-
     name = f"sglang-{tmp_path.name[-12:]}".replace("_", "-")
     config, env = _sglang_run(tmp_path, name, tiny_dirs["v0"], database_url, {"kind": "sglang", "servers": stand_ins.urls}, steps=3)
     # killed right after the replicas loaded v1 (before the ledger says it is published), then inside the
     # learner's commit of step 2; each resume finds the servers as they are and carries on
-    for kill in ("weight_sync", "learner_commit:2"):
-        log = tmp_path / f"{kill}.log"
-        assert _train(config, env, kill, log) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
-    log = tmp_path / "final.log"
-    assert _train(config, env, None, log) == 0, log.read_text()[-4000:]
-
-    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
-    report = check_run(db, run_id)
-    assert report.ok, report.violations
+    _kill_at_each_then_resume(config, env, ("weight_sync", "learner_commit:2"), tmp_path)
+    run_id = _checked_run(db, name)
     assert stand_ins.versions() == [f"3@{run_id.hex[:8]}"] * 2  # every replica serves the run's newest version
     published = _rows(db, "SELECT version, sync_timings FROM policy_version WHERE run_id = :r AND version > 0 ORDER BY version", r=run_id)
     assert [v for v, _ in published] == [1, 2, 3]
