@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -105,10 +106,13 @@ class RunConfig(_Strict):
 
     def learner_config(self) -> LearnerConfig:
         learner = self.learner
+        loss = learner.loss
+        if loss.aggregation == "seq_mean_token_sum_norm" and loss.norm_length is None:
+            loss = dataclasses.replace(loss, norm_length=self.sampling.max_new_tokens)  # Dr. GRPO's constant L
         return LearnerConfig(
             lr=learner.lr, temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
             minibatches=learner.minibatches, zero_stage=learner.zero_stage, seed=self.seed,
-            advantage=learner.advantage, loss=learner.loss,
+            advantage=learner.advantage, loss=loss,
         )
 
     @property

@@ -217,11 +217,26 @@ def commit_learner_step(
             k=k,
         ).one()
         metrics = {**(metrics or {}), "version_lag_mean": float(lag[0] or 0), "version_lag_max": float(lag[1] or 0)}
-        session.execute(
-            sa.text("INSERT INTO metric (run_id, step, name, value, policy_version) VALUES (:r, :k, :name, :value, :v)"),
-            [dict(r=run_id, k=k, name=name, value=float(value), v=new_version) for name, value in metrics.items()],
-        )
+        _upsert_metrics(session, run_id, k, metrics, new_version)
     return LearnerCommit(k, new_version, consumed)
+
+
+def _upsert_metrics(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float], version: int | None) -> None:
+    if metrics:
+        session.execute(
+            sa.text(
+                "INSERT INTO metric (run_id, step, name, value, policy_version) VALUES (:r, :k, :name, :value, :v) "
+                "ON CONFLICT (run_id, name, step) DO UPDATE SET value = EXCLUDED.value, policy_version = EXCLUDED.policy_version"
+            ),
+            [dict(r=run_id, k=step, name=name, value=float(value), v=version) for name, value in metrics.items()],
+        )
+
+
+def record_refused_step(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float]) -> None:
+    """A learner step that was refused (e.g. a non-finite gradient norm): its metrics, and nothing else.
+    The batch stays claimed and unconsumed; no version is made."""
+    with transaction(session):
+        _upsert_metrics(session, run_id, step, metrics, None)
 
 
 def open_groups_through(session: Session, run_id: uuid.UUID, step: int) -> int:

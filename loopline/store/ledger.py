@@ -56,6 +56,7 @@ from loopline.store.learning import (
     complete_groups,
     group_states,
     open_groups_through,
+    record_refused_step,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "load_trajectories",
     "mark_published",
     "open_groups_through",
+    "record_refused_step",
     "owed_evaluations",
     "plan_step",
     "record_eval_result",

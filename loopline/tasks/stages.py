@@ -31,7 +31,7 @@ from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_
 from loopline.store import ledger
 from loopline.store.records import LearnerCommit
 from loopline.trainer.batch import load_sequences
-from loopline.trainer.learner import Learner
+from loopline.trainer.learner import Learner, RefusedUpdate
 
 
 @dataclass(kw_only=True)
@@ -124,7 +124,12 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         clock.append(time.monotonic())
         return clock[-1] - clock[-2]
 
-    result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
+    try:
+        result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
+    except RefusedUpdate as refused:
+        with ctx.session_factory() as s:  # why the run stopped, in the ledger; the batch stays unconsumed
+            ledger.record_refused_step(s, ctx.run_id, step, refused.metrics)
+        raise
     timings = {"learner_s": lap()}
     failpoint("learner_step")
     version = batch.policy_version + 1

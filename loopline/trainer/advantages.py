@@ -21,7 +21,8 @@ DegenerateHandling = Literal["drop", "zero"]
 @dataclass(frozen=True)
 class AdvantageConfig:
     estimator: Estimator = "grpo"
-    std: StdKind = "population"  # GRPO's divisor: population (1/n) or sample (1/(n-1)) standard deviation
+    # GRPO's divisor: the sample (1/(n-1)) standard deviation, as verl (torch.std) and TRL; population: 1/n
+    std: StdKind = "sample"
     eps: float = 1e-6
     degenerate: DegenerateHandling = "zero"
 

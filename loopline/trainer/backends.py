@@ -22,6 +22,19 @@ from loopline.failpoints import failpoint
 from loopline.trainer.batch import Padded
 
 BackendName = Literal["deepspeed", "torch"]
+
+
+class NonFiniteGradient(Exception):
+    """The step's gradient norm is NaN or inf: the optimizer step is refused (nothing trained)."""
+
+    def __init__(self, grad_norm: float):
+        super().__init__(f"the gradient norm is {grad_norm}: the update is refused")
+        self.grad_norm = grad_norm
+
+
+def _grad_norm(parameters) -> float:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 LossFn = Callable[[Padded], tuple[torch.Tensor, dict[str, float]]]  # (share of the step's loss, metrics)
 
 
@@ -36,7 +49,10 @@ class Backend(Protocol):
 
     def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
         """One optimizer step over the step's micro-batches (the same list on every rank); `on_error` is
-        the learner's refusal: raised by `loss_of`, or by this when an earlier step broke halfway."""
+        the learner's refusal: raised by `loss_of`, or by this when an earlier step broke halfway, or
+        (`NonFiniteGradient`) when the gradient norm is NaN or inf. Sets `last_grad_norm`."""
+
+    last_grad_norm: float
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None: ...
 
@@ -94,7 +110,9 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.model = self.engine.module
+        self.zero_stage = zero_stage
         self._broken: str | None = None
+        self.last_grad_norm = 0.0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.engine(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -127,7 +145,19 @@ class DeepSpeedBackend:
             else:  # a real forward through the engine, weighted 0: this rank has no micro-batch left
                 loss = loss_of(micro[0])[0] * 0.0
             self.engine.backward(loss * count * world)  # DeepSpeed divides by accumulation steps and ranks
+            if i == count - 1 and self.zero_stage <= 1:
+                # at the boundary the gradients are reduced and still whole in param.grad (ZeRO 0/1):
+                # a non-finite norm is refused before the optimizer sees it
+                self.last_grad_norm = _grad_norm(self.model.parameters())
+                if not math.isfinite(self.last_grad_norm):
+                    self._broken = f"gradient norm {self.last_grad_norm}"
+                    raise NonFiniteGradient(self.last_grad_norm)
             self.engine.step()
+        if self.zero_stage >= 2:  # partitioned gradients: DeepSpeed's own norm, known only after the step
+            self.last_grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+            if not math.isfinite(self.last_grad_norm):
+                self._broken = f"gradient norm {self.last_grad_norm}"
+                raise NonFiniteGradient(self.last_grad_norm)
         return metrics
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None:
@@ -142,6 +172,7 @@ class TorchBackend:
     def __init__(self, model, optimizer, scheduler, grad_clip: float, device: torch.device):
         self.model, self.optimizer, self.scheduler = model.to(device), optimizer, scheduler
         self.grad_clip = grad_clip
+        self.last_grad_norm = 0.0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -156,7 +187,10 @@ class TorchBackend:
             loss, m = loss_of(batch)
             loss.backward()
             metrics.append(m)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        if not math.isfinite(self.last_grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradient(self.last_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         return metrics

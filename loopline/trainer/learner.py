@@ -22,13 +22,22 @@ import torch.nn.functional as F
 
 from loopline.trainer import checkpoint
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
-from loopline.trainer.backends import BackendName, build_backend
+from loopline.trainer.backends import BackendName, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
-from loopline.trainer.losses import LossConfig, aggregate, logprob_gap, policy_loss
+from loopline.trainer.losses import LossConfig, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.schedule import lr_factor
 
 class LearnerError(ValueError):
     """The step or checkpoint is refused (bad batch, NaN, mismatched checkpoint); nothing was updated."""
+
+
+class RefusedUpdate(LearnerError):
+    """The step's gradient norm was not finite: nothing was applied (with ZeRO 2/3 DeepSpeed reports the norm
+    only after its step, and this learner then refuses every later step: restore the last checkpoint)."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,9 @@ class Learner:
                 sum(m["clip_fraction"] * m["tokens"] for m in step_metrics),
                 sum(m["correction_capped_fraction"] * m["tokens"] for m in step_metrics),
                 sum(m["kl_ref"] * m["tokens"] for m in step_metrics),
+                sum(m["dual_clip_fraction"] * m["tokens"] for m in step_metrics),
+                sum(m["rejected_fraction"] * m["tokens"] for m in step_metrics),
+                sum(m["correction_weight_mean"] * m["tokens"] for m in step_metrics),
             ],
             dtype=torch.float64,
         )
@@ -102,7 +114,7 @@ class Learner:
         if self.backend.world()[0] > 1:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
-        loss, tokens, ratio, clip, capped, kl = sums.tolist()
+        loss, tokens, ratio, clip, capped, kl, dual, rejected, weight = sums.tolist()
         n = max(tokens, 1.0)
         return {
             "loss": loss,
@@ -111,6 +123,9 @@ class Learner:
             "ratio_max": float(ratio_max),
             "clip_fraction": clip / n,
             "correction_capped_fraction": capped / n,
+            "dual_clip_fraction": dual / n,
+            "rejected_fraction": rejected / n,
+            "correction_weight_mean": weight / n,
         }
 
     # ------------------------------------------------------------------ steps
@@ -155,28 +170,43 @@ class Learner:
         if not all(torch.isfinite(old[id(b)][b.target_mask.bool()]).all() for b in micro):
             raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
         gap = self._logprob_gaps(micro, old, seqs, trained_version)
+        loss_config = self.config.loss
+        # π_old is fixed for the whole step, so is the π_old/μ correction: the tokens it rejects leave the
+        # denominators of every micro-batch's share before the first gradient is taken
+        corrections = {id(b): off_policy_correction(old[id(b)], b.behaviour_logprobs.to(self.device), b.target_mask.to(self.device), loss_config) for b in micro}
         groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
         step_metrics: list[dict[str, float]] = []
+        grad_norms: list[float] = []
         for group in (g for g in groups if g):
-            tokens = float(sum(int(b.target_mask.sum()) for b in group))
-            seq_count = float(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in group))
+            kept = [corrections[id(b)].kept for b in group]
+            tokens = float(sum(int(k.sum()) for k in kept))
+            seq_count = float(sum(int((k.sum(-1) > 0).sum()) for k in kept))
 
             def loss_of(batch: Padded):
                 logp = self._logprobs(batch)
                 out = policy_loss(
                     logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
-                    batch.target_mask.to(self.device), self.config.loss, total_tokens=tokens, total_sequences=seq_count,
+                    batch.target_mask.to(self.device), loss_config, total_tokens=max(tokens, 1.0),
+                    total_sequences=max(seq_count, 1.0), correction=corrections[id(batch)],
                 )
                 if not torch.isfinite(out.loss):
                     raise LearnerError("the loss is NaN or inf; refusing the update")
                 return out.loss, out.metrics
 
-            step_metrics += self.backend.optimise(group, loss_of, LearnerError)
+            try:
+                step_metrics += self.backend.optimise(group, loss_of, LearnerError)
+            except NonFiniteGradient as exc:
+                raise RefusedUpdate(
+                    f"{exc} (lower the learning rate or check the batch; the batch was not consumed)",
+                    {**base, **gap, "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
+                ) from None
+            grad_norms.append(self.backend.last_grad_norm)
         self.steps_done += 1
         metrics = {
             **base,
             **gap,
             **self._summarise(step_metrics),
+            "grad_norm": max(grad_norms, default=0.0),
             "advantage_mean": float(advantages.mean()),
             "advantage_std": float(advantages.std(correction=0)),
             "tokens_trained": float(sum(int(b.target_mask.sum()) for b in micro)),

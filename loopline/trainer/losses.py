@@ -5,7 +5,8 @@
 - π_θ, the policy being optimised.
 
 Decoupled PPO clips π_θ / π_old and corrects for the rollout being off-policy
-with π_old / μ, truncated at a cap (TIS) or masked out beyond it (MIS). The
+with ρ = π_old / μ: truncated at a cap (TIS), or kept as a weight with the
+tokens outside the bounds rejected (MIS), per token or per sequence. The
 classic bug this guards against is using a recomputed π in place of μ in the
 importance ratio: with μ = 0.20 and π_θ = 0.24 the true ratio is 1.2, but a
 recomputed 0.23 in the denominator gives 1.043 (a test).
@@ -20,20 +21,43 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
-OffPolicyCorrection = Literal["none", "tis", "mis"]
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "rejection"]
+CorrectionLevel = Literal["token", "sequence"]
+CorrectionBounds = Literal["upper", "two_sided"]
 KLEstimator = Literal["k1", "k3"]
+
+# Log-ratios are clamped to ±20 before exp (verl's bound): in float32 exp(88.8) is inf, and an inf ratio
+# gives a NaN gradient even where the loss is finite.
+LOG_RATIO_BOUND = 20.0
 
 
 @dataclass(frozen=True)
 class LossConfig:
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.28  # ratio ceiling 1 + clip_high (asymmetric, "clip-higher")
+    # dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A| (no gradient beyond); None: off
+    clip_ratio_c: float | None = 3.0
+    # π_old/μ correction of the off-policy rollout (verl's rollout correction):
+    #   tis: weight min(ρ, cap); mis: weight ρ, tokens (or sequences) outside the bounds rejected;
+    #   rejection: weight 1, outside the bounds rejected (verl: rollout_rs alone); none: weight 1.
+    # Rejected tokens leave the loss entirely (its denominators and the KL term too).
     correction: OffPolicyCorrection = "tis"
-    correction_cap: float = 2.0  # C: TIS truncates π_old/μ at C; MIS drops tokens above C
+    correction_level: CorrectionLevel = "token"  # sequence: ρ = the product of the sequence's token ratios
+    correction_cap: float = 2.0  # C: the truncation (tis) or the upper rejection bound (mis, rejection)
+    correction_bounds: CorrectionBounds = "upper"  # two_sided also rejects ρ < 1/C
     aggregation: Aggregation = "token_mean"
+    norm_length: int | None = None  # seq_mean_token_sum_norm's constant length L (Dr. GRPO; the run config fills it)
     kl_coef: float = 0.0  # > 0 adds a KL penalty to the frozen reference policy
     kl_estimator: KLEstimator = "k3"
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3), got {self.clip_ratio_c}")
+        if self.correction_cap <= 1.0 and self.correction in ("mis", "rejection") and self.correction_bounds == "two_sided":
+            raise ValueError("a two-sided rejection needs correction_cap > 1 (the bounds are [1/C, C])")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is not None and self.norm_length < 1:
+            raise ValueError("norm_length must be a positive number of tokens")
 
 
 def aggregate(
@@ -42,6 +66,7 @@ def aggregate(
     how: Aggregation,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce a [B, T] loss to a scalar; how each trajectory is weighted differs (see tests).
 
@@ -60,15 +85,49 @@ def aggregate(
         return sums[has_tokens].sum() / count
     if how == "seq_mean_token_mean":  # each trajectory weighs the same, whatever its length
         return (sums[has_tokens] / tokens[has_tokens]).sum() / count
+    if how == "seq_mean_token_sum_norm":  # Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)
+        if norm_length is None:
+            raise ValueError("seq_mean_token_sum_norm needs norm_length (a constant number of tokens)")
+        return sums[has_tokens].sum() / (count * norm_length)
     raise ValueError(f"unknown aggregation {how!r}")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ (Schulman's k1 and k3)."""
-    log_ratio = ref_logp - logp
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k1":
         return -log_ratio
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The π_old/μ correction of one micro-batch: known before the first gradient step (π_old is fixed)."""
+
+    weight: torch.Tensor  # [B, T] multiplies each token's surrogate loss; 0 off the kept tokens
+    kept: torch.Tensor  # [B, T] bool: action tokens that stay in the loss (not rejected)
+    ratio: torch.Tensor  # [B, T] ρ = π_old/μ at the chosen level (1 off the action tokens)
+
+
+def off_policy_correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Correction:
+    m = mask.bool()
+    log_rho = torch.where(m, old_logp - behaviour_logp, torch.zeros_like(old_logp)).detach()
+    if config.correction_level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(old_logp)
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    kept = m.clone()
+    if config.correction in ("mis", "rejection"):
+        outside = rho > config.correction_cap
+        if config.correction_bounds == "two_sided":
+            outside |= rho < 1.0 / config.correction_cap
+        kept &= ~outside
+    if config.correction == "tis":
+        weight = rho.clamp(max=config.correction_cap)
+    elif config.correction == "mis":
+        weight = rho
+    else:
+        weight = torch.ones_like(rho)
+    return Correction(torch.where(kept, weight, torch.zeros_like(weight)), kept, torch.where(m, rho, torch.ones_like(rho)))
 
 
 @dataclass(frozen=True)
@@ -87,11 +146,12 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
+    correction: Correction | None = None,
 ) -> LossOutput:
-    """Decoupled PPO: -min(r A, clip(r) A) with r = π_θ/π_old, weighted by the π_old/μ correction.
-
-    `advantages` is [B] (one per trajectory) or [B, T].
-    """
+    """Decoupled PPO: max(-r A, -clip(r) A) with r = π_θ/π_old (dual-clipped for A < 0), weighted by the
+    π_old/μ correction, over the tokens the correction keeps. `advantages` is [B] or [B, T].
+    `correction` (from `off_policy_correction`) may be computed once per micro-batch by the caller, whose
+    `total_tokens` / `total_sequences` must then count the kept tokens and the sequences that have any."""
     for name, t in (("logp", logp), ("old_logp", old_logp), ("behaviour_logp", behaviour_logp)):
         if not torch.isfinite(t[mask.bool()]).all():
             raise ValueError(f"{name} has NaN or inf on action tokens; refusing the update")
@@ -101,37 +161,40 @@ def policy_loss(
     zero = torch.zeros_like(logp)
     # off the action tokens (prompt, tool output, padding) values are meaningless: keep them out of the math
     logp, old_logp, behaviour_logp = (torch.where(m, t, zero) for t in (logp, old_logp, behaviour_logp))
-    ratio = torch.exp(logp - old_logp)
+    correction = correction or off_policy_correction(old_logp, behaviour_logp, mask, config)
+    kept = correction.kept & m
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
-    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
-
-    behaviour_ratio = torch.exp(old_logp - behaviour_logp).detach()
-    if config.correction == "tis":
-        weight = behaviour_ratio.clamp(max=config.correction_cap)
-    elif config.correction == "mis":
-        weight = (behaviour_ratio <= config.correction_cap).to(logp.dtype)
-    else:
-        weight = torch.ones_like(behaviour_ratio)
-    per_token = -weight * surrogate
+    per_token = torch.maximum(-ratio * advantages, -clipped * advantages)
+    dual = torch.zeros_like(m)
+    if config.clip_ratio_c is not None:
+        cap = -advantages * config.clip_ratio_c  # for A < 0: the loss never exceeds c |A|
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    per_token = correction.weight * per_token
     kl = torch.zeros_like(per_token)
     if config.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         kl = kl_penalty(logp, ref_logp, config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-    loss = aggregate(per_token, mask, config.aggregation, total_tokens, total_sequences)
+    loss = aggregate(per_token, kept, config.aggregation, total_tokens, total_sequences, config.norm_length)
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)
+        k = kept & m
         clipped_tokens = ((ratio < 1 - config.clip_low) & (advantages < 0)) | ((ratio > 1 + config.clip_high) & (advantages > 0))
         metrics = {
             "loss": float(loss),
             "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
             "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
-            "clip_fraction": float(clipped_tokens[m].sum()) / n,
-            "behaviour_ratio_mean": float(behaviour_ratio[m].mean()) if m.any() else 1.0,
-            "correction_capped_fraction": float((behaviour_ratio[m] > config.correction_cap).sum()) / n,
-            "kl_ref": float(kl[m].mean()) if config.kl_coef > 0 and m.any() else 0.0,
+            "clip_fraction": float((clipped_tokens & m).sum()) / n,
+            "dual_clip_fraction": float((dual & k).sum()) / n,
+            "behaviour_ratio_mean": float(correction.ratio[m].mean()) if m.any() else 1.0,
+            "correction_capped_fraction": float((correction.ratio[m] > config.correction_cap).sum()) / n,
+            "correction_weight_mean": float(correction.weight[k].mean()) if k.any() else 1.0,
+            "rejected_fraction": float((m & ~kept).sum()) / n,
+            "kl_ref": float(kl[k].mean()) if config.kl_coef > 0 and k.any() else 0.0,
             "tokens": float(m.sum()),
         }
     return LossOutput(loss, metrics)

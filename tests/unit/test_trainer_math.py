@@ -16,7 +16,7 @@ def _adv(rewards, groups=None, **kw):
 
 
 def test_grpo_seed_case_population_std():
-    a = _adv([1, 0, 1, 0])
+    a = _adv([1, 0, 1, 0], std="population")
     assert a.values.tolist() == pytest.approx([1, -1, 1, -1], abs=1e-5)  # mean 0.5, population std 0.5
 
 
@@ -26,8 +26,8 @@ def test_grpo_sample_std_and_mean_only_and_rloo():
     assert _adv([1, 0, 1, 0], estimator="dr_grpo").values.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5])
     # RLOO: 1 - mean(0,1,0) = 2/3 ; 0 - mean(1,1,0) = -2/3
     assert _adv([1, 0, 1, 0], estimator="rloo").values.tolist() == pytest.approx([2 / 3, -2 / 3] * 2)
-    # groups are normalised separately: [3, 1] -> mean 2, std 1
-    a = _adv([3, 1, 1, 0], groups=["a", "a", "b", "b"])
+    # groups are normalised separately: [3, 1] -> mean 2, population std 1
+    a = _adv([3, 1, 1, 0], groups=["a", "a", "b", "b"], std="population")
     assert a.values.tolist() == pytest.approx([1, -1, 1, -1], abs=1e-5) and a.groups == 2
 
 
@@ -114,15 +114,15 @@ def test_logprob_gap():
     assert gap["logprob_kl"] == pytest.approx((math.exp(0.1) - 0.1 - 1) / 2)
 
 
-@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_micro_batch_shares_add_up_to_the_whole_batch_loss(how):
     torch.manual_seed(0)
     per_token = torch.randn(5, 7, dtype=torch.float64)
     mask = (torch.rand(5, 7) > 0.3).long()
     mask[2] = 0  # a sequence without action tokens counts for nothing
-    whole = aggregate(per_token, mask, how)
+    whole = aggregate(per_token, mask, how, norm_length=16)
     tokens, seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
-    parts = [aggregate(per_token[r], mask[r], how, tokens, seqs) for r in (slice(0, 2), slice(2, 5))]
+    parts = [aggregate(per_token[r], mask[r], how, tokens, seqs, norm_length=16) for r in (slice(0, 2), slice(2, 5))]
     assert float(sum(parts)) == pytest.approx(float(whole))
 
 
@@ -136,3 +136,125 @@ def test_learning_rate_schedule_by_hand():
     assert abs(lr_factor(10, decay_steps=10) - 0.1) < 1e-12 and abs(lr_factor(30, decay_steps=10) - 0.1) < 1e-12
     # warm-up then decay: the decay starts where warm-up ends
     assert lr_factor(1, warmup_steps=2, decay_steps=12) == 1.0 and lr_factor(2, warmup_steps=2, decay_steps=12) == 1.0
+
+
+# --------------------------------------------------------------------------- issue 15: off-policy correction,
+# dual clip, bounded log-ratios, Dr. GRPO's constant normaliser (hand-computed)
+
+ONE = torch.tensor([1.0], dtype=torch.float64)
+
+
+def _ratios(*rho):
+    """old = log ρ, μ = 0: π_old/μ = ρ per token; π_θ = π_old (ratio 1), so each token's surrogate loss is -A."""
+    return _t(*[math.log(r) for r in rho]), _t(*[0.0] * len(rho))
+
+
+def test_mis_weights_kept_tokens_by_the_ratio_and_rejects_the_rest():
+    old, mu = _ratios(1.5, 3.0)  # C = 2: the first is kept with weight 1.5, the second rejected
+    mask = _t(1, 1)
+    mis = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="mis", correction_cap=2.0, clip_ratio_c=None))
+    assert float(mis.loss) == pytest.approx(-1.5)  # (-1 * 1.5) / 1 kept token: the rejected one left the denominator
+    assert mis.metrics["rejected_fraction"] == 0.5 and mis.metrics["correction_weight_mean"] == pytest.approx(1.5)
+    pure = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="rejection", correction_cap=2.0))
+    assert float(pure.loss) == pytest.approx(-1.0)  # verl's pure rejection: kept tokens weigh 1
+    tis = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="tis", correction_cap=2.0))
+    assert float(tis.loss) == pytest.approx((-1.5 - 2.0) / 2)  # nothing rejected, 3 truncated to 2
+
+
+def test_two_sided_bounds_reject_ratios_below_one_over_c():
+    old, mu = _ratios(0.4, 1.0)  # 1/C = 0.5
+    upper = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0))
+    both = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0, correction_bounds="two_sided"))
+    assert float(upper.loss) == pytest.approx((-0.4 - 1.0) / 2) and float(both.loss) == pytest.approx(-1.0)
+
+
+def test_sequence_level_mis_uses_the_product_of_the_token_ratios():
+    # sequence 0: 1.5 * 1.5 = 2.25 > C = 2, rejected whole; sequence 1: 1.2 * 0.9 = 1.08, both tokens weigh 1.08
+    old = torch.tensor([[math.log(1.5), math.log(1.5)], [math.log(1.2), math.log(0.9)]], dtype=torch.float64)
+    mu = torch.zeros(2, 2, dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    cfg = LossConfig(correction="mis", correction_level="sequence", correction_cap=2.0)
+    out = policy_loss(old, old, mu, adv, torch.ones(2, 2), cfg)
+    assert float(out.loss) == pytest.approx(-1.08) and out.metrics["rejected_fraction"] == 0.5
+    seq_mean = policy_loss(old, old, mu, adv, torch.ones(2, 2), LossConfig(correction="mis", correction_level="sequence", aggregation="seq_mean_token_sum"))
+    assert float(seq_mean.loss) == pytest.approx(-2 * 1.08)  # one sequence left: the rejected one is out of the count
+
+
+def test_rejected_tokens_carry_no_kl_term():
+    old, mu = _ratios(1.0, 3.0)
+    ref = _t(math.log(0.5), math.log(0.5))  # KL k1 per token = log π_θ - log π_ref = 0 - log 0.5 = log 2 on both
+    cfg = LossConfig(correction="mis", correction_cap=2.0, kl_coef=0.1, kl_estimator="k1")
+    out = policy_loss(old, old, mu, ONE, _t(1, 1), cfg, ref_logp=ref)
+    assert float(out.loss) == pytest.approx(-1.0 + 0.1 * math.log(2))  # only the kept token: surrogate and KL
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_with_no_gradient():
+    logp = torch.tensor([[math.log(5.0)]], dtype=torch.float64, requires_grad=True)  # r = 5
+    zero = _t(0.0)
+    out = policy_loss(logp, zero, zero, -ONE, _t(1), LossConfig(correction="none"))  # c = 3 by default (verl)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(3.0) and float(logp.grad) == 0.0 and out.metrics["dual_clip_fraction"] == 1.0
+    off = policy_loss(logp.detach(), zero, zero, -ONE, _t(1), LossConfig(correction="none", clip_ratio_c=None))
+    assert float(off.loss) == pytest.approx(5.0)  # max(5, 1.28): the unbounded PPO loss
+    positive = policy_loss(logp.detach(), zero, zero, ONE, _t(1), LossConfig(correction="none"))
+    assert float(positive.loss) == pytest.approx(-1.28)  # A > 0: the ordinary clip, dual clip does not apply
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        LossConfig(clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("log_ratio", [25.0, -25.0, 100.0])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_log_ratios_give_finite_losses_and_gradients_in_float32(log_ratio, sign):
+    """exp(100) is inf in float32: unclamped, the gradient is NaN even where the loss is finite (clamp at ±20, as verl)."""
+    logp = torch.tensor([[log_ratio]], dtype=torch.float32, requires_grad=True)
+    zero = torch.zeros(1, 1, dtype=torch.float32)
+    for cfg in (LossConfig(correction="none", clip_ratio_c=None), LossConfig(correction="mis", kl_coef=0.1), LossConfig()):
+        out = policy_loss(logp, zero, zero, torch.tensor([sign]), torch.ones(1, 1), cfg, ref_logp=zero)
+        (grad,) = torch.autograd.grad(out.loss, logp)
+        assert torch.isfinite(out.loss) and torch.isfinite(grad).all(), (cfg, float(out.loss), grad)
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_constant_length():
+    per_token = torch.zeros(2, 200, dtype=torch.float64)
+    mask = torch.zeros(2, 200)
+    per_token[0, :20], mask[0, :20] = 1.0, 1
+    mask[1, :200] = 1
+    # token sums 20 and 0 over (2 sequences x L = 400): whatever the batch's own lengths
+    assert float(aggregate(per_token, mask, "seq_mean_token_sum_norm", norm_length=400)) == pytest.approx(20 / 800)
+    with pytest.raises(ValueError, match="needs norm_length"):
+        aggregate(per_token, mask, "seq_mean_token_sum_norm")
+
+
+def test_grpo_default_is_the_sample_std_of_verl_and_trl():
+    # group size 2, rewards [1, 0]: sample std 0.70711 -> advantages ±0.70711 (population std would give ±1, x1.41)
+    assert _adv([1, 0]).values.tolist() == pytest.approx([0.70711, -0.70711], abs=1e-5)
+    assert _adv([1, 0], std="population").values.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert _adv([1, 1]).values.tolist() == [0.0, 0.0] and _adv([1, 1]).degenerate_groups == 1  # all equal: no signal
+    assert _adv([1.0], groups=["solo"]).degenerate_groups == 1  # one sample: no std at all
+
+
+def test_an_all_rejected_batch_has_zero_loss_and_no_nan():
+    old, mu = _ratios(5.0, 6.0)
+    out = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0))
+    assert float(out.loss) == 0.0 and out.metrics["rejected_fraction"] == 1.0
+    empty = policy_loss(_t(0.0), _t(0.0), _t(0.0), ONE, _t(0), LossConfig())  # a row without action tokens
+    assert float(empty.loss) == 0.0
+
+
+def test_a_non_finite_gradient_norm_is_refused_before_the_optimizer_steps():
+    """A finite loss can have a NaN gradient (0 * inf in the backward of an unselected branch)."""
+    from loopline.trainer.backends import NonFiniteGradient, TorchBackend
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = TorchBackend(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 1.0, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss_of(_batch):
+        w = model.weight.sum()
+        return torch.where(torch.tensor(True), w * 0.0, w * float("inf")), {}
+
+    with pytest.raises(NonFiniteGradient):
+        backend.optimise([None], loss_of, ValueError)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing applied
+    assert not math.isfinite(backend.last_grad_norm)
