@@ -7,12 +7,13 @@ import uuid
 from typing import Sequence
 
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
-from loopline.store.records import LearnerBatch, LearnerCommit, Split
+from loopline.store.records import LearnerBatch, LearnerCommit, Split, TrainedSample
 
 
 
@@ -151,6 +152,7 @@ def commit_learner_step(
     checkpoint_uri: str,
     weights_sha256: str | None = None,
     metrics: dict[str, float] | None = None,
+    samples: dict[uuid.UUID, TrainedSample] | None = None,
 ) -> LearnerCommit:
     """Record a finished learner step atomically: consumption rows, checkpoint, new policy version, metrics.
 
@@ -189,6 +191,11 @@ def commit_learner_step(
             v=latest,
             g=list(claimed),
         ).rowcount
+        if samples:  # what each trajectory contributed: the advantage and correction the learner used
+            session.execute(
+                sa.text("UPDATE consumption SET advantage = :a, training = :d WHERE run_id = :r AND trajectory_id = :t"),
+                [dict(a=x.advantage, d=Jsonb(x.details()), r=run_id, t=t) for t, x in samples.items()],
+            )
         q(session, "UPDATE rollout_group SET state = 'consumed' WHERE id = ANY(:g)", g=list(claimed))
         new_version = latest + 1
         q(

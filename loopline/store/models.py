@@ -319,6 +319,8 @@ class Consumption(SQLModel, table=True):
     learner_step: int
     policy_version: int
     version_lag: int
+    advantage: float | None = Field(default=None, sa_column=Column(Double, nullable=True))  # what the learner used
+    training: dict[str, Any] = _jsonb()  # TrainedSample's other facts: group mean/std, degenerate, correction
     created_at: datetime | None = _created_at()
 
 

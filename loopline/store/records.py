@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Sequence
 
@@ -149,6 +149,24 @@ class LearnerBatch:
     @property
     def empty(self) -> bool:
         return not self.group_ids
+
+
+@dataclass(frozen=True)
+class TrainedSample:
+    """What one consumed trajectory contributed to its learner step, stored with its consumption row so that
+    the inspector shows the numbers the learner used, not a recomputation."""
+
+    advantage: float
+    group_mean: float
+    group_std: float  # the divisor GRPO used (0 for mean-only estimators and degenerate groups)
+    degenerate: bool  # all rewards of its group were equal
+    trained: bool  # False: its group was dropped as degenerate, or it had no action tokens
+    action_tokens: int = 0
+    rejected_tokens: int = 0  # left out by the off-policy correction (MIS / rejection)
+    correction_weight_mean: float | None = None  # mean π_old/μ weight over its kept tokens
+
+    def details(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "advantage"}
 
 
 @dataclass(frozen=True)

@@ -168,11 +168,16 @@ def attempts(conn: sa.Connection, slot_id: uuid.UUID) -> Table:
 
 
 def group(conn: sa.Connection, group_id: uuid.UUID) -> Table:
+    """The group's samples; once trained, with the advantage and normalisation the learner used (stored, not recomputed)."""
     return _table(
         conn,
         "SELECT t.id, s.sample_index, t.reward, coalesce(t.failure_type, 'passed') AS failure_class, "
         "(SELECT sum(cardinality(x.generated_ids)) FROM segment x WHERE x.trajectory_id = t.id) AS generated_tokens, "
-        "t.policy_version_min AS policy_version, c.learner_step IS NOT NULL AS consumed "
+        "t.policy_version_min AS policy_version, c.learner_step IS NOT NULL AS consumed, c.advantage, "
+        "(c.training->>'group_mean')::float8 AS group_mean, (c.training->>'group_std')::float8 AS group_std, "
+        "(c.training->>'degenerate')::boolean AS degenerate, (c.training->>'trained')::boolean AS trained, "
+        "(c.training->>'rejected_tokens')::int AS rejected_tokens, "
+        "(c.training->>'correction_weight_mean')::float8 AS correction_weight_mean "
         "FROM trajectory t JOIN slot s ON s.id = t.slot_id LEFT JOIN consumption c ON c.trajectory_id = t.id "
         "WHERE t.group_id = :g ORDER BY s.sample_index",
         g=group_id,

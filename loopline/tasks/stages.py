@@ -141,7 +141,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     failpoint("learner_commit")
     metrics = {**result.metrics, **timings, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
-        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics=metrics)
+        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics=metrics, samples=result.samples)
 
 
 async def sync_weights(ctx: RolloutContext) -> int:

@@ -33,6 +33,10 @@ class Advantages:
     keep: torch.Tensor  # [n_trajectories] bool: False for trajectories of dropped degenerate groups
     degenerate_groups: int
     groups: int
+    # per trajectory, its group's normalisation facts (stored with what was trained)
+    group_mean: torch.Tensor | None = None  # [n_trajectories]
+    group_std: torch.Tensor | None = None  # [n_trajectories]: the std the estimator used (0 where none)
+    degenerate: torch.Tensor | None = None  # [n_trajectories] bool
 
 
 def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], config: AdvantageConfig = AdvantageConfig()) -> Advantages:
@@ -44,6 +48,8 @@ def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], co
     if len(group_ids) != r.numel():
         raise ValueError(f"{r.numel()} rewards but {len(group_ids)} group ids")
     values = torch.zeros_like(r)
+    means, stds = torch.zeros_like(r), torch.zeros_like(r)
+    flagged = torch.zeros(r.numel(), dtype=torch.bool)
     keep = torch.ones(r.numel(), dtype=torch.bool)
     order: dict[object, list[int]] = {}
     for i, g in enumerate(group_ids):
@@ -52,13 +58,17 @@ def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], co
     for members in order.values():
         idx = torch.tensor(members)
         group = r[idx]
+        means[idx] = group.mean()
         if group.numel() < 2 or bool((group == group[0]).all()):
             degenerate += 1
+            flagged[idx] = True
             if config.degenerate == "drop":
                 keep[idx] = False
             continue  # zero advantage
+        if config.estimator == "grpo":
+            stds[idx] = group.std(correction=0 if config.std == "population" else 1)
         values[idx] = _group_advantage(group, config)
-    return Advantages(values, keep, degenerate, len(order))
+    return Advantages(values, keep, degenerate, len(order), means, stds, flagged)
 
 
 def _group_advantage(group: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from loopline.store.records import TrainedSample
 from loopline.trainer import checkpoint
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 from loopline.trainer.backends import BackendName, NonFiniteGradient, build_backend
@@ -61,6 +62,7 @@ class LearnerConfig:
 class StepResult:
     skipped: str | None  # why the step did nothing, or None
     metrics: dict[str, float]
+    samples: dict[object, TrainedSample] = field(default_factory=dict)  # trajectory id -> what it contributed
 
 
 def _bf16_supported() -> bool:
@@ -158,7 +160,7 @@ class Learner:
         keep = [i for i, s in enumerate(sequences) if adv.keep[i] and s.action_tokens > 0]
         base = {"degenerate_groups": float(adv.degenerate_groups), "groups": float(adv.groups)}
         if not keep:
-            return StepResult("no sequence with action tokens and a usable group", base)
+            return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, adv, [], [], [], {}))
         seqs = [sequences[i] for i in keep]
         advantages = adv.values[keep].float()
         for s in seqs:
@@ -202,6 +204,7 @@ class Learner:
                 ) from None
             grad_norms.append(self.backend.last_grad_norm)
         self.steps_done += 1
+        samples = self._samples(sequences, adv, keep, seqs, micro, corrections)
         metrics = {
             **base,
             **gap,
@@ -213,7 +216,27 @@ class Learner:
             "sequences_trained": float(len(seqs)),
             "reward_mean": float(sum(s.reward for s in sequences) / len(sequences)),
         }
-        return StepResult(None, metrics)
+        return StepResult(None, metrics, samples)
+
+    @staticmethod
+    def _samples(sequences, adv, keep: list[int], seqs, micro: list[Padded], corrections: dict) -> dict[object, TrainedSample]:
+        """Per trajectory: its advantage and group facts, and what the correction did to its tokens."""
+        tokens: dict[int, tuple[int, int, float | None]] = {}
+        for b in micro:
+            c = corrections[id(b)]
+            for row, j in enumerate(b.rows):
+                kept = c.kept[row]
+                weight = float(c.weight[row][kept].mean()) if kept.any() else None
+                tokens[j] = (int(b.target_mask[row].sum()), int(b.target_mask[row].sum()) - int(kept.sum()), weight)
+        position = {i: j for j, i in enumerate(keep)}  # index in `sequences` -> index in `seqs`
+        out = {}
+        for i, s in enumerate(sequences):
+            action, rejected, weight = tokens.get(position.get(i, -1), (s.action_tokens, 0, None))
+            out[s.trajectory_id] = TrainedSample(
+                float(adv.values[i]), float(adv.group_mean[i]), float(adv.group_std[i]), bool(adv.degenerate[i]),
+                i in position, action, rejected, weight,
+            )
+        return out
 
     def sft_step(self, sequences: Sequence[TrainSequence]) -> StepResult:
         """Supervised step on the action tokens (the starter policy's warm start): mean -log p per token."""

@@ -213,8 +213,6 @@ def page_trajectory(db: LedgerView) -> None:
 
 
 def page_group(db: LedgerView) -> None:
-    from loopline.trainer.advantages import AdvantageConfig, compute_advantages
-
     group_id = _uuid(st.query_params.get("id"))
     samples = db.group(group_id) if group_id else pd.DataFrame()
     if samples.empty:
@@ -223,18 +221,24 @@ def page_group(db: LedgerView) -> None:
         return
     first = db.trajectory(samples["id"].iloc[0])
     st.header(f"Group of task {first['task_id']}")
-    settings = db.run_config(first["run_id"]).get("learner", {}).get("advantage", {})
-    config = AdvantageConfig(**settings) if settings else AdvantageConfig()
-    advantages = compute_advantages(list(samples["reward"]), [group_id] * len(samples), config)
-    samples["advantage"] = advantages.values.tolist()
-    st.caption(f"advantages: {config.estimator} ({'degenerate: all rewards equal' if advantages.degenerate_groups else 'rewards differ'})")
+    trained = bool(samples["consumed"].all())
+    if trained:
+        degenerate = bool(samples["degenerate"].fillna(False).any())
+        st.caption(
+            "advantages as the learner used them (stored with each consumption): "
+            + ("degenerate group, all rewards equal" if degenerate else
+               f"group mean {samples['group_mean'].iloc[0]:.3f}, std {samples['group_std'].iloc[0]:.3f}")
+        )
+    else:
+        st.caption("not trained yet: advantages exist once a learner step consumes the group")
     st.dataframe(samples, hide_index=True)
     decode = decoder(db.initial_weights(first["run_id"]))
     st.markdown(STYLE, unsafe_allow_html=True)
     columns = st.columns(min(len(samples), 4))
     for i, row in enumerate(samples.itertuples()):
         with columns[i % len(columns)]:
-            st.markdown(f"**sample {row.sample_index}** · reward {row.reward:g} · advantage {row.advantage:+.3f}")
+            advantage = f"advantage {row.advantage:+.3f}" if row.advantage is not None and row.advantage == row.advantage else "not trained yet"
+            st.markdown(f"**sample {row.sample_index}** · reward {row.reward:g} · {advantage}")
             for segment in db.segments(row.id):
                 st.markdown(render_tokens(segment_tokens(segment, decode)[1]), unsafe_allow_html=True)
             if st.button("Open", key=f"open-{row.id}"):

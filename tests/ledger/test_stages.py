@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from loopline.envregistry.spec import load_spec
@@ -67,6 +68,22 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
     assert report.ok, report.violations
     assert report.stats["consumed"] == 24 and report.stats["policy_versions"] == 3
     assert report.stats["max_logprob_gap"] < 1e-4
+
+    # every consumed trajectory carries the advantage the learner used: GRPO over its group's rewards
+    rows = db.execute(
+        sa.text("SELECT t.group_id, t.reward, c.advantage, c.training FROM consumption c JOIN trajectory t ON t.id = c.trajectory_id WHERE c.run_id = :r"),
+        {"r": run.id},
+    ).all()
+    db.rollback()
+    from loopline.trainer.advantages import compute_advantages
+
+    expected = compute_advantages([r.reward for r in rows], [r.group_id for r in rows]).values.tolist()
+    assert len(rows) == 24 and [r.advantage for r in rows] == pytest.approx(expected)
+    for r in rows:
+        facts = r.training
+        assert set(facts) >= {"group_mean", "group_std", "degenerate", "trained", "action_tokens", "rejected_tokens"}
+        assert facts["degenerate"] == (r.advantage == 0.0 and facts["group_std"] == 0.0)
+        assert facts["trained"] == (facts["action_tokens"] > 0) and facts["rejected_tokens"] == 0  # TIS rejects nothing
 
 
 def test_tasks_retry_only_transient_failures():

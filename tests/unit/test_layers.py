@@ -18,9 +18,9 @@ ALLOWED = {
     "trainer": {"store"},
     "tasks": {"store", "envregistry", "rollout", "trainer"},
     "flows": {"store", "envregistry", "rollout", "trainer", "tasks"},
-    # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers and
-    # recomputes advantages with the trainer's (until the learner stores them: issue 15).
-    "ui": {"store", "envregistry", "trainer"},
+    # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers.
+    # Advantages come from the store as the learner used them (never recomputed with the trainer's code).
+    "ui": {"store", "envregistry"},
 }
 SQL = re.compile(r"\b(SELECT .* FROM|INSERT INTO|UPDATE \w+ SET|DELETE FROM)\b|exec_driver_sql|sa\.text\(|sa\.select\(|sa\.update\(")
 
