@@ -32,6 +32,11 @@ class NonFiniteGradient(Exception):
         self.grad_norm = grad_norm
 
 
+def _keep(positions: torch.Tensor | None):
+    """transformers' `logits_to_keep`: 0 keeps every position, a tensor keeps those positions."""
+    return 0 if positions is None else positions
+
+
 def _grad_norm(parameters) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -41,8 +46,9 @@ LossFn = Callable[[Padded], tuple[torch.Tensor, dict[str, float]]]  # (share of 
 class Backend(Protocol):
     model: torch.nn.Module  # the plain model (for export, config, parameters)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself); with `keep`
+        (sequence positions), only at those positions ([B, len(keep), V])."""
 
     def world(self) -> tuple[int, int]:
         """(data-parallel size, this rank)."""
@@ -114,8 +120,8 @@ class DeepSpeedBackend:
         self._broken: str | None = None
         self.last_grad_norm = 0.0
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.engine(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.engine(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep)).logits
 
     def world(self) -> tuple[int, int]:
         if not torch.distributed.is_initialized():
@@ -174,8 +180,8 @@ class TorchBackend:
         self.grad_clip = grad_clip
         self.last_grad_norm = 0.0
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep)).logits
 
     def world(self) -> tuple[int, int]:
         return 1, 0

@@ -25,7 +25,7 @@ from loopline.trainer import checkpoint
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 from loopline.trainer.backends import BackendName, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
-from loopline.trainer.losses import LossConfig, aggregate, logprob_gap, off_policy_correction, policy_loss
+from loopline.trainer.losses import Correction, LossConfig, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.schedule import lr_factor
 
 class LearnerError(ValueError):
@@ -91,10 +91,19 @@ class Learner:
     # ------------------------------------------------------------------ forward
 
     def _logprobs(self, batch: Padded) -> torch.Tensor:
-        logits = self.backend.forward(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
-        logits = logits[:, :-1].float() / self.config.temperature
-        targets = batch.input_ids[:, 1:].to(self.device)
-        return F.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+        """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
+        0 elsewhere). Only those positions go through the LM head (`logits_to_keep`): the prompt's and the
+        tool outputs' logits over the whole vocabulary are never made, which dominated time and memory."""
+        out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
+        positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
+        if positions.numel() == 0:
+            return out
+        logits = self.backend.forward(
+            batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device)
+        ).float() / self.config.temperature
+        targets = batch.input_ids[:, 1:][:, positions].to(self.device)
+        picked = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+        return out.index_copy(1, positions.to(self.device), picked)
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
         """Loss and token-weighted statistics over every rank's micro-batches."""
@@ -135,6 +144,8 @@ class Learner:
     def _logprob_gaps(self, micro: list[Padded], old: dict, seqs: Sequence[TrainSequence], version: int | None) -> dict:
         recomputed, behaviour, fresh = [], [], []
         for b in micro:
+            if id(b) not in old:  # another rank's micro-batch: the gap is this rank's
+                continue
             mask = b.target_mask.bool()
             recomputed.append(old[id(b)][mask])
             behaviour.append(b.behaviour_logprobs[mask].to(self.device))
@@ -167,25 +178,43 @@ class Learner:
             if not all(math.isfinite(x) for x in s.behaviour_logprobs):
                 raise LearnerError(f"trajectory {s.trajectory_id} has NaN or inf rollout logprobs; refusing the step")
         micro = [pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)]
-        with torch.no_grad():
-            old = {id(b): self._logprobs(b).detach() for b in micro}  # π_old for every micro-batch
-        if not all(torch.isfinite(old[id(b)][b.target_mask.bool()]).all() for b in micro):
-            raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
-        gap = self._logprob_gaps(micro, old, seqs, trained_version)
         loss_config = self.config.loss
-        # π_old is fixed for the whole step, so is the π_old/μ correction: the tokens it rejects leave the
-        # denominators of every micro-batch's share before the first gradient is taken
-        corrections = {id(b): off_policy_correction(old[id(b)], b.behaviour_logprobs.to(self.device), b.target_mask.to(self.device), loss_config) for b in micro}
+        # With one optimizer step per learner step, π_old is π_θ before that step: the loss's own forward gives
+        # it exactly (TRL does the same), saving a forward pass. A rejecting correction must know every
+        # micro-batch's kept tokens before the first gradient (its denominators), so it keeps the pass.
+        reuse = self.config.minibatches == 1 and loss_config.correction not in ("mis", "rejection")
+        old: dict[int, torch.Tensor] = {}
+        corrections: dict[int, Correction] = {}
+
+        def anchor(batch: Padded, logp: torch.Tensor) -> None:
+            """π_old of one micro-batch, and its π_old/μ correction (fixed for the whole step)."""
+            if not torch.isfinite(logp[batch.target_mask.bool()]).all():
+                raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
+            old[id(batch)] = logp
+            corrections[id(batch)] = off_policy_correction(
+                logp, batch.behaviour_logprobs.to(self.device), batch.target_mask.to(self.device), loss_config
+            )
+
+        if not reuse:
+            with torch.no_grad():
+                for b in micro:
+                    anchor(b, self._logprobs(b).detach())
         groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
         step_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
         for group in (g for g in groups if g):
-            kept = [corrections[id(b)].kept for b in group]
-            tokens = float(sum(int(k.sum()) for k in kept))
-            seq_count = float(sum(int((k.sum(-1) > 0).sum()) for k in kept))
+            if reuse:  # nothing is rejected: the denominators are the action tokens and the rows that have any
+                tokens = float(sum(int(b.target_mask.sum()) for b in group))
+                seq_count = float(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in group))
+            else:
+                kept = [corrections[id(b)].kept for b in group]
+                tokens = float(sum(int(k.sum()) for k in kept))
+                seq_count = float(sum(int((k.sum(-1) > 0).sum()) for k in kept))
 
             def loss_of(batch: Padded):
                 logp = self._logprobs(batch)
+                if reuse:
+                    anchor(batch, logp.detach())
                 out = policy_loss(
                     logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
                     batch.target_mask.to(self.device), loss_config, total_tokens=max(tokens, 1.0),
@@ -200,10 +229,11 @@ class Learner:
             except NonFiniteGradient as exc:
                 raise RefusedUpdate(
                     f"{exc} (lower the learning rate or check the batch; the batch was not consumed)",
-                    {**base, **gap, "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
+                    {**base, **self._logprob_gaps(micro, old, seqs, trained_version), "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
                 ) from None
             grad_norms.append(self.backend.last_grad_norm)
         self.steps_done += 1
+        gap = self._logprob_gaps(micro, old, seqs, trained_version)
         samples = self._samples(sequences, adv, keep, seqs, micro, corrections)
         metrics = {
             **base,
@@ -223,7 +253,9 @@ class Learner:
         """Per trajectory: its advantage and group facts, and what the correction did to its tokens."""
         tokens: dict[int, tuple[int, int, float | None]] = {}
         for b in micro:
-            c = corrections[id(b)]
+            c = corrections.get(id(b))
+            if c is None:  # another rank's micro-batch (π_old came from the loss's forward on that rank)
+                continue
             for row, j in enumerate(b.rows):
                 kept = c.kept[row]
                 weight = float(c.weight[row][kept].mean()) if kept.any() else None

@@ -59,6 +59,35 @@ def test_rl_step_updates_the_policy_and_reports_why(tiny_dirs, batch):
     assert {"loss", "kl_ref", "clip_fraction", "advantage_mean", "advantage_std", "correction_capped_fraction"} <= set(m)
 
 
+def test_logprobs_at_action_positions_equal_the_full_vocabulary_log_softmax(tiny_dirs, batch):
+    """Only the positions that predict an action token go through the LM head; their logprobs are the same."""
+    from loopline.trainer.batch import micro_batches, pad
+
+    learner = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
+    for rows in micro_batches(batch, 64):
+        b = pad(batch, rows)
+        with torch.no_grad():
+            sliced = learner._logprobs(b)
+            full = torch.log_softmax(learner.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float(), -1)
+            full = full.gather(-1, b.input_ids[:, 1:, None])[..., 0]
+        mask = b.target_mask.bool()
+        assert torch.allclose(sliced[mask], full[mask], atol=1e-5) and (sliced[~b.target_mask.bool().any(0).expand_as(mask)] == 0).all()
+
+
+def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, batch):
+    """One optimizer step: π_old is taken from the loss's own forward (no extra pass). MIS with bounds that
+    reject nothing and TIS with a cap no ratio reaches compute the same loss; MIS keeps the separate pass."""
+    from loopline.trainer.losses import LossConfig
+
+    wide = dict(correction_cap=1e9)
+    reused = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=LossConfig(correction="tis", **wide)), backend="torch")
+    separate = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=LossConfig(correction="mis", **wide)), backend="torch")
+    a, b = reused.rl_step(batch), separate.rl_step(batch)
+    assert torch.allclose(reused.parameters_vector(), separate.parameters_vector(), atol=1e-7)
+    assert a.metrics["logprob_abs_diff"] == pytest.approx(b.metrics["logprob_abs_diff"], abs=1e-6)
+    assert a.metrics["logprob_abs_diff"] < 1e-4
+
+
 def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch):
     ds = Learner(tiny_dirs["v0"], CONFIG, backend="deepspeed")
     plain = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
