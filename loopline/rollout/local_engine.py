@@ -281,7 +281,7 @@ class LocalEngine:
         mask = torch.tensor([[0] * (longest - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(config=self.model.config), use_cache=True)
-        layers = out.past_key_values.layers
+        layers = out.cache.layers
         for i, request in enumerate(batch):
             pad = longest - len(request.prompt_ids)
             request.kv = [(l.keys[i : i + 1, :, pad:], l.values[i : i + 1, :, pad:]) for l in layers]
@@ -306,7 +306,7 @@ class LocalEngine:
             position_ids=torch.tensor([[n] for n in lengths]),
             use_cache=True,
         )
-        layers = out.past_key_values.layers
+        layers = out.cache.layers
         for i, (request, n) in enumerate(zip(batch, lengths)):
             # n + 1 positions now: the padding on the left is dropped again
             request.kv = [(l.keys[i : i + 1, :, longest - n :], l.values[i : i + 1, :, longest - n :]) for l in layers]

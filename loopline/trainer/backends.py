@@ -50,6 +50,9 @@ class Backend(Protocol):
         """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself); with `keep`
         (sequence positions), only at those positions ([B, len(keep), V])."""
 
+    def call(self, **kwargs) -> Any:
+        """The model's output for keyword arguments (cache, position_ids, ...), through the wrapper."""
+
     def world(self) -> tuple[int, int]:
         """(data-parallel size, this rank)."""
 
@@ -123,6 +126,9 @@ class DeepSpeedBackend:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.engine(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep)).logits
 
+    def call(self, **kwargs) -> Any:
+        return self.engine(**kwargs)
+
     def world(self) -> tuple[int, int]:
         if not torch.distributed.is_initialized():
             return 1, 0
@@ -182,6 +188,9 @@ class TorchBackend:
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep)).logits
+
+    def call(self, **kwargs) -> Any:
+        return self.model(**kwargs)
 
     def world(self) -> tuple[int, int]:
         return 1, 0

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loopline.store.records import TrainedSample
-from loopline.trainer import checkpoint
+from loopline.trainer import checkpoint, prefix
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 from loopline.trainer.backends import BackendName, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
@@ -51,6 +51,7 @@ class LearnerConfig:
     temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
     micro_batch_tokens: int = 8192
     minibatches: int = 1  # optimizer steps per learner step (π_old anchors all of them)
+    share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
     zero_stage: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
@@ -94,6 +95,9 @@ class Learner:
         """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
         0 elsewhere). Only those positions go through the LM head (`logits_to_keep`): the prompt's and the
         tool outputs' logits over the whole vocabulary are never made, which dominated time and memory."""
+        shared = prefix.plan(batch) if self.config.share_prefix else None
+        if shared is not None:
+            return prefix.shared_prefix_logprobs(self.backend.call, batch, shared, self.config.temperature, self.device)
         out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
         positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
         if positions.numel() == 0:

@@ -111,8 +111,8 @@ class ModelTokens:
                 out = self.model(torch.tensor([seq.ids + generated]), use_cache=True)
                 seq.kv_weights = self.loads
             else:
-                out = self.model(torch.tensor([generated[-1:]]), past_key_values=seq.kv, use_cache=True)
-            seq.kv, logits = out.past_key_values, out.logits[0, -1]
+                out = self.model(torch.tensor([generated[-1:]]), cache=seq.kv, use_cache=True)
+            seq.kv, logits = out.cache, out.logits[0, -1]
         s = seq.sampling
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k and s.top_k > 0 else 0)
         token, logprob, _ = sample_token(logits, params, seq.generator)

@@ -74,6 +74,36 @@ def test_logprobs_at_action_positions_equal_the_full_vocabulary_log_softmax(tiny
         assert torch.allclose(sliced[mask], full[mask], atol=1e-5) and (sliced[~b.target_mask.bool().any(0).expand_as(mask)] == 0).all()
 
 
+def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
+    """Rows of a group share their prompt: it runs once, its KV cache serves every row (multi-turn rows
+    too: an action, a tool output, another action). Logprobs and the update equal the unshared ones."""
+    import random
+
+    from loopline.trainer.batch import pad
+    from loopline.trainer.prefix import plan
+
+    rng = random.Random(0)
+    seqs = []
+    for g in range(3):
+        prompt = tuple(rng.randrange(300) for _ in range(10 + 3 * g))
+        for k in range(4):
+            n, obs = rng.randint(3, 9), rng.randint(0, 4)
+            ids = prompt + tuple(rng.randrange(300) for _ in range(n + obs + 3))
+            mask = (0,) * len(prompt) + (1,) * n + (0,) * obs + (1,) * 3
+            seqs.append(TrainSequence(None, g, float(k % 2), ids, mask, tuple(-rng.random() if m else 0.0 for m in mask)))
+    shared = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=True), backend="torch")
+    plain = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=False), backend="torch")
+    b = pad(seqs, list(range(len(seqs))))
+    assert plan(b).saved_tokens == 3 * (9 + 12 + 15)  # each prompt (minus its last token) runs once, not 4 times
+    with torch.no_grad():
+        one, other = shared._logprobs(b), plain._logprobs(b)
+    m = b.target_mask.bool()
+    assert torch.allclose(one[m], other[m], atol=1e-5) and (one[~m] == 0).all()
+    shared.rl_step(seqs)
+    plain.rl_step(seqs)
+    assert torch.allclose(shared.parameters_vector(), plain.parameters_vector(), atol=1e-5)
+
+
 def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, batch):
     """One optimizer step: π_old is taken from the loss's own forward (no extra pass). MIS with bounds that
     reject nothing and TIS with a cap no ratio reaches compute the same loss; MIS keeps the separate pass."""

@@ -1,0 +1,95 @@
+"""Logprobs of a micro-batch whose rows share prompts: each shared prefix goes through the model once.
+
+The samples of a group start with the same prompt (the system prompt and the task), and in GRPO's
+usual shapes the prompt is most of the tokens (issue 16's arithmetic: 49 of 78). Recomputing it for
+every sample is the learner's largest avoidable cost. Here the rows are grouped by the tokens before
+their first action token; each distinct prefix (minus its last token) is run once with the KV cache
+on, the cache is expanded to the rows that share it, and each row's suffix (from the prefix's last
+token on, so that every position predicting an action token is in it) runs on top with its true
+positions. Gradients flow through the shared cache into the prefix, so the update is the one the
+rows would give separately (the tests compare them); only the FLOPs differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loopline.trainer.batch import Padded
+
+ModelCall = Callable[..., object]  # the model (or the DeepSpeed engine) called with keyword arguments
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    first: torch.Tensor  # [B] each row's prefix length: its first position that predicts an action token
+    group: torch.Tensor  # [B] index of the row's prefix among the distinct prefixes
+    prefixes: list[tuple[int, ...]]
+    saved_tokens: int  # tokens not run again thanks to the sharing
+
+
+def plan(batch: Padded) -> PrefixPlan | None:
+    """Which rows share which prefix; None when no two rows share one (nothing to save)."""
+    targets = batch.target_mask.bool()
+    has = targets.any(-1)
+    if not has.all():
+        return None
+    first = targets.int().argmax(-1)  # position t predicts token t + 1: the prompt is ids[: t + 1]
+    keys: dict[tuple[int, ...], int] = {}
+    group = []
+    for row in range(targets.shape[0]):
+        key = tuple(batch.input_ids[row, : int(first[row])].tolist())
+        group.append(keys.setdefault(key, len(keys)))
+    saved = int(first.sum()) - sum(len(k) for k in keys)
+    if len(keys) == targets.shape[0] or saved <= 0:
+        return None
+    return PrefixPlan(first, torch.tensor(group), list(keys), saved)
+
+
+def shared_prefix_logprobs(call: ModelCall, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device) -> torch.Tensor:
+    """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`."""
+    rows, width = batch.target_mask.shape
+    lengths = batch.attention_mask.sum(-1)
+    # the distinct prefixes, right-padded; a row's padding slots are masked out of its attention
+    longest = max((len(p) for p in prefix.prefixes), default=0)
+    prefix_ids = torch.zeros(len(prefix.prefixes), max(longest, 1), dtype=torch.long)
+    prefix_mask = torch.zeros_like(prefix_ids)
+    for g, tokens in enumerate(prefix.prefixes):
+        prefix_ids[g, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        prefix_mask[g, : len(tokens)] = 1
+    # each row's suffix: from its first action-predicting position to its end
+    suffix_len = lengths - prefix.first
+    span = int(suffix_len.max())
+    suffix_ids = torch.zeros(rows, span, dtype=torch.long)
+    suffix_mask = torch.zeros_like(suffix_ids)
+    suffix_targets = torch.zeros(rows, span, dtype=torch.bool)
+    for r in range(rows):
+        start, n = int(prefix.first[r]), int(suffix_len[r])
+        suffix_ids[r, :n] = batch.input_ids[r, start : start + n]
+        suffix_mask[r, :n] = 1
+        upto = min(n, width - start)
+        suffix_targets[r, :upto] = batch.target_mask[r, start : start + upto].bool()
+    next_ids = torch.zeros_like(suffix_ids)
+    next_ids[:, :-1] = suffix_ids[:, 1:]  # the token each suffix position predicts
+
+    if longest > 0:
+        cache = call(
+            input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), use_cache=True, logits_to_keep=1
+        ).cache
+        cache.batch_select_indices(prefix.group.to(device))  # one copy per row that shares it (differentiable)
+        attention = torch.cat([prefix_mask[prefix.group], suffix_mask], dim=1)
+    else:
+        cache, attention = None, suffix_mask
+    keep = suffix_targets.any(0).nonzero().squeeze(-1)
+    positions = prefix.first[:, None] + torch.arange(span)[None, :]
+    logits = call(
+        input_ids=suffix_ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
+        cache=cache, use_cache=cache is not None, logits_to_keep=keep.to(device),
+    ).logits.float() / temperature
+    picked = logits.gather(-1, next_ids[:, keep].to(device)[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    picked = picked * suffix_targets[:, keep].to(device)
+    wide = torch.zeros(rows, int(prefix.first.max()) + span, dtype=torch.float32, device=device)
+    wide = wide.scatter(1, (prefix.first[:, None] + keep[None, :]).to(device), picked)
+    return wide[:, : width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
