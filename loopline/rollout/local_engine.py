@@ -273,16 +273,25 @@ class LocalEngine:
         return finished
 
     def _prefill(self, batch: list[_Request]) -> None:
-        """One forward over the new prompts, left-padded together; each request keeps its unpadded cache."""
+        """One forward over the distinct new prompts, left-padded together (a group's samples share one
+        prompt: it runs once); each request keeps its unpadded cache. Logits only at the last position."""
         from transformers import DynamicCache
 
-        longest = max(len(r.prompt_ids) for r in batch)
-        ids = torch.tensor([[0] * (longest - len(r.prompt_ids)) + r.prompt_ids for r in batch])
-        mask = torch.tensor([[0] * (longest - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        distinct: dict[tuple[int, ...], int] = {}
+        for request in batch:
+            distinct.setdefault(tuple(request.prompt_ids), len(distinct))
+        prompts = list(distinct)
+        longest = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(config=self.model.config), use_cache=True)
+        out = self.model(
+            ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(config=self.model.config), use_cache=True,
+            logits_to_keep=1,
+        )
         layers = out.cache.layers
-        for i, request in enumerate(batch):
+        for request in batch:
+            i = distinct[tuple(request.prompt_ids)]
             pad = longest - len(request.prompt_ids)
             request.kv = [(l.keys[i : i + 1, :, pad:], l.values[i : i + 1, :, pad:]) for l in layers]
             request.next_logits, request.logits_version = out.logits[i, -1], self._version
@@ -305,6 +314,7 @@ class LocalEngine:
             attention_mask=mask,
             position_ids=torch.tensor([[n] for n in lengths]),
             use_cache=True,
+            logits_to_keep=1,
         )
         layers = out.cache.layers
         for i, (request, n) in enumerate(zip(batch, lengths)):
