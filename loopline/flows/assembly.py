@@ -29,6 +29,7 @@ from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
+from loopline.tasks import stages
 from loopline.trainer.learner import Learner
 
 
@@ -126,11 +127,16 @@ def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: i
     )
 
 
-def build_learner(config: RunConfig, initial: Path, state: ResumeState) -> Learner | None:
-    """The learner at the run's last checkpoint; None when the run has no step left to train (no DeepSpeed start)."""
+def build_learner(parts: RunParts) -> Learner | None:
+    """The learner at the run's last committed step: the newest full checkpoint, then the recorded batches
+    of the steps since it replayed. None when the run has no step left to train (no DeepSpeed start)."""
+    config, state = parts.config, parts.state
     if state.next_learner_step > config.steps:
         return None
-    learner = Learner(initial, config.learner_config(), backend=config.learner.backend)
-    if state.last_checkpoint is not None:
-        learner.load_checkpoint(state.last_checkpoint.uri)
+    learner = Learner(parts.initial, config.learner_config(), backend=config.learner.backend)
+    restored = 0
+    if state.last_checkpoint is not None and state.last_checkpoint.uri:
+        loaded = learner.load_checkpoint(state.last_checkpoint.uri)
+        restored = int(loaded.get("cursor", {}).get("learner_step", state.last_checkpoint.learner_step))
+    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, state.next_learner_step))
     return learner

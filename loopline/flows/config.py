@@ -30,6 +30,12 @@ class LearnerSettings(_Strict):
     zero_stage: int = Field(1, ge=0, le=3)
     micro_batch_tokens: int = Field(16384, ge=64)
     minibatches: int = Field(1, ge=1)
+    share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs)")
+    checkpoint_every: int = Field(
+        4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
+    keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
 
@@ -111,7 +117,7 @@ class RunConfig(_Strict):
             loss = dataclasses.replace(loss, norm_length=self.sampling.max_new_tokens)  # Dr. GRPO's constant L
         return LearnerConfig(
             lr=learner.lr, temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
-            minibatches=learner.minibatches, zero_stage=learner.zero_stage, seed=self.seed,
+            minibatches=learner.minibatches, share_prefix=learner.share_prefix, zero_stage=learner.zero_stage, seed=self.seed,
             advantage=learner.advantage, loss=loss,
         )
 

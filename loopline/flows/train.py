@@ -118,7 +118,7 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     for path in clean_partial_writes(workdir):
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
     state = parts.state
-    learner = assembly.build_learner(config, parts.initial, state)
+    learner = assembly.build_learner(parts)
     ctx = LoopContext(
         run_id=run_id,
         session_factory=parts.session_factory(),
@@ -133,6 +133,12 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         max_attempts=config.max_attempts,
         in_flight=config.in_flight,
         lease_seconds=config.lease_seconds,
+        checkpoint_every=config.learner.checkpoint_every,
+        last_step=config.steps,
+        keep_checkpoints=config.learner.keep_checkpoints,
+        keep_exports=config.learner.keep_exports,
+        keep_version=lambda v: eval_scheduled(config, v),
+        checkpoint_uri=state.last_checkpoint.uri if state.last_checkpoint else "",
     )
     return Prepared(parts, ctx, state.next_learner_step)
 

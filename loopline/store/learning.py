@@ -239,6 +239,14 @@ def _upsert_metrics(session: Session, run_id: uuid.UUID, step: int, metrics: dic
         )
 
 
+def trained_batch(session: Session, run_id: uuid.UUID, learner_step: int) -> tuple[uuid.UUID, ...]:
+    """The trajectories a committed learner step trained, in the order the learner got them (replay)."""
+    groups = _groups_of_step(session, run_id, learner_step, "consumed")
+    ids = _batch_trajectories(session, groups)
+    session.rollback()
+    return ids
+
+
 def record_refused_step(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float]) -> None:
     """A learner step that was refused (e.g. a non-finite gradient norm): its metrics, and nothing else.
     The batch stays claimed and unconsumed; no version is made."""

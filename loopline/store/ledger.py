@@ -57,6 +57,7 @@ from loopline.store.learning import (
     group_states,
     open_groups_through,
     record_refused_step,
+    trained_batch,
 )
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "mark_published",
     "open_groups_through",
     "record_refused_step",
+    "trained_batch",
     "owed_evaluations",
     "plan_step",
     "record_eval_result",

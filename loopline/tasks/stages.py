@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ class LoopContext(RolloutContext):
     group_size: int
     seed: int = 0
     max_attempts: int = 3  # infra failures of one slot before its group is dropped
+    # A full learner checkpoint every N steps (and at the last); between them a step's ledger row names the
+    # newest one, and a resume replays the recorded batches since it (`replay`). Older ones are deleted.
+    checkpoint_every: int = 1
+    last_step: int | None = None
+    keep_checkpoints: int = 2
+    keep_exports: int = 3  # newest weight exports kept, besides those `keep_version` names (evaluated ones)
+    keep_version: Callable[[int], bool] | None = None
+    checkpoint_uri: str = ""  # the newest full checkpoint on disk ("": none yet, replay from the initial weights)
 
 
 class StopFlag(Protocol):
@@ -133,7 +142,9 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     timings = {"learner_s": lap()}
     failpoint("learner_step")
     version = batch.policy_version + 1
-    checkpoint = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
+    if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
+        saved = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
+        ctx.checkpoint_uri = str(saved)
     timings["checkpoint_s"] = lap()
     weights = ctx.workdir / "weights" / f"v{version:06d}"
     digest = ctx.learner.export_weights(weights)
@@ -141,7 +152,35 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     failpoint("learner_commit")
     metrics = {**result.metrics, **timings, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
-        return ledger.commit_learner_step(s, batch, str(weights), str(checkpoint), digest, metrics=metrics, samples=result.samples)
+        committed = ledger.commit_learner_step(s, batch, str(weights), ctx.checkpoint_uri, digest, metrics=metrics, samples=result.samples)
+    prune(ctx)
+    return committed
+
+
+def prune(ctx: LoopContext) -> None:
+    """Delete checkpoints and exports nobody needs: all but the newest `keep_checkpoints` full checkpoints
+    (never the one the ledger's newest row names) and all but the newest `keep_exports` exports (never one
+    `keep_version` keeps). Disk per step is then about 1/checkpoint_every of a full checkpoint."""
+    checkpoints = sorted((ctx.workdir / "checkpoints").glob("step-*"))
+    for old in checkpoints[: -ctx.keep_checkpoints or None]:
+        if str(old) != ctx.checkpoint_uri and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    exports = sorted((ctx.workdir / "weights").glob("v*"))
+    for old in exports[: -ctx.keep_exports or None]:
+        version = int(old.name[1:]) if old.name[1:].isdigit() else None
+        if version is not None and not (ctx.keep_version and ctx.keep_version(version)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def replay(learner: Learner, session_factory: Callable[[], Session], run_id: uuid.UUID, steps: range) -> None:
+    """Bring a learner restored from an older checkpoint (or from the initial weights) up to the last
+    committed step: retrain each step's recorded batch, in the order it was trained. On CPU this gives
+    the same weights bit for bit (the chaos test compares them)."""
+    for step in steps:
+        with session_factory() as s:
+            sequences = load_sequences(s, ledger.trained_batch(s, run_id, step))
+        log.info("replaying learner step %d (%d trajectories) since the last full checkpoint", step, len(sequences))
+        learner.rl_step(sequences, trained_version=step - 1)
 
 
 async def sync_weights(ctx: RolloutContext) -> int:

@@ -56,7 +56,9 @@ def _small_run(tmp_path: Path, name: str, policy, database_url: str, *, mode: st
     config.write_text(yaml.safe_dump({
         "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(policy),
         "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
-        "lease_seconds": lease_seconds, "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": backend},
+        "lease_seconds": lease_seconds, "sampling": {"max_new_tokens": 16},
+        # a full checkpoint at steps 2 and 3 only: a resume after step 1 replays its recorded batch
+        "learner": {"lr": 1e-3, "backend": backend, "checkpoint_every": 2},
         "eval": {"every": every, "tasks": 4},
     }))
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

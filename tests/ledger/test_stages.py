@@ -115,3 +115,22 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
     attempts = db.execute(sa.text("SELECT DISTINCT max_attempts FROM rollout_group WHERE run_id = :r"), {"r": run.id}).scalars().all()
     db.rollback()
     assert attempts == [7]
+
+
+def test_prune_keeps_the_newest_checkpoints_and_exports_and_the_ones_still_needed(tmp_path):
+    from types import SimpleNamespace
+
+    from loopline.tasks.stages import prune
+
+    for k in range(1, 6):
+        (tmp_path / "checkpoints" / f"step-{k:06d}").mkdir(parents=True)
+    for v in range(1, 7):
+        (tmp_path / "weights" / f"v{v:06d}").mkdir(parents=True)
+    # the ledger's newest row still names step 2's checkpoint (steps 3-5 were not checkpointed... say)
+    ctx = SimpleNamespace(
+        workdir=tmp_path, keep_checkpoints=2, checkpoint_uri=str(tmp_path / "checkpoints" / "step-000002"),
+        keep_exports=3, keep_version=lambda v: v == 2,
+    )
+    prune(ctx)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000005"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000004", "v000005", "v000006"]
