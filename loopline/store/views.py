@@ -92,7 +92,8 @@ def step_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
         "(SELECT value FROM metric m WHERE m.run_id = p.run_id AND m.step = p.version AND m.name = 'export_s') AS export_s, "
         "(p.sync_timings->>'check_s')::float8 AS sync_check_s, "
         "coalesce((p.sync_timings->>'load_s')::float8, 0) + coalesce((p.sync_timings->>'swap_s')::float8, 0) AS sync_load_s, "
-        "(p.sync_timings->>'confirm_s')::float8 AS sync_confirm_s, (p.sync_timings->>'total_s')::float8 AS sync_s "
+        "(p.sync_timings->>'confirm_s')::float8 AS sync_confirm_s, (p.sync_timings->>'total_s')::float8 AS sync_s, "
+        "extract(epoch FROM p.created_at)::float8 AS committed_at "
         "FROM policy_version p WHERE p.run_id = :r AND p.version > 0 ORDER BY p.version",
         r=run,
     )
