@@ -40,7 +40,7 @@ def write_work(directory: Path, train: int = 512) -> tuple[Path, list[dict]]:
     for i in range(train + 16):
         a, b, op = rng.randint(1, 79), rng.randint(1, 79), rng.choice("+-*")
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"id": f"t{i}", "split": "train" if i < train else "eval", "prompt": f"What is {a} {op} {b}?", "answer": answer})
+        rows.append({"id": f"t{i}", "split": "train" if i < train else "eval", "prompt": f"What is {a} {op} {b}?", "expression": f"{a} {op} {b}", "answer": answer})
     (directory / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {
         "name": "arithmetic-single-turn", "versions": {"env": "1", "verifier": "1", "harness": "1"},

@@ -34,8 +34,11 @@ app.add_typer(sandbox_app, name="sandbox")
 @friendly_errors
 def image_build(tag: str = typer.Option(images.PYTHON_IMAGE, help="Image name:tag to create.")) -> None:
     """Build the Python sandbox image the examples use (debootstrap + docker import; ~1 minute, needs root)."""
-    with console.status(f"building {tag} (debootstrap of a minimal Debian with python3)..."):
-        images.build_python_image(tag)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        stage = bar.add_task(f"building {tag}: debootstrap of a minimal Debian with python3", total=None)
+        images.build_python_image(tag, progress=lambda line: bar.update(stage, description=f"building {tag}: {line}"))
     console.print(f"built {tag}")
 
 
