@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from loopline.store.records import TrainedSample
 from loopline.trainer import checkpoint, prefix
