@@ -106,10 +106,12 @@ def eval_(
 ) -> None:
     """Held-out success of one policy version of a run (stored in the ledger; shown again if already measured)."""
     server_ready = _prefect_server()
+    from loopline.cli_progress import step_progress
     from loopline.flows.evaluate import evaluate
 
     server_ready()
-    result = evaluate(run, version)
+    with step_progress(f"evaluating {run}" + (f" v{version}" if version is not None else " (newest version)")):
+        result = evaluate(run, version)
     console.print(f"run {result['run']} v{result['policy_version']}: held-out success {result['success']:.1%}")
 
 
@@ -186,7 +188,7 @@ def inspect(
     import os
     import sys
 
-    migrate.open_ledger()  # a missing or unmigrated ledger fails here, in one line
+    migrate.upgrade(store_db.make_engine())  # as `train` does: a fresh home gets its schema (the app itself only reads)
     app_path = Path(__file__).resolve().parent / "ui" / "app.py"
     query = f"?page=runs&run={run}" if run else ""
     console.print(f"inspector at http://127.0.0.1:{port}/{query}")
