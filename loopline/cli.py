@@ -210,15 +210,19 @@ def runs() -> None:
     if not found:
         console.print("no runs yet; start one with `loopline train examples/arithmetic_quickstart.yaml`")
         return
-    table = Table(box=None)
-    table.add_column("run", no_wrap=True)
-    for column in ("status", "step", "version", "consumed", "eval first", "eval last", "started"):
-        table.add_column(column, no_wrap=True)
+    # fits 80 columns: short headers, numbers never cut, a long run name folds onto a second line
+    table = Table(box=None, padding=(0, 1), caption="v: policy version · eval: held-out success, first → last", caption_justify="left")
+    table.add_column("run", overflow="fold", ratio=1)
+    table.add_column("status", no_wrap=True)
+    for column in ("step", "v", "consumed"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("eval", no_wrap=True)
+    table.add_column("started", no_wrap=True)
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     for r in found:
         table.add_row(
-            r.name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed), pct(r.first_eval), pct(r.last_eval),
-            r.created_at.strftime("%m-%d %H:%M"),
+            r.name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed),
+            f"{pct(r.first_eval)} → {pct(r.last_eval)}", r.created_at.strftime("%m-%d %H:%M"),
         )
     console.print(table)
 
