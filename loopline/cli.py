@@ -131,6 +131,27 @@ def worker(
     console.print(f"committed {stats['committed']} trajectories ({stats['infra_failed']} infra failures)")
 
 
+@app.command("replay")
+@friendly_errors
+def replay(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    step: int = typer.Option(..., "--step", help="The learner step to retrain from the records."),
+) -> None:
+    """Retrain one learner step from the ledger's records and compare its weights' sha256 with the recorded version."""
+    server_ready = _prefect_server()
+    from loopline.cli_progress import step_progress
+    from loopline.flows.replay import replay_step
+
+    server_ready()
+    with step_progress(f"replaying {run} step {step}"):
+        result = replay_step(run, step)
+    start = f"checkpoint of step {result['from_step']}" if result["from_step"] else "the initial weights"
+    verdict = "[green]reproduced[/]" if result["reproduced"] else "[red]DIFFERENT[/]"
+    console.print(f"{run} step {step} from {start}: sha256 {result['sha256'][:16]}… vs recorded {(result['recorded_sha256'] or '-')[:16]}… {verdict}")
+    if not result["reproduced"]:
+        raise typer.Exit(1)
+
+
 server_app = typer.Typer(help="A Prefect server that stays up: UI, schedules, deployments.", no_args_is_help=True)
 app.add_typer(server_app, name="server")
 

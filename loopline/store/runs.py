@@ -89,13 +89,14 @@ def set_run_status(session: Session, run_id: uuid.UUID, status: str) -> None:
 class VersionWeights:
     version: int
     uri: str
+    sha256: str | None = None  # of the exported weights, recorded at the commit
 
 
 def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
     """Where a policy version's weights are (the newest version when `version` is None)."""
     row = q(
         session,
-        "SELECT version, weights_uri FROM policy_version WHERE run_id = :r AND (CAST(:v AS int) IS NULL OR version = :v) "
+        "SELECT version, weights_uri, sha256 FROM policy_version WHERE run_id = :r AND (CAST(:v AS int) IS NULL OR version = :v) "
         "ORDER BY version DESC LIMIT 1",
         r=run_id,
         v=version,
@@ -103,7 +104,7 @@ def version_weights(session: Session, run_id: uuid.UUID, version: int | None = N
     session.rollback()
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
-    return VersionWeights(row.version, row.weights_uri)
+    return VersionWeights(row.version, row.weights_uri, row.sha256)
 
 
 def owed_evaluations(

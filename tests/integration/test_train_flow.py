@@ -61,6 +61,23 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     report = check_run(db, run_id)
     assert report.ok, report.violations
 
+    # replay: step 2 retrained from the records (step 1 replayed first: checkpoint_every 4 kept none before
+    # step 2) gives version 2's recorded weights bit for bit; a changed record gives other weights
+    from loopline.flows.replay import replay_step
+
+    name = yaml.safe_load(path.read_text())["name"]
+    replayed = replay_step(name, 2)
+    assert replayed["reproduced"] and replayed["from_step"] == 0, replayed
+    db.execute(
+        sa.text(
+            "UPDATE trajectory SET reward = 1 - reward WHERE id = (SELECT c.trajectory_id FROM consumption c "
+            "WHERE c.run_id = :r AND c.learner_step = 1 LIMIT 1)"
+        ),
+        {"r": run_id},
+    )
+    db.commit()
+    assert not replay_step(name, 2)["reproduced"]  # step 1's batch now has another reward: other weights
+
 
 def test_bad_run_configs_are_refused_up_front(tmp_path):
     with pytest.raises(LooplineError, match="group_size: .*at least 2"):

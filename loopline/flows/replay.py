@@ -1,0 +1,65 @@
+"""The `replay` flow: re-run one learner step of a run from its records and compare the weights it makes.
+
+`loopline replay RUN --step N` rebuilds the learner as it was before step N (the newest full checkpoint
+at or before step N-1 still on disk, else the run's initial weights, then the recorded batches of the
+steps since, replayed), trains step N on exactly the batch the ledger says it consumed, exports the
+result and compares its sha256 with the one recorded for version N. On CPU the two are equal bit for
+bit; on a GPU, kernels may differ in the last bits, and the result says by how much is unknown (the
+sha256 differs): compare the weights with a tolerance there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from loopline.errors import LooplineError
+from loopline.flows import assembly
+from loopline.flows.train import run_config
+from loopline.store import db as store_db
+from loopline.store import ledger, migrate
+from loopline.tasks import stages
+from loopline.trainer import checkpoint
+from loopline.trainer.learner import Learner
+
+
+def _restore_point(workdir: Path, before: int) -> tuple[Path | None, int]:
+    """The newest complete checkpoint on disk holding a step < `before`, and that step (0: none)."""
+    best: tuple[Path | None, int] = (None, 0)
+    for directory in (workdir / "checkpoints").glob("step-*"):
+        marker = checkpoint.read_marker(directory)
+        step = int((marker or {}).get("cursor", {}).get("learner_step", -1))
+        if 0 < step < before and step > best[1]:
+            best = (directory, step)
+    return best
+
+
+@flow(name="replay")
+def replay_step(run: str, step: int) -> dict:
+    """Retrain learner step `step` of `run` from the records; `reproduced` says whether the sha256 matches."""
+    log = get_run_logger()
+    config, _ = run_config(None, run)
+    database = migrate.open_ledger()
+    with store_db.session(database) as s:
+        run_id = ledger.get_run(s, run).id
+        recorded = ledger.version_weights(s, run_id, step)
+    if recorded.version != step or step < 1:
+        raise LooplineError(f"run {run} has no committed learner step {step} (its versions go up to {recorded.version})")
+    parts = assembly.open_run(config, run_id, database)
+    learner = Learner(parts.initial, config.learner_config(), backend=config.learner.backend)
+    restored, since = _restore_point(parts.workdir(), step)
+    if restored is not None:
+        learner.load_checkpoint(restored)
+    log.info("replaying steps %d..%d of %s from %s", since + 1, step, run, restored or "the initial weights")
+    stages.replay(learner, parts.session_factory(), run_id, range(since + 1, step + 1))
+    out = Path(tempfile.mkdtemp(prefix=f"replay-{step}-", dir=parts.workdir()))
+    try:
+        digest = learner.export_weights(out / "weights")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    reproduced = digest == recorded.sha256
+    log.info("step %d: replayed sha256 %s, recorded %s: %s", step, digest[:12], (recorded.sha256 or "none")[:12], "equal" if reproduced else "DIFFERENT")
+    return {"run": run, "step": step, "from_step": since, "sha256": digest, "recorded_sha256": recorded.sha256, "reproduced": reproduced}
