@@ -113,6 +113,10 @@ def page_runs(db: LedgerView) -> None:
             st.line_chart(evals, x="seconds", y="success_rate")
         st.subheader("Rollout throughput (trajectories per minute)")
         st.bar_chart(db.throughput(run_id), x="minute", y="trajectories")
+        st.subheader("Seconds per learner step, by part")
+        timings = db.step_timings(run_id)
+        if not timings.empty:
+            st.bar_chart(timings, x="step", y="seconds", color="part")
         st.subheader("Degenerate-group rate")
         if {"degenerate_groups", "groups"} <= set(metrics):
             st.line_chart(metrics.assign(rate=metrics["degenerate_groups"] / metrics["groups"]), x="step", y="rate")

@@ -57,6 +57,15 @@ class LedgerView:
     def throughput(self, run_id: uuid.UUID) -> pd.DataFrame:
         return self._frame(views.throughput, run_id)
 
+    def step_timings(self, run_id: uuid.UUID) -> pd.DataFrame:
+        """Long form (step, part, seconds): where each learner step's time went, for a stacked bar."""
+        wide = self._frame(views.step_timings, run_id)
+        if wide.empty:
+            return wide
+        parts = {"rollout_s": "rollout", "learner_s": "learner", "checkpoint_s": "checkpoint", "export_s": "export", "sync_s": "weight sync"}
+        long = wide.melt(id_vars="step", value_vars=list(parts), var_name="part", value_name="seconds").fillna(0.0)
+        return long.assign(part=long["part"].map(parts))
+
     def version_lags(self, run_id: uuid.UUID) -> pd.DataFrame:
         return self._frame(views.version_lags, run_id)
 

@@ -102,7 +102,8 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     assert seeded["run"] in at.dataframe[0].value["name"].tolist()
     titles = [s.value for s in at.subheader]
     assert "Training reward" in titles and "Version lag of trained samples" in titles
-    assert len(at.get("vega_lite_chart")) >= 5  # reward, throughput, degenerate rate, lags, failures, gap
+    assert "Seconds per learner step, by part" in titles
+    assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
 
 
 def test_trajectories_page_filters_and_opens_one(app, seeded):
