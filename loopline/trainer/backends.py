@@ -157,15 +157,15 @@ class DeepSpeedBackend:
             else:  # a real forward through the engine, weighted 0: this rank has no micro-batch left
                 loss = loss_of(micro[0])[0] * 0.0
             self.engine.backward(loss * count * world)  # DeepSpeed divides by accumulation steps and ranks
-            if i == count - 1 and self.zero_stage <= 1:
-                # at the boundary the gradients are reduced and still whole in param.grad (ZeRO 0/1):
-                # a non-finite norm is refused before the optimizer sees it
+            if i == count - 1 and self.zero_stage == 0:
+                # without ZeRO the reduced gradients are whole in param.grad at the boundary: a non-finite
+                # norm is refused before the optimizer sees it
                 self.last_grad_norm = _grad_norm(self.model.parameters())
                 if not math.isfinite(self.last_grad_norm):
                     self._broken = f"gradient norm {self.last_grad_norm}"
                     raise NonFiniteGradient(self.last_grad_norm)
             self.engine.step()
-        if self.zero_stage >= 2:  # partitioned gradients: DeepSpeed's own norm, known only after the step
+        if self.zero_stage >= 1:  # ZeRO moves gradients into its own buffers: its norm is known only after its step
             self.last_grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
             if not math.isfinite(self.last_grad_norm):
                 self._broken = f"gradient norm {self.last_grad_norm}"

@@ -32,8 +32,9 @@ class LearnerError(ValueError):
 
 
 class RefusedUpdate(LearnerError):
-    """The step's gradient norm was not finite: nothing was applied (with ZeRO 2/3 DeepSpeed reports the norm
-    only after its step, and this learner then refuses every later step: restore the last checkpoint)."""
+    """The step's gradient norm was not finite. The torch backend and DeepSpeed without ZeRO refuse it before
+    the optimizer; with ZeRO (stage >= 1) DeepSpeed knows the norm only after its step, so this learner then
+    refuses every later step (a new process restores the last checkpoint). Either way nothing is committed."""
 
     def __init__(self, message: str, metrics: dict[str, float]):
         super().__init__(message)

@@ -118,6 +118,27 @@ def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, bat
     assert a.metrics["logprob_abs_diff"] < 1e-4
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepspeed_refuses_a_non_finite_gradient_norm(stage):
+    """A finite loss with a NaN gradient (0 * inf in an unselected branch): refused (stage 0 before the step,
+    ZeRO after it); the learner then refuses further steps instead of training on NaN weights."""
+    from loopline.trainer.backends import DeepSpeedBackend, NonFiniteGradient
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    backend = DeepSpeedBackend(model, optimizer, scheduler, grad_clip=1.0, zero_stage=stage, bf16=False)
+
+    def loss_of(_batch):
+        w = backend.model.weight.sum()
+        return torch.where(torch.tensor(True), w * 0.0, w * float("inf")), {}
+
+    with pytest.raises(NonFiniteGradient):
+        backend.optimise([None], loss_of, LearnerError)
+    with pytest.raises(LearnerError, match="refused halfway"):
+        backend.optimise([None], loss_of, LearnerError)
+
+
 def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch):
     ds = Learner(tiny_dirs["v0"], CONFIG, backend="deepspeed")
     plain = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
