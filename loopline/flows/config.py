@@ -80,7 +80,7 @@ class EvalSettings(_Strict):
 class RunConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
-    policy: str = Field("tiny", description="tiny (built on first use), smollm2-135m (pulled), or a model directory")
+    policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
     mode: Literal["sync", "async"] = Field("sync", description="sync: rollout, learn, sync in lock-step; async: rollouts overlap learning")
     max_staleness: int = Field(
         1, ge=0, description="async: train nothing generated more than this many versions before the version being trained"

@@ -72,7 +72,7 @@ def tiny_policy_dir(spec_hash: str, seed: int) -> Path:
 
 def ensure_tiny_policy(spec_hash: str, seed: int, spec: EnvSpec, tasks: Sequence[Task], progress: Progress | None = None) -> Path:
     """The tiny starter for this environment and seed under the loopline home: already there, copied from
-    the package's shipped starters, or built (~12 min on 2 cores) into a staging directory renamed when done."""
+    the package's shipped starters, or built (~5 min on 2 idle cores) into a staging directory renamed when done."""
     target = tiny_policy_dir(spec_hash, seed)
     if (target / "config.json").is_file():
         return target
