@@ -146,7 +146,10 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=name)[0][0] == 3
 
 
-def test_learner_flow_fed_by_a_rollout_worker_in_another_process(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine_kind", ["local", "sglang"])
+def test_learner_flow_fed_by_a_rollout_worker_in_another_process(engine_kind, prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    """`loopline worker RUN` builds the run's engine from its stored config: LocalEngine, or a client of the
+    run's SGLang servers (here a model-backed stand-in, see tests/fakes/sglang_protocol_server.py)."""
     import signal
     import socket
     import subprocess
@@ -158,7 +161,14 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(prefect_server,
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
-    path = _config(tmp_path, tiny_dirs["v0"], mode="async", local_rollout=False, steps=2, eval={"every": 2, "tasks": 4})
+    servers = None
+    engine_config = {"kind": "local"}
+    if engine_kind == "sglang":
+        from tests.integration.test_sglang_loop import StandIns
+
+        servers = StandIns(tiny_dirs["v0"], 1, tmp_path)
+        engine_config = {"kind": "sglang", "servers": servers.urls}
+    path = _config(tmp_path, tiny_dirs["v0"], mode="async", local_rollout=False, steps=2, eval={"every": 2, "tasks": 4}, engine=engine_config)
     name = load_config(path)[0].name
     result: dict = {}
     trainer = threading.Thread(target=lambda: result.update(learner(str(path))))
@@ -174,11 +184,15 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(prefect_server,
     try:
         trainer.join(timeout=400)
         assert worker.wait(timeout=120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        if servers:
+            assert [v.split("@")[0] for v in servers.versions()] == ["2"]  # the server ends on the newest version
     finally:
         try:
             os.killpg(worker.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if servers:
+            servers.stop()
     assert result["policy_version"] == 2
     workers = _scalar_rows(db, "SELECT DISTINCT a.worker FROM attempt a JOIN run r ON r.id = a.run_id WHERE r.name = :n", n=name)
     # every rollout came from the other process (holders are host:pid:start-time)
