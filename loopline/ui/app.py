@@ -147,10 +147,14 @@ def page_trajectories(db: LedgerView) -> None:
     names = list(runs["name"])
     chosen = st.query_params.get("run")
     name = st.selectbox("Run", names, index=names.index(chosen) if chosen in names else 0)
-    table = db.trajectories(db.run_id(name))
+    limit = int(st.query_params.get("limit", 1000))  # ?limit=N shows more (or fewer) at once
+    table = db.trajectories(db.run_id(name), limit)
     if table.empty:
         st.info("This run has no committed trajectories yet.")
         return
+    total = int(runs.loc[runs["name"] == name, "trajectories"].iloc[0])
+    if total > len(table):
+        st.warning(f"showing the first {len(table):,} of {total:,} trajectories (oldest steps first); add ?limit={total} to the address for all")
     f1, f2, f3, f4 = st.columns(4)
     splits = f1.multiselect("Split", sorted(table["split"].unique()), default=sorted(table["split"].unique()))
     classes = f2.multiselect("Failure class", sorted(table["failure_class"].unique()), default=sorted(table["failure_class"].unique()))

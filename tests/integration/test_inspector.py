@@ -113,6 +113,9 @@ def test_trajectories_page_filters_and_opens_one(app, seeded):
     assert table["consumed"].all()
     at.selectbox[1].set_value("no").run()  # consumed: no -> nothing (every one was trained)
     assert len(at.dataframe[0].value) == 0
+    assert not at.warning  # all 24 shown: nothing to say
+    capped = app("trajectories", run=seeded["run"], limit="10")
+    assert len(capped.dataframe[0].value) == 10 and "first 10 of 24" in capped.warning[0].value
 
 
 def test_trajectory_page_shows_tokens_masks_and_escapes_untrusted_text(app, seeded):
