@@ -37,6 +37,8 @@ def plan(batch: Padded) -> PrefixPlan | None:
     if not has.all():
         return None
     first = targets.int().argmax(-1)  # position t predicts token t + 1: the prompt is ids[: t + 1]
+    if bool((first == 0).any()):  # a row with no prompt before its first action: no prefix to share
+        return None
     keys: dict[tuple[int, ...], int] = {}
     group = []
     for row in range(targets.shape[0]):
