@@ -82,7 +82,8 @@ def train(
     """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
-    from loopline.flows.train import ready_policy, run_config
+    from loopline.flows.assembly import run_config
+    from loopline.flows.train import ready_policy
     from loopline.flows.train import train as train_flow
 
     path = str(config) if config is not None else None

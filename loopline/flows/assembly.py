@@ -19,7 +19,8 @@ from sqlmodel import Session
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.flows.config import EngineSettings, RunConfig
+from loopline.errors import LooplineError
+from loopline.flows.config import EngineSettings, RunConfig, load_config, parse_config
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
@@ -31,6 +32,24 @@ from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
 from loopline.tasks import stages
 from loopline.trainer.learner import Learner
+
+
+FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
+
+
+def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, Path]:
+    """The config to run: the file's, or (resume without a file) the one the ledger stored for the run."""
+    if config_path is not None:
+        config, base = load_config(config_path)
+        if resume is not None and resume != config.name:
+            raise LooplineError(f"--resume {resume}: {config_path} describes run {config.name!r}")
+        return config, base
+    if resume is None:
+        raise LooplineError("pass a run config, or --resume RUN to continue a run from the ledger")
+    with store_db.session(migrate.open_ledger()) as s:
+        stored = dict(ledger.get_run(s, resume).config)
+    stored.pop(FORKED_FROM, None)
+    return parse_config(stored, f"run {resume} (stored config)"), Path.cwd()
 
 
 @dataclass
@@ -46,6 +65,10 @@ class RunParts:
     tasks: list[Task]
     initial: Path  # version 0's weights: the tokenizer and the served model's tensor layout come from here
     state: ResumeState
+
+    def session(self) -> Session:
+        """A session on the run's ledger (use as `with parts.session() as s`)."""
+        return store_db.session(self.database)
 
     def session_factory(self) -> Callable[[], Session]:
         database = self.database
@@ -74,6 +97,16 @@ def open_run(config: RunConfig, run_id: uuid.UUID, database: Database | None = N
         state = ledger.resume_state(s, run_id)
         initial = Path(ledger.initial_weights(s, run_id))
     return RunParts(config, database, run_id, *env, initial, state)
+
+
+def open_named_run(run: str) -> RunParts:
+    """A run of the ledger, by name or id, with the config it stored: what a process joining it builds on
+    (a rollout worker, an evaluation, a replay)."""
+    config, _ = run_config(None, run)
+    database = migrate.open_ledger()
+    with store_db.session(database) as s:
+        run_id = ledger.get_run(s, run).id
+    return open_run(config, run_id, database)
 
 
 def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Path) -> EpisodeSetup:
@@ -128,15 +161,25 @@ def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: i
 
 
 def build_learner(parts: RunParts) -> Learner | None:
-    """The learner at the run's last committed step: the newest full checkpoint, then the recorded batches
-    of the steps since it replayed. None when the run has no step left to train (no DeepSpeed start)."""
-    config, state = parts.config, parts.state
-    if state.next_learner_step > config.steps:
+    """The learner at the run's last committed step (newest full checkpoint, then the steps since replayed).
+    None when the run has no step left to train (no DeepSpeed start)."""
+    state = parts.state
+    if state.next_learner_step > parts.config.steps:
         return None
+    newest = state.last_checkpoint.uri if state.last_checkpoint is not None else None
+    return restore_learner(parts, newest or None, state.next_learner_step - 1)
+
+
+def restore_learner(parts: RunParts, checkpoint: str | Path | None, through_step: int) -> Learner:
+    """A learner as it was after learner step `through_step`: the full checkpoint given (else the run's
+    initial weights), then the recorded batches of the steps after the checkpoint's own step, replayed."""
+    config = parts.config
     learner = Learner(parts.initial, config.learner_config(), backend=config.learner.backend)
     restored = 0
-    if state.last_checkpoint is not None and state.last_checkpoint.uri:
-        loaded = learner.load_checkpoint(state.last_checkpoint.uri)
-        restored = int(loaded.get("cursor", {}).get("learner_step", state.last_checkpoint.learner_step))
-    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, state.next_learner_step))
+    if checkpoint:
+        step = learner.load_checkpoint(checkpoint).get("cursor", {}).get("learner_step")
+        if step is None:
+            raise LooplineError(f"{checkpoint}: the checkpoint does not say which learner step it holds")
+        restored = int(step)
+    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, through_step + 1))
     return learner

@@ -10,9 +10,7 @@ from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from loopline.flows import assembly
-from loopline.flows.train import run_config
-from loopline.store import db as store_db
-from loopline.store import ledger, migrate, queries
+from loopline.store import ledger, queries
 from loopline.errors import LooplineError
 from loopline.tasks import loop as tasks
 
@@ -21,17 +19,15 @@ from loopline.tasks import loop as tasks
 def evaluate(run: str, version: int | None = None) -> dict:
     """Evaluate `version` of `run` (default: its newest); a version already evaluated is read back, not re-run."""
     log = get_run_logger()
-    config, _ = run_config(None, run)
-    database = migrate.open_ledger()
-    with store_db.session(database) as s:
-        run_id = ledger.get_run(s, run).id
+    parts = assembly.open_named_run(run)
+    config, run_id = parts.config, parts.run_id
+    with parts.session() as s:
         weights = ledger.version_weights(s, run_id, version)
         done = {v: rate for v, _, rate in queries.eval_results(s, run_id)}
     version = weights.version
     if version in done:
         log.info("run %s v%d: already evaluated, held-out success %.1f%%", config.name, version, 100 * done[version])
         return {"run": config.name, "policy_version": version, "success": done[version], "recorded": False}
-    parts = assembly.open_run(config, run_id, database)
     evals = parts.eval_tasks()
     if not evals:
         raise LooplineError(f"{parts.env_name}@{parts.env_version} has no eval tasks")

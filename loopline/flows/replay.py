@@ -18,12 +18,8 @@ from prefect import flow, get_run_logger
 
 from loopline.errors import LooplineError
 from loopline.flows import assembly
-from loopline.flows.train import run_config
-from loopline.store import db as store_db
-from loopline.store import ledger, migrate
-from loopline.tasks import stages
+from loopline.store import ledger
 from loopline.trainer import checkpoint
-from loopline.trainer.learner import Learner
 
 
 def _restore_point(workdir: Path, before: int) -> tuple[Path | None, int]:
@@ -41,20 +37,14 @@ def _restore_point(workdir: Path, before: int) -> tuple[Path | None, int]:
 def replay_step(run: str, step: int) -> dict:
     """Retrain learner step `step` of `run` from the records; `reproduced` says whether the sha256 matches."""
     log = get_run_logger()
-    config, _ = run_config(None, run)
-    database = migrate.open_ledger()
-    with store_db.session(database) as s:
-        run_id = ledger.get_run(s, run).id
-        recorded = ledger.version_weights(s, run_id, step)
+    parts = assembly.open_named_run(run)
+    with parts.session() as s:
+        recorded = ledger.version_weights(s, parts.run_id, step)
     if recorded.version != step or step < 1:
         raise LooplineError(f"run {run} has no committed learner step {step} (its versions go up to {recorded.version})")
-    parts = assembly.open_run(config, run_id, database)
-    learner = Learner(parts.initial, config.learner_config(), backend=config.learner.backend)
     restored, since = _restore_point(parts.workdir(), step)
-    if restored is not None:
-        learner.load_checkpoint(restored)
     log.info("replaying steps %d..%d of %s from %s", since + 1, step, run, restored or "the initial weights")
-    stages.replay(learner, parts.session_factory(), run_id, range(since + 1, step + 1))
+    learner = assembly.restore_learner(parts, restored, step)
     out = Path(tempfile.mkdtemp(prefix=f"replay-{step}-", dir=parts.workdir()))
     try:
         digest = learner.export_weights(out / "weights")

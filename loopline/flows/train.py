@@ -20,7 +20,8 @@ from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
 from loopline.flows import assembly
-from loopline.flows.config import RunConfig, load_config, parse_config
+from loopline.flows.assembly import FORKED_FROM, run_config
+from loopline.flows.config import RunConfig
 from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
@@ -29,9 +30,6 @@ from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
 from loopline.tasks.stages import LoopContext
 from loopline.trainer.checkpoint import clean_partial_writes
-
-FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
-
 
 @dataclass
 class Prepared:
@@ -67,21 +65,6 @@ def ready_policy(config: RunConfig, base: Path, progress: Progress | None = None
     migrate.upgrade(database)
     row = _register_env(database, config, base)
     return resolve_policy(config, registry.spec_of(row), registry.tasks_of(row), row.spec_hash, progress)
-
-
-def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, Path]:
-    """The config to run: the file's, or (resume without a file) the one the ledger stored for the run."""
-    if config_path is not None:
-        config, base = load_config(config_path)
-        if resume is not None and resume != config.name:
-            raise LooplineError(f"--resume {resume}: {config_path} describes run {config.name!r}")
-        return config, base
-    if resume is None:
-        raise LooplineError("pass a run config, or --resume RUN to continue a run from the ledger")
-    with store_db.session(migrate.open_ledger()) as s:
-        stored = dict(ledger.get_run(s, resume).config)
-    stored.pop(FORKED_FROM, None)
-    return parse_config(stored, f"run {resume} (stored config)"), Path.cwd()
 
 
 def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):

@@ -17,9 +17,7 @@ from prefect.utilities.annotations import quote
 
 from loopline import holder
 from loopline.flows import assembly
-from loopline.flows.train import run_config
-from loopline.store import db as store_db
-from loopline.store import ledger, migrate
+from loopline.store import ledger
 from loopline.tasks import loop as tasks
 from loopline.tasks import stages
 
@@ -39,11 +37,8 @@ def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float |
 def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float | None = None) -> dict:
     """Claim and play `run`'s slots until the run ends; returns what this worker committed."""
     log = get_run_logger()
-    config, _ = run_config(None, run)
-    database = migrate.open_ledger()
-    with store_db.session(database) as s:
-        run_id = ledger.get_run(s, run).id
-    parts = assembly.open_run(config, run_id, database)
+    parts = assembly.open_named_run(run)
+    config, run_id = parts.config, parts.run_id
     concurrency = concurrency or config.concurrency
     ctx = stages.RolloutContext(
         run_id=run_id,

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -53,7 +53,6 @@ class _Server:
     log_path: Path
     process: subprocess.Popen | None = None
     restarts: int = 0
-    started: list[float] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -101,7 +100,6 @@ class LaunchedSGLang:
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent(),
             )
-        server.started.append(time.monotonic())
         replica = self.client.replicas[server.index]
         replica.version, replica.default_version, replica.default_path = version, version, weights
 
