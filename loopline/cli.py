@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from loopline import allocator
 from loopline.cli_support import console, friendly_errors
 from loopline.store import db as store_db
 from loopline.store import migrate
@@ -18,6 +19,11 @@ db_app = typer.Typer(help="The ledger database: schema upgrades and status.", no
 app.add_typer(db_app, name="db")
 models_app = typer.Typer(help="Starter policies.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+
+
+@app.callback()
+def _process() -> None:
+    allocator.tune()  # before any tensor: the learner's and the engine's peak memory depend on it
 
 
 def _where() -> str:
@@ -218,6 +224,25 @@ def inspect(
         sys.executable, "-m", "streamlit", "run", str(app_path), "--server.port", str(port), "--server.address", "127.0.0.1",
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
     ])
+
+
+@app.command("plan")
+@friendly_errors
+def plan(
+    config: Path = typer.Argument(..., help="Run config YAML"),
+    gpu: str = typer.Option("cpu", "--gpu", help="cpu (this host's memory), h200, h100, a100-80g or l4"),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs: learner ranks (data parallel); 1 shares it with the engine"),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, help="A task's prompt, tokenised (system prompt and few-shot turns included)"),
+) -> None:
+    """Memory before launch: the learner's and the engine's bytes for CONFIG on the hardware, and whether it fits."""
+    from loopline.flows import plan as planning
+    from loopline.flows.config import load_config
+
+    run, base = load_config(config)
+    result = planning.plan_run(run, base, planning.hardware(gpu, gpus), prompt_tokens)
+    console.print(result.table(), markup=False, highlight=False)
+    if not result.fits:
+        raise typer.Exit(1)
 
 
 @app.command("runs")

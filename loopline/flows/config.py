@@ -27,10 +27,17 @@ class SamplingConfig(_Strict):
 class LearnerSettings(_Strict):
     lr: float = Field(3e-4, gt=0)
     backend: Literal["deepspeed", "torch"] = "deepspeed"
-    zero_stage: int = Field(1, ge=0, le=3)
+    zero_stage: int | None = Field(
+        None, ge=0, le=3,
+        description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several",
+    )
     micro_batch_tokens: int = Field(16384, ge=64)
     minibatches: int = Field(1, ge=1)
     share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs)")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16: mixed precision on a GPU (fp32 master weights and Adam states)")
+    gradient_checkpointing: bool = Field(
+        True, description="keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward)"
+    )
     checkpoint_every: int = Field(
         4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
     )
@@ -117,7 +124,8 @@ class RunConfig(_Strict):
             loss = dataclasses.replace(loss, norm_length=self.sampling.max_new_tokens)  # Dr. GRPO's constant L
         return LearnerConfig(
             lr=learner.lr, temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
-            minibatches=learner.minibatches, share_prefix=learner.share_prefix, zero_stage=learner.zero_stage, seed=self.seed,
+            minibatches=learner.minibatches, share_prefix=learner.share_prefix,
+            gradient_checkpointing=learner.gradient_checkpointing, dtype=learner.dtype, zero_stage=learner.zero_stage, seed=self.seed,
             advantage=learner.advantage, loss=loss,
         )
 

@@ -19,7 +19,7 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
-from loopline.flows import assembly
+from loopline.flows import assembly, plan
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig
 from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
@@ -90,6 +90,8 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     row = _register_env(database, config, base)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
+    machine = plan.this_machine()  # a run that cannot fit is refused before the run exists
+    plan.require_fits(plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine), config.name)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:

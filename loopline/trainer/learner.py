@@ -52,7 +52,8 @@ class LearnerConfig:
     micro_batch_tokens: int = 8192
     minibatches: int = 1  # optimizer steps per learner step (π_old anchors all of them)
     share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
-    zero_stage: int = 1
+    gradient_checkpointing: bool = True  # keep each layer's input only, recompute the rest in backward (TRL's default)
+    zero_stage: int | None = None  # DeepSpeed ZeRO stage; None: 0 on one rank (nothing to partition), 1 on several
     dtype: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -64,6 +65,22 @@ class StepResult:
     skipped: str | None  # why the step did nothing, or None
     metrics: dict[str, float]
     samples: dict[object, TrainedSample] = field(default_factory=dict)  # trajectory id -> what it contributed
+
+
+def _checkpoint_activations(model) -> None:
+    """Gradient checkpointing: a decoder layer's activations (its MLP's 4 x intermediate-size tensors, the
+    attention's) are the learner's largest memory, ~25 KB per token per layer for SmolLM2 in fp32; keeping
+    only each layer's input and replaying the layer in backward costs about one more forward pass.
+    transformers drops the KV cache under checkpointing, because a replayed layer would write it twice;
+    the prefix-sharing caches (`trainer/prefix.py`) give the same answer on a replay, so the layers keep them."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not model.supports_gradient_checkpointing:
+        raise LearnerError(f"{type(model).__name__} does not support gradient checkpointing; set learner.gradient_checkpointing: false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer._can_checkpoint_with_cache = True
 
 
 def _bf16_supported() -> bool:
@@ -82,6 +99,8 @@ class Learner:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         model.train()
+        if config.gradient_checkpointing:
+            _checkpoint_activations(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         schedule = functools.partial(lr_factor, warmup_steps=config.warmup_steps, decay_steps=config.decay_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -97,7 +116,8 @@ class Learner:
         tool outputs' logits over the whole vocabulary are never made, which dominated time and memory."""
         shared = prefix.plan(batch) if self.config.share_prefix else None
         if shared is not None:
-            return prefix.shared_prefix_logprobs(self.backend.call, batch, shared, self.config.temperature, self.device)
+            layers = self.model.config.get_text_config().num_hidden_layers
+            return prefix.shared_prefix_logprobs(self.backend.call, layers, batch, shared, self.config.temperature, self.device)
         out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
         positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
         if positions.numel() == 0:

@@ -8,6 +8,10 @@ on, the cache is expanded to the rows that share it, and each row's suffix (from
 token on, so that every position predicting an action token is in it) runs on top with its true
 positions. Gradients flow through the shared cache into the prefix, so the update is the one the
 rows would give separately (the tests compare them); only the FLOPs differ.
+
+Both passes use caches that give the same answer when a layer runs again: with gradient checkpointing
+(`trainer/recompute.py`) each layer's forward is replayed during the backward pass, and a plain
+DynamicCache would append the replayed keys a second time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from loopline.trainer.batch import Padded
 
@@ -28,6 +33,28 @@ class PrefixPlan:
     group: torch.Tensor  # [B] index of the row's prefix among the distinct prefixes
     prefixes: list[tuple[int, ...]]
     saved_tokens: int  # tokens not run again thanks to the sharing
+
+
+class _FillLayer(DynamicLayer):
+    """The prefix pass: attends to its own keys only; keeps the first forward's states, not a replay's."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _PrefixedLayer(DynamicLayer):
+    """The suffix pass: attends to the fixed prefix plus its own keys, and stores nothing."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
 def plan(batch: Padded) -> PrefixPlan | None:
@@ -50,8 +77,11 @@ def plan(batch: Padded) -> PrefixPlan | None:
     return PrefixPlan(first, torch.tensor(group), list(keys), saved)
 
 
-def shared_prefix_logprobs(call: ModelCall, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device) -> torch.Tensor:
-    """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`."""
+def shared_prefix_logprobs(
+    call: ModelCall, layers: int, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device
+) -> torch.Tensor:
+    """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`;
+    `layers`: the model's decoder layers (one cache layer each)."""
     rows, width = batch.target_mask.shape
     lengths = batch.attention_mask.sum(-1)
     # the distinct prefixes, right-padded; a row's padding slots are masked out of its attention
@@ -77,10 +107,10 @@ def shared_prefix_logprobs(call: ModelCall, batch: Padded, prefix: PrefixPlan, t
     next_ids[:, :-1] = suffix_ids[:, 1:]  # the token each suffix position predicts
 
     if longest > 0:
-        cache = call(
-            input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), use_cache=True, logits_to_keep=1
-        ).cache
-        cache.batch_select_indices(prefix.group.to(device))  # one copy per row that shares it (differentiable)
+        filled = Cache(layers=[_FillLayer() for _ in range(layers)])
+        call(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), cache=filled, use_cache=True, logits_to_keep=1)
+        index = prefix.group.to(device)  # one copy per row that shares it (differentiable)
+        cache = Cache(layers=[_PrefixedLayer(f.keys[index], f.values[index]) for f in filled.layers])
         attention = torch.cat([prefix_mask[prefix.group], suffix_mask], dim=1)
     else:
         cache, attention = None, suffix_mask

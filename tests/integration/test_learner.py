@@ -74,13 +74,9 @@ def test_logprobs_at_action_positions_equal_the_full_vocabulary_log_softmax(tiny
         assert torch.allclose(sliced[mask], full[mask], atol=1e-5) and (sliced[~b.target_mask.bool().any(0).expand_as(mask)] == 0).all()
 
 
-def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
-    """Rows of a group share their prompt: it runs once, its KV cache serves every row (multi-turn rows
-    too: an action, a tool output, another action). Logprobs and the update equal the unshared ones."""
+def shared_prompt_batch() -> list[TrainSequence]:
+    """Three groups of four rows sharing their prompt; multi-turn rows (an action, a tool output, another action)."""
     import random
-
-    from loopline.trainer.batch import pad
-    from loopline.trainer.prefix import plan
 
     rng = random.Random(0)
     seqs = []
@@ -91,6 +87,16 @@ def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
             ids = prompt + tuple(rng.randrange(300) for _ in range(n + obs + 3))
             mask = (0,) * len(prompt) + (1,) * n + (0,) * obs + (1,) * 3
             seqs.append(TrainSequence(None, g, float(k % 2), ids, mask, tuple(-rng.random() if m else 0.0 for m in mask)))
+    return seqs
+
+
+def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
+    """Rows of a group share their prompt: it runs once, its KV cache serves every row (multi-turn rows
+    too). Logprobs and the update equal the unshared ones."""
+    from loopline.trainer.batch import pad
+    from loopline.trainer.prefix import plan
+
+    seqs = shared_prompt_batch()
     shared = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=True), backend="torch")
     plain = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=False), backend="torch")
     b = pad(seqs, list(range(len(seqs))))
@@ -102,6 +108,39 @@ def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
     shared.rl_step(seqs)
     plain.rl_step(seqs)
     assert torch.allclose(shared.parameters_vector(), plain.parameters_vector(), atol=1e-5)
+
+
+def _bytes_kept_for_backward(learner: Learner, batch) -> int:
+    """What autograd holds between a micro-batch's forward and its backward (each storage once, weights not counted)."""
+    kept: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in learner.model.parameters()}  # saved, but not extra memory
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        learner._logprobs(batch)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "plain"])
+def test_gradient_checkpointing_keeps_less_for_backward_and_makes_the_same_update(tiny_dirs, share):
+    """Each layer replays in backward: the prefix caches must give the same keys on the replay (a plain
+    DynamicCache would append them twice), so the update equals the one without checkpointing."""
+    from loopline.trainer.batch import pad
+
+    seqs = shared_prompt_batch()
+    on, off = (
+        Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=share, gradient_checkpointing=gc), backend="torch")
+        for gc in (True, False)
+    )
+    b = pad(seqs, list(range(len(seqs))))
+    assert _bytes_kept_for_backward(on, b) < 0.5 * _bytes_kept_for_backward(off, b)
+    a, c = on.rl_step(seqs), off.rl_step(seqs)
+    assert a.metrics["loss"] == pytest.approx(c.metrics["loss"], abs=1e-7)
+    assert torch.allclose(on.parameters_vector(), off.parameters_vector(), atol=1e-6)
 
 
 def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, batch):
@@ -139,8 +178,13 @@ def test_deepspeed_refuses_a_non_finite_gradient_norm(stage):
         backend.optimise([None], loss_of, LearnerError)
 
 
-def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch):
-    ds = Learner(tiny_dirs["v0"], CONFIG, backend="deepspeed")
+@pytest.mark.parametrize("stage", [None, 1], ids=["default", "zero1"])
+def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch, stage):
+    """By default one rank runs without ZeRO (its flat fp32 copies would partition nothing); ZeRO-1 too."""
+    import dataclasses
+
+    ds = Learner(tiny_dirs["v0"], dataclasses.replace(CONFIG, zero_stage=stage), backend="deepspeed")
+    assert ds.backend.zero_stage == (0 if stage is None else stage)
     plain = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
     a, b = ds.rl_step(batch), plain.rl_step(batch)
     assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)

@@ -98,6 +98,21 @@ def _scalar_rows(db, sql, **params):
     return rows
 
 
+def test_a_run_that_cannot_fit_is_refused_before_it_exists(prefect_server, database_url, db, tmp_path, monkeypatch):
+    """A 7B-shaped policy (its config.json only) in fp32 on this machine: refused with the plan's table,
+    before the run is created or any weights are read."""
+    from loopline.flows.train import train
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    path = _config(tmp_path, os.path.dirname(__file__) + "/../../examples/shapes/qwen2.5-7b")
+    with pytest.raises(LooplineError, match="would run out of memory") as refused:
+        train(str(path))
+    assert "does NOT fit" in str(refused.value) and "optimizer states" in str(refused.value)
+    name = yaml.safe_load(path.read_text())["name"]
+    assert db.execute(sa.text("SELECT count(*) FROM run WHERE name = :n"), {"n": name}).scalar_one() == 0
+
+
 def test_async_flow_overlaps_rollout_and_learning_within_max_staleness(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
     from loopline.flows.train import train
     from loopline.store.check import check_run

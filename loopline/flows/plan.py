@@ -1,0 +1,333 @@
+"""Memory before launch: what a run config needs on given hardware, and whether it fits (seed §2.2, §4.2).
+
+Out-of-memory after minutes of setup is among the most reported failures of RL trainers; the arithmetic
+that predicts it is short. Weights, gradients and optimizer states follow from the parameter count (by
+ZeRO stage and data-parallel size); activations from the model's shape and the micro-batch's tokens;
+the engine's KV cache from 2 x layers x KV heads x head dim bytes per token. The activation terms are
+calibrated against what autograd keeps on this code (`tests/integration/test_plan.py`, the tiny
+policy and SmolLM2-135M):
+
+  per token and layer, without checkpointing: 5 x intermediate (MLP: gate, up, activation, product,
+  activation input) + 4 x hidden (two RMSNorms: input and output) + 4 x heads x head dim (query,
+  attention output, and the keys and values SDPA's math path expands to every head);
+  with checkpointing (`learner.gradient_checkpointing`): one hidden vector per token and layer, plus
+  one layer's activations while it is replayed;
+  the final norm's input and output, and where an action token is predicted the LM head's input and
+  the fp32 logits; the backward adds two more logits-sized tensors (the softmax, its gradient).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loopline.errors import LooplineError
+
+GiB = 1024**3
+HEADROOM = 0.9  # of a device's memory: the CUDA context, the allocator's fragmentation, the runtime
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the arithmetic needs from a Hugging Face config.json."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_context: int
+    attention_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> "ModelShape":
+        text = config.get("text_config", config)
+        try:
+            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            return cls(
+                layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
+                kv_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or hidden // heads),
+                intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
+                tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                max_context=int(text.get("max_position_embeddings", 2048)),
+                attention_bias=bool(text.get("attention_bias", False)),
+            )
+        except KeyError as missing:
+            raise LooplineError(f"{source}: no {missing.args[0]!r}; `loopline plan` reads decoder-only transformer configs") from None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> "ModelShape":
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            raise LooplineError(f"{directory}: no config.json (a model directory, or just its config.json, is needed)")
+        return cls.from_config(json.loads(path.read_text()), str(path))
+
+    @property
+    def params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * q + 2 * self.hidden * kv + q * self.hidden + ((q + 2 * kv) if self.attention_bias else 0)
+        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * layer + self.hidden + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def layer_activation_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """What one decoder layer keeps for its backward (all of it while a checkpointed layer is replayed)."""
+        return (5 * self.intermediate + 4 * self.hidden + 4 * self.heads * self.head_dim) * dtype_bytes * tokens
+
+    def kept_for_backward(self, tokens: int, positions: int, dtype_bytes: int, checkpointing: bool) -> int:
+        """What autograd holds between a micro-batch's forward and its backward: the layers' activations (with
+        checkpointing only their inputs), the final norm's input and output, and at the `positions` that
+        predict an action token the LM head's input and the fp32 logits."""
+        layers = self.layers * (self.hidden * dtype_bytes * tokens if checkpointing else self.layer_activation_bytes(tokens, dtype_bytes))
+        return layers + 2 * self.hidden * dtype_bytes * tokens + positions * (4 * self.vocab + self.hidden * dtype_bytes)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory: int  # bytes per device (host memory for cpu)
+    devices: int = 1
+
+    @property
+    def gpu(self) -> bool:
+        return self.name != "cpu"
+
+
+GPU_MEMORY = {  # what the driver reports (nvidia-smi), MiB
+    "h200": 143_771,
+    "h100": 81_559,
+    "a100-80g": 81_920,
+    "l4": 23_034,
+}
+
+
+def hardware(name: str, devices: int = 1) -> Hardware:
+    if name == "cpu":
+        return Hardware("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 1)
+    if name not in GPU_MEMORY:
+        raise LooplineError(f"unknown hardware {name!r}: one of cpu, {', '.join(GPU_MEMORY)}")
+    return Hardware(name, GPU_MEMORY[name] * 1024**2, devices)
+
+
+def this_machine() -> Hardware:
+    """Where `loopline train` will run: the first GPU if torch sees one, else this host's memory."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return Hardware(props.name, props.total_memory, torch.cuda.device_count())
+    return hardware("cpu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run config's numbers the memory depends on."""
+
+    dtype_bytes: int = 4  # learner: 4 fp32, 2 bf16 (then with fp32 master weights and optimizer states)
+    zero_stage: int = 0
+    data_parallel: int = 1
+    gradient_checkpointing: bool = True
+    micro_batch_tokens: int = 16384  # tokens a micro-batch may hold
+    step_tokens: int = 16384  # tokens of one learner step (all sequences, padded)
+    action_fraction: float = 0.5  # of a sequence's tokens, those the policy generated
+    reference_model: bool = False  # KL to a reference: a frozen copy of the weights
+    concurrency: int = 32  # sequences the engine holds at once
+    sequence_tokens: int = 1024  # a sequence's longest context: prompt + turns x (new tokens + tool output)
+    engine_dtype_bytes: int = 4
+    colocated: bool = True  # learner and engine share the device (CPU: one process; one GPU)
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    hardware: Hardware
+    learner: list[Row]
+    engine: list[Row]
+    fits: bool
+    verdict: str
+    max_concurrency: int
+    max_micro_batch_tokens: int
+    budget: int = field(repr=False, default=0)
+
+    @property
+    def learner_bytes(self) -> int:
+        return sum(r.bytes for r in self.learner)
+
+    @property
+    def engine_bytes(self) -> int:
+        return sum(r.bytes for r in self.engine)
+
+    def table(self) -> str:
+        lines = []
+        for title, rows, total in (("learner, per rank", self.learner, self.learner_bytes), ("engine, per server", self.engine, self.engine_bytes)):
+            lines.append(title)
+            lines += [f"  {r.part:18s} {size(r.bytes):>10s}  {r.note}" for r in rows]
+            lines.append(f"  {'total':18s} {size(total):>10s}")
+        where = f"{self.hardware.name}, {size(self.hardware.memory)}{' per device' if self.hardware.gpu else ''}"
+        lines.append(f"budget ({where}, {HEADROOM:.0%}): {size(self.budget)}")
+        lines.append(self.verdict)
+        return "\n".join(lines)
+
+
+def size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
+    p, b = model.params, work.dtype_bytes
+    dp = max(work.data_parallel, 1)
+    mixed = b < 4  # bf16 weights and gradients, fp32 master weights and Adam states
+    optimizer_bytes = p * (8 + (4 if mixed else 0))
+    shard = lambda n, stage: n // dp if work.zero_stage >= stage else n  # noqa: E731
+    tokens = min(work.micro_batch_tokens, work.step_tokens)
+
+    def activations(t: int) -> int:
+        kept = model.kept_for_backward(t, int(t * work.action_fraction), b, work.gradient_checkpointing)
+        return kept + (model.layer_activation_bytes(t, b) if work.gradient_checkpointing else 0)
+
+    sharded = lambda stage: work.zero_stage >= stage and dp > 1  # noqa: E731
+    learner = [
+        Row("weights", shard(p * b, 3), f"{count(p)} parameters x {b} B" + (f", ZeRO-3: / {dp} ranks" if sharded(3) else "")),
+        Row("gradients", shard(p * b, 2), f"ZeRO-2: / {dp} ranks" if sharded(2) else ""),
+        Row("optimizer states", shard(optimizer_bytes, 1), "Adam m, v" + (" + fp32 master" if mixed else "") + (f", ZeRO-1: / {dp} ranks" if sharded(1) else "")),
+        Row(
+            "activations", activations(tokens),
+            f"{tokens} tokens per micro-batch, " + ("checkpointed: + one layer replayed" if work.gradient_checkpointing else "no checkpointing"),
+        ),
+        Row("logits, backward", 2 * int(tokens * work.action_fraction) * model.vocab * 4, "softmax and its gradient, fp32, action positions"),
+    ]
+    if work.reference_model:
+        learner.append(Row("reference model", p * b, "KL on"))
+    engine = [
+        Row("weights", p * work.engine_dtype_bytes),
+        Row(
+            "KV cache", model.kv_bytes_per_token(work.engine_dtype_bytes) * work.concurrency * work.sequence_tokens,
+            f"{size(model.kv_bytes_per_token(work.engine_dtype_bytes))}/token x {work.concurrency} sequences x {work.sequence_tokens} tokens",
+        ),
+    ]
+    budget = int(hw.memory * HEADROOM)
+    learner_bytes, engine_bytes = sum(r.bytes for r in learner), sum(r.bytes for r in engine)
+    shared = work.colocated
+    need = learner_bytes + engine_bytes if shared else max(learner_bytes, engine_bytes)
+    # the largest concurrency and micro-batch that would fit, the rest unchanged
+    engine_room = budget - (learner_bytes if shared else 0) - p * work.engine_dtype_bytes
+    per_sequence = model.kv_bytes_per_token(work.engine_dtype_bytes) * work.sequence_tokens
+    max_concurrency = max(engine_room // per_sequence, 0)
+    fixed = sum(r.bytes for r in learner if r.part not in ("activations", "logits, backward")) + (engine_bytes if shared else 0)
+    max_micro = _largest(lambda t: fixed + activations(t) + 2 * int(t * work.action_fraction) * model.vocab * 4 <= budget)
+    fits = need <= budget
+    where = "learner and engine together" if shared else "the larger of learner and engine"
+    # what to change: whichever side does not fit (either one when they share the device)
+    micro = f"micro_batch_tokens {max_micro}" if max_micro > 0 else None
+    more = f"concurrency {max_concurrency}" if max_concurrency > 0 else None
+    if shared:
+        fixes = [f for f in (micro, more) if f]
+        possible = bool(fixes)
+    else:
+        needed = [fix for fix, over in ((micro, learner_bytes > budget), (more, engine_bytes > budget)) if over]
+        fixes, possible = [f for f in needed if f], all(needed)
+    if fits:
+        verdict = f"fits: {where} need {size(need)} of {size(budget)}"
+    elif not possible:
+        verdict = (
+            f"does NOT fit: {where} need {size(need)} of {size(budget)}, and the weights (with the learner's gradients "
+            f"and optimizer states) alone do not: more ranks (ZeRO shards them), bf16, or a smaller model"
+        )
+    else:
+        verdict = f"does NOT fit: {where} need {size(need)} of {size(budget)}; {' or '.join(fixes)} (the rest unchanged) would"
+    return Plan(hw, learner, engine, fits, verdict, int(max_concurrency), max_micro, budget)
+
+
+def _largest(fits, high: int = 1 << 30) -> int:
+    """The largest t in [0, high] with fits(t) (fits is monotone: more tokens never need less memory)."""
+    low = 0
+    if not fits(1):
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
+    """The Workload of a run config (`flows.config.RunConfig`) and its environment's budgets."""
+    learner = config.learner
+    new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.sampling.max_new_tokens)
+    sequence = prompt_tokens + new_tokens
+    dp = hw.devices if hw.gpu else 1
+    stage = learner.zero_stage if learner.zero_stage is not None else (0 if dp == 1 else 1)
+    return Workload(
+        dtype_bytes=2 if (hw.gpu and learner.dtype == "bf16") else 4,
+        zero_stage=stage,
+        data_parallel=dp,
+        gradient_checkpointing=learner.gradient_checkpointing,
+        micro_batch_tokens=learner.micro_batch_tokens,
+        step_tokens=config.groups_per_step * config.group_size * sequence // dp,
+        action_fraction=new_tokens / sequence,
+        reference_model=learner.loss.kl_coef > 0,
+        concurrency=config.concurrency,
+        sequence_tokens=sequence,
+        engine_dtype_bytes=2 if hw.gpu else 4,
+        colocated=not hw.gpu or hw.devices == 1,
+    )
+
+
+def require_fits(plan: Plan, config_name: str) -> None:
+    if not plan.fits:
+        raise LooplineError(f"run {config_name!r} would run out of memory; refused before any work:\n{plan.table()}")
+
+
+
+
+def policy_shape(policy: str, base: Path) -> ModelShape:
+    """The shape of a run config's `policy`, from its config.json alone (no weights needed)."""
+    from loopline.flows.starter import SHIPPED_STARTERS
+    from loopline.store.db import loopline_home
+
+    if policy == "tiny":  # every tiny starter has the recipe's shape
+        shipped = sorted(SHIPPED_STARTERS.glob("*/config.json"))
+        return ModelShape.from_dir(shipped[0].parent)
+    if policy == "smollm2-135m":
+        pulled = loopline_home() / "models" / policy
+        if not (pulled / "config.json").is_file():
+            raise LooplineError("smollm2-135m is not pulled yet: `loopline models pull smollm2-135m` (or pass its directory)")
+        return ModelShape.from_dir(pulled)
+    path = Path(policy).expanduser()
+    return ModelShape.from_dir(path if path.is_absolute() else base / path)
+
+
+def plan_run(config, base: Path, hw: Hardware, prompt_tokens: int = 512) -> Plan:
+    """The plan of a run config (`flows.config.RunConfig`, relative paths from `base`)."""
+    from loopline.envregistry import registry
+    from loopline.envregistry.spec import load_spec
+    from loopline.store import db as store_db
+    from loopline.store import migrate
+
+    if config.env_is_file:
+        spec = load_spec(base / config.env)
+    else:
+        with store_db.session(migrate.open_ledger()) as s:
+            spec = registry.spec_of(registry.get(s, config.env))
+    return estimate(policy_shape(config.policy, base), workload(config, spec.budgets, prompt_tokens, hw), hw)
