@@ -196,6 +196,12 @@ def commit_learner_step(
                 sa.text("UPDATE consumption SET advantage = :a, training = :d WHERE run_id = :r AND trajectory_id = :t"),
                 [dict(a=x.advantage, d=Jsonb(x.details()), r=run_id, t=t) for t, x in samples.items()],
             )
+            recomputed = [dict(r=run_id, t=t, lp=list(x.learner_logprobs)) for t, x in samples.items() if x.learner_logprobs is not None]
+            if recomputed:  # π_old per action token, beside the rollout's μ (the inspector's mismatch view)
+                session.execute(
+                    sa.text("INSERT INTO learner_logprob (run_id, trajectory_id, logprobs) VALUES (:r, :t, CAST(:lp AS real[]))"),
+                    recomputed,
+                )
         q(session, "UPDATE rollout_group SET state = 'consumed' WHERE id = ANY(:g)", g=list(claimed))
         new_version = latest + 1
         q(

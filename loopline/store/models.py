@@ -27,6 +27,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    REAL,
     SmallInteger,
     Text,
     UniqueConstraint,
@@ -322,6 +323,25 @@ class Consumption(SQLModel, table=True):
     advantage: float | None = Field(default=None, sa_column=Column(Double, nullable=True))  # what the learner used
     training: dict[str, Any] = _jsonb()  # TrainedSample's other facts: group mean/std, degenerate, correction
     created_at: datetime | None = _created_at()
+
+
+class LearnerLogprob(SQLModel, table=True):
+    """π_old as the learner recomputed it for a consumed trajectory, one value per action token (in the
+    trajectory's order): beside the rollout's μ, it shows where inference and training disagree."""
+
+    __tablename__ = "learner_logprob"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["run_id", "trajectory_id"],
+            ["consumption.run_id", "consumption.trajectory_id"],
+            name="fk_learner_logprob_consumption",
+            ondelete="CASCADE",
+        ),
+    )
+
+    run_id: uuid.UUID = Field(sa_column=Column(UUID(as_uuid=True), primary_key=True))
+    trajectory_id: uuid.UUID = Field(sa_column=Column(UUID(as_uuid=True), primary_key=True))
+    logprobs: list[float] = Field(sa_column=Column(ARRAY(REAL), nullable=False))  # float4: 4 bytes a token
 
 
 class Checkpoint(SQLModel, table=True):

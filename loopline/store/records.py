@@ -164,9 +164,12 @@ class TrainedSample:
     action_tokens: int = 0
     rejected_tokens: int = 0  # left out by the off-policy correction (MIS / rejection)
     correction_weight_mean: float | None = None  # mean π_old/μ weight over its kept tokens
+    learner_logprobs: tuple[float, ...] | None = None  # π_old at its action tokens, in order (None: another rank's)
+    logprob_abs_diff_mean: float | None = None  # mean and max |π_old - μ| over its action tokens
+    logprob_abs_diff_max: float | None = None
 
     def details(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "advantage"}
+        return {k: v for k, v in asdict(self).items() if k not in ("advantage", "learner_logprobs")}
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,25 @@ def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
     return [dict(r) for r in rows.mappings().all()]
 
 
+def learner_logprobs(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[float] | None:
+    """π_old at the trajectory's action tokens as the learner recomputed it (None: not trained, or trained
+    before loopline stored it)."""
+    row = _one(conn, "SELECT logprobs FROM learner_logprob WHERE trajectory_id = :t", t=trajectory_id)
+    return list(row["logprobs"]) if row else None
+
+
+def logprob_gaps(conn: sa.Connection, run_id: uuid.UUID) -> Table:
+    """Per consumed trajectory: its learner step and mean and max |π_old - μ| over its action tokens."""
+    return _table(
+        conn,
+        "SELECT c.learner_step AS step, c.trajectory_id AS id, (c.training->>'logprob_abs_diff_mean')::float8 AS mean_abs_diff, "
+        "(c.training->>'logprob_abs_diff_max')::float8 AS max_abs_diff FROM consumption c "
+        "WHERE c.run_id = :r AND c.training->>'logprob_abs_diff_max' IS NOT NULL "
+        "ORDER BY c.learner_step, c.trajectory_id",
+        r=run_id,
+    )
+
+
 def attempts(conn: sa.Connection, slot_id: uuid.UUID) -> Table:
     return _table(
         conn,

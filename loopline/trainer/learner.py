@@ -195,7 +195,7 @@ class Learner:
         keep = [i for i, s in enumerate(sequences) if adv.keep[i] and s.action_tokens > 0]
         base = {"degenerate_groups": float(adv.degenerate_groups), "groups": float(adv.groups)}
         if not keep:
-            return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, adv, [], [], [], {}))
+            return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, adv, [], [], [], {}, {}))
         seqs = [sequences[i] for i in keep]
         advantages = adv.values[keep].float()
         for s in seqs:
@@ -258,7 +258,7 @@ class Learner:
             grad_norms.append(self.backend.last_grad_norm)
         self.steps_done += 1
         gap = self._logprob_gaps(micro, old, seqs, trained_version)
-        samples = self._samples(sequences, adv, keep, seqs, micro, corrections)
+        samples = self._samples(sequences, adv, keep, seqs, micro, corrections, old)
         metrics = {
             **base,
             **gap,
@@ -273,24 +273,30 @@ class Learner:
         return StepResult(None, metrics, samples)
 
     @staticmethod
-    def _samples(sequences, adv, keep: list[int], seqs, micro: list[Padded], corrections: dict) -> dict[object, TrainedSample]:
-        """Per trajectory: its advantage and group facts, and what the correction did to its tokens."""
-        tokens: dict[int, tuple[int, int, float | None]] = {}
+    def _samples(sequences, adv, keep: list[int], seqs, micro: list[Padded], corrections: dict, old: dict) -> dict[object, TrainedSample]:
+        """Per trajectory: its advantage and group facts, what the correction did to its tokens, and π_old at them."""
+        tokens: dict[int, dict] = {}
         for b in micro:
             c = corrections.get(id(b))
             if c is None:  # another rank's micro-batch (π_old came from the loss's forward on that rank)
                 continue
             for row, j in enumerate(b.rows):
-                kept = c.kept[row]
-                weight = float(c.weight[row][kept].mean()) if kept.any() else None
-                tokens[j] = (int(b.target_mask[row].sum()), int(b.target_mask[row].sum()) - int(kept.sum()), weight)
+                kept, actions = c.kept[row].cpu(), b.target_mask[row].bool()
+                recomputed = old[id(b)][row].cpu()[actions]
+                gap = (recomputed - b.behaviour_logprobs[row][actions]).abs()
+                tokens[j] = dict(
+                    action_tokens=int(actions.sum()), rejected_tokens=int(actions.sum()) - int(kept.sum()),
+                    correction_weight_mean=float(c.weight[row].cpu()[kept].mean()) if kept.any() else None,
+                    learner_logprobs=tuple(recomputed.tolist()),
+                    logprob_abs_diff_mean=float(gap.mean()) if gap.numel() else None,
+                    logprob_abs_diff_max=float(gap.max()) if gap.numel() else None,
+                )
         position = {i: j for j, i in enumerate(keep)}  # index in `sequences` -> index in `seqs`
         out = {}
         for i, s in enumerate(sequences):
-            action, rejected, weight = tokens.get(position.get(i, -1), (s.action_tokens, 0, None))
+            facts = tokens.get(position.get(i, -1), dict(action_tokens=s.action_tokens))
             out[s.trajectory_id] = TrainedSample(
-                float(adv.values[i]), float(adv.group_mean[i]), float(adv.group_std[i]), bool(adv.degenerate[i]),
-                i in position, action, rejected, weight,
+                float(adv.values[i]), float(adv.group_mean[i]), float(adv.group_std[i]), bool(adv.degenerate[i]), i in position, **facts
             )
         return out
 

@@ -17,7 +17,8 @@ from functools import lru_cache
 import pandas as pd
 import streamlit as st
 
-from loopline.ui.data import LedgerView, Token, segment_tokens
+from loopline.store.check import LOGPROB_GAP_TOLERANCE
+from loopline.ui.data import LedgerView, Token, first_divergence, segment_tokens, with_learner_logprobs
 
 PAGES = {"runs": "Runs", "trajectories": "Trajectories", "trajectory": "Trajectory", "group": "Group", "environments": "Environments"}
 
@@ -62,6 +63,7 @@ STYLE = """
 .tok { padding: 1px 0; border-radius: 3px; }
 .ctx { color: #555; background: #eef0f3; }
 .act { color: #000; outline: 1px solid #2b6cb0; }
+.first-gap { outline: 2px solid #c53030; }
 .legend span { margin-right: 1.2em; }
 </style>
 """
@@ -73,13 +75,24 @@ def heat(logprob: float) -> str:
     return f"hsl({int(120 * p)}, 75%, 78%)"
 
 
-def render_tokens(tokens: list[Token]) -> str:
+def gap_heat(gap: float, tolerance: float) -> str:
+    """|μ − π_old| as colour: white (agree) to red (at 10 x the tolerance and beyond)."""
+    level = max(0.0, min(1.0, gap / (10 * tolerance)))
+    return f"hsl(0, 85%, {int(97 - 30 * level)}%)"
+
+
+def render_tokens(tokens: list[Token], by_gap: bool = False, tolerance: float = LOGPROB_GAP_TOLERANCE, first: int | None = None) -> str:
+    """`by_gap`: colour action tokens by |μ − π_old| instead of μ's probability; `first`: the index of the
+    first token past the tolerance, outlined."""
     parts = []
-    for t in tokens:
+    for k, t in enumerate(tokens):
         text = html.escape(t.text).replace("\n", "⏎\n")
         if t.action:
-            title = html.escape(f"id {t.id} · logprob {t.logprob:.4f} · p {math.exp(t.logprob):.3f} · v{t.version} · mask 1", quote=True)
-            parts.append(f'<span class="tok act" style="background:{heat(t.logprob)}" title="{title}">{text}</span>')
+            learner = "" if t.learner_logprob is None else f" · π_old {t.learner_logprob:.4f} · |Δ| {t.gap:.2e}"
+            title = html.escape(f"id {t.id} · μ {t.logprob:.4f} · p {math.exp(t.logprob):.3f}{learner} · v{t.version} · mask 1", quote=True)
+            colour = gap_heat(t.gap, tolerance) if by_gap and t.gap is not None else heat(t.logprob)
+            marked = " first-gap" if k == first else ""
+            parts.append(f'<span class="tok act{marked}" style="background:{colour}" title="{title}">{text}</span>')
         else:
             title = html.escape(f"id {t.id} · context · mask 0", quote=True)
             parts.append(f'<span class="tok ctx" title="{title}">{text}</span>')
@@ -136,6 +149,16 @@ def page_runs(db: LedgerView) -> None:
         st.subheader("Rollout vs learner logprob gap (mean |Δ|)")
         if "logprob_abs_diff" in metrics:
             st.line_chart(metrics, x="step", y="logprob_abs_diff")
+        gaps = db.logprob_gaps(run_id)
+        if not gaps.empty:
+            st.subheader("|μ − π_old| per trajectory, by step (max over its tokens)")
+            spread = gaps.groupby("step")["max_abs_diff"].describe(percentiles=[0.5, 0.95])[["50%", "95%", "max"]]
+            st.line_chart(spread.reset_index().melt("step", var_name="quantile", value_name="max |Δ|"), x="step", y="max |Δ|", color="quantile")
+            st.caption(f"worst trajectories (tolerance {LOGPROB_GAP_TOLERANCE:g} per token)")
+            worst = gaps.nlargest(10, "max_abs_diff").assign(open=lambda f: "?page=trajectory&id=" + f["id"].astype(str))
+            st.dataframe(
+                worst, hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
+            )
 
 
 def page_trajectories(db: LedgerView) -> None:
@@ -200,15 +223,27 @@ def page_trajectory(db: LedgerView) -> None:
         "<span>hover a token for id, logprob and version</span></div>",
         unsafe_allow_html=True,
     )
-    for segment in db.segments(t["id"]):
-        prompt, generated = segment_tokens(segment, decode)
+    segments = db.segments(t["id"])
+    rendered = [segment_tokens(segment, decode) for segment in segments]
+    generated_all = with_learner_logprobs([g for _, g in rendered], db.learner_logprobs(t["id"]))
+    first = first_divergence(generated_all, LOGPROB_GAP_TOLERANCE)
+    has_learner = any(tok.learner_logprob is not None for g in generated_all for tok in g)
+    by_gap = has_learner and st.radio("Colour action tokens by", ["probability (μ)", "|μ − π_old|"], horizontal=True) == "|μ − π_old|"
+    if not has_learner:
+        st.caption("no learner logprobs: this trajectory was not trained (or was trained before loopline stored them)")
+    elif first is None:
+        st.success(f"inference and training agree on every action token (|μ − π_old| ≤ {LOGPROB_GAP_TOLERANCE:g})")
+    else:
+        st.error(f"first token with |μ − π_old| > {LOGPROB_GAP_TOLERANCE:g}: segment {segments[first[0]]['seq']}, generated token {first[1]} (outlined red)")
+    for segment, (prompt, _), generated in zip(segments, rendered, generated_all):
         spans = ", ".join(f"v{s['version']} [{s['start']}:{s['end']})" for s in segment.get("version_spans") or []) or f"v{segment['policy_version']}"
         st.subheader(f"Segment {segment['seq']} · {len(generated)} generated tokens · {spans}")
         st.caption(f"request {segment['request_id']} · logprobs: {segment['logprob_semantics']} · sampling {json.dumps(segment['sampling_config'])}")
         with st.expander(f"Prompt the model saw ({len(prompt)} tokens)", expanded=segment["seq"] == 0):
             st.markdown(render_tokens(prompt), unsafe_allow_html=True)
             st.code(json.dumps(segment["prompt_ids"]), language=None)
-        st.markdown(render_tokens(generated), unsafe_allow_html=True)
+        mark = first[1] if first is not None and segments[first[0]] is segment else None
+        st.markdown(render_tokens(generated, by_gap, LOGPROB_GAP_TOLERANCE, mark), unsafe_allow_html=True)
         for event in segment.get("tool_events") or []:
             st.markdown(f"**tool** `{html.escape(str(event.get('tool')))}` · {event.get('seconds', 0):.3f} s")
             st.code(json.dumps(event.get("args"), ensure_ascii=False), language=None)  # st.code shows text, never markup

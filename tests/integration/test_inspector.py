@@ -103,6 +103,9 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     titles = [s.value for s in at.subheader]
     assert "Training reward" in titles and "Version lag of trained samples" in titles
     assert "Seconds per learner step, by part" in titles
+    assert "|μ − π_old| per trajectory, by step (max over its tokens)" in titles
+    worst = at.dataframe[1].value
+    assert len(worst) == 10 and (worst["max_abs_diff"].diff().dropna() <= 0).all()  # the worst first, with links
     assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
 
 
@@ -128,6 +131,40 @@ def test_trajectory_page_shows_tokens_masks_and_escapes_untrusted_text(app, seed
     assert "<script" not in page.lower()  # ... and never as markup
     assert at.metric[1].value in ("passed", "task_failed", "truncated")
     assert not at.dataframe[0].value.empty  # the attempts at this slot
+
+
+def test_trajectory_page_shows_the_learners_logprobs_beside_the_rollouts(app, seeded):
+    """π_old per action token, stored by the learner step; the same weights generated and trained: they agree."""
+    at = app("trajectory", id=seeded["xss"])
+    page = _html(at)
+    assert "π_old" in page and "|Δ|" in page
+    assert any("agree on every action token" in m.value for m in at.success)
+    at.radio[0].set_value("|μ − π_old|").run()
+    assert "hsl(0, 85%" in _html(at)  # coloured by the gap now
+
+
+def test_a_diverging_token_is_marked_where_it_diverges(app, seeded):
+    """One stored π_old value moved by 1 nat: the page names that token and outlines it."""
+    engine = sa.create_engine(seeded["url"])
+    with engine.begin() as conn:
+        trajectory = conn.execute(
+            sa.text("SELECT trajectory_id FROM learner_logprob WHERE run_id = :r AND trajectory_id <> :x AND cardinality(logprobs) > 3 LIMIT 1"),
+            {"r": seeded["run_id"], "x": seeded["xss"]},
+        ).scalar_one()
+        conn.execute(sa.text("UPDATE learner_logprob SET logprobs[3] = logprobs[3] - 1 WHERE trajectory_id = :t"), {"t": trajectory})
+    try:
+        at = app("trajectory", id=str(trajectory))
+        segments = sa.create_engine(seeded["url"]).connect().execute(
+            sa.text("SELECT seq, action_loss_mask FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory}
+        ).all()
+        actions = [(seq, k) for seq, mask in segments for k, m in enumerate(mask) if m]
+        seq, k = actions[2]  # the third action token (arrays are 1-based)
+        assert f"segment {seq}, generated token {k}" in at.error[0].value
+        assert _html(at).count("tok act first-gap") == 1
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE learner_logprob SET logprobs[3] = logprobs[3] + 1 WHERE trajectory_id = :t"), {"t": trajectory})
+        engine.dispose()
 
 
 def test_group_page_shows_samples_with_advantages(app, seeded):
@@ -193,6 +230,11 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             page.get_by_text("Attempts at this slot").wait_for(timeout=30_000)
             page.wait_for_load_state("networkidle")
             assert page.locator("span.tok.act").count() > 0 and page.locator("span.tok.ctx").count() > 0
+            assert "π_old" in page.locator("span.tok.act[title]").first.get_attribute("title")  # the learner's recompute beside μ
+            colours = "() => Array.from(document.querySelectorAll('span.tok.act')).map(e => getComputedStyle(e).backgroundColor).join()"
+            by_probability = page.evaluate(colours)
+            page.get_by_text("|μ − π_old|", exact=True).click()  # colour by the gap: near white where they agree
+            page.wait_for_function(f"() => ({colours})() !== {by_probability!r}", timeout=30_000)
             assert page.evaluate("() => document.querySelectorAll('script').length") == page.evaluate(
                 "() => Array.from(document.scripts).filter(s => s.src).length + Array.from(document.scripts).filter(s => !s.src && !s.textContent.includes('owned')).length"
             )  # no script tag from the trajectory made it into the page
