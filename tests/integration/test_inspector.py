@@ -167,6 +167,43 @@ def test_a_diverging_token_is_marked_where_it_diverges(app, seeded):
         engine.dispose()
 
 
+def test_a_stored_token_id_the_tokenizer_would_not_give_is_marked(app, seeded, tiny_dirs):
+    """The token-exactness view: decoding a segment's ids and tokenising the text again. The tiny policy's
+    samples are often not the tokenizer's own segmentation (where, the page says); a prompt id replaced by
+    one that decodes to text the tokenizer encodes otherwise is named by its position."""
+    from transformers import AutoTokenizer
+
+    from loopline.ui.data import first_retokenisation_difference
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["v0"])
+    engine = sa.create_engine(seeded["url"])
+    with engine.connect() as conn:
+        trajectory, prompt, generated = conn.execute(
+            sa.text("SELECT s.trajectory_id, s.prompt_ids, s.generated_ids FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
+                    "WHERE t.run_id = :r AND s.seq = 0 AND NOT EXISTS (SELECT 1 FROM segment x WHERE x.trajectory_id = s.trajectory_id AND x.seq > 0) "
+                    "ORDER BY s.trajectory_id LIMIT 1"),
+            {"r": seeded["run_id"]},
+        ).one()
+    natural = first_retokenisation_difference(prompt + generated, tokenizer)
+    assert natural is None or natural >= len(prompt)  # the chat template's prompt round-trips
+    k = 5
+    corrupt = next(t for t in range(len(tokenizer)) if first_retokenisation_difference(prompt[:k] + [t] + prompt[k + 1 :] + generated, tokenizer) == k)
+    page = app("trajectory", id=str(trajectory))
+    if natural is None:
+        assert any("token-exact" in c.value for c in page.caption)
+    else:
+        assert any(f"re-tokenisation differs at generated token {natural - len(prompt)}" in w.value for w in page.warning)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE segment SET prompt_ids[:i] = :c WHERE trajectory_id = :t AND seq = 0"), {"i": k + 1, "c": corrupt, "t": trajectory})
+    try:
+        at = app("trajectory", id=str(trajectory))
+        assert any(f"re-tokenisation differs at prompt token {k} (id {corrupt})" in w.value for w in at.warning)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE segment SET prompt_ids[:i] = :c WHERE trajectory_id = :t AND seq = 0"), {"i": k + 1, "c": prompt[k], "t": trajectory})
+        engine.dispose()
+
+
 def test_group_page_shows_samples_with_advantages(app, seeded):
     at = app("group", id=seeded["xss_group"])
     table = at.dataframe[0].value
@@ -235,6 +272,7 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             by_probability = page.evaluate(colours)
             page.get_by_text("|μ − π_old|", exact=True).click()  # colour by the gap: near white where they agree
             page.wait_for_function(f"() => ({colours})() !== {by_probability!r}", timeout=30_000)
+            page.get_by_text(re.compile("token-exact|re-tokenisation differs")).first.wait_for(timeout=30_000)  # the token-exactness check
             assert page.evaluate("() => document.querySelectorAll('script').length") == page.evaluate(
                 "() => Array.from(document.scripts).filter(s => s.src).length + Array.from(document.scripts).filter(s => !s.src && !s.textContent.includes('owned')).length"
             )  # no script tag from the trajectory made it into the page

@@ -17,6 +17,7 @@ from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.checkpoint import weights_sha256
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
+from tests.factories import kept_for_backward
 
 PROMPTS = [[1, 87, 85, 261, 201], [1, 67, 85, 85, 277, 86], [1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55]]
 
@@ -110,21 +111,6 @@ def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
     assert torch.allclose(shared.parameters_vector(), plain.parameters_vector(), atol=1e-5)
 
 
-def _bytes_kept_for_backward(learner: Learner, batch) -> int:
-    """What autograd holds between a micro-batch's forward and its backward (each storage once, weights not counted)."""
-    kept: dict[int, int] = {}
-    weights = {p.untyped_storage().data_ptr() for p in learner.model.parameters()}  # saved, but not extra memory
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        learner._logprobs(batch)
-    return sum(kept.values())
-
-
 @pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "plain"])
 def test_gradient_checkpointing_keeps_less_for_backward_and_makes_the_same_update(tiny_dirs, share):
     """Each layer replays in backward: the prefix caches must give the same keys on the replay (a plain
@@ -137,7 +123,7 @@ def test_gradient_checkpointing_keeps_less_for_backward_and_makes_the_same_updat
         for gc in (True, False)
     )
     b = pad(seqs, list(range(len(seqs))))
-    assert _bytes_kept_for_backward(on, b) < 0.5 * _bytes_kept_for_backward(off, b)
+    assert kept_for_backward(on, b) < 0.5 * kept_for_backward(off, b)
     a, c = on.rl_step(seqs), off.rl_step(seqs)
     assert a.metrics["loss"] == pytest.approx(c.metrics["loss"], abs=1e-7)
     assert torch.allclose(on.parameters_vector(), off.parameters_vector(), atol=1e-6)
@@ -264,7 +250,7 @@ def test_bad_batches_and_checkpoints_are_refused(tiny_dirs, batch, tmp_path):
 DS_WORKER = """
 import json, sys, torch
 from loopline.trainer.batch import TrainSequence
-from loopline.trainer.learner import Learner, LearnerConfig
+from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
 model_dir, data, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
 batch = [TrainSequence(None, g, r, tuple(i), tuple(m), tuple(mu)) for g, r, i, m, mu in json.load(open(data))]
 learner = Learner(model_dir, LearnerConfig(lr=1e-3, micro_batch_tokens=64, zero_stage=2), backend="deepspeed")

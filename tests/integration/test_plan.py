@@ -12,6 +12,7 @@ import torch
 from loopline.flows.plan import ModelShape
 from loopline.trainer.batch import TrainSequence, pad
 from loopline.trainer.learner import Learner, LearnerConfig
+from tests.factories import kept_for_backward
 
 
 def _sequences(vocab: int, rows: int, prompt: int, generated: int) -> list[TrainSequence]:
@@ -34,20 +35,6 @@ def _state_bytes(learner: Learner) -> int:
     return total
 
 
-def _kept_for_backward(learner: Learner, batch) -> int:
-    kept: dict[int, int] = {}
-    weights = {p.untyped_storage().data_ptr() for p in learner.model.parameters()}  # saved, but not extra memory
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        learner._logprobs(batch)
-    return sum(kept.values())
-
-
 def _calibrate(model_dir, rows_options, prompt, generated):
     shape = ModelShape.from_dir(model_dir)
     for checkpointing in (True, False):
@@ -59,7 +46,7 @@ def _calibrate(model_dir, rows_options, prompt, generated):
             tokens = batch.input_ids.numel()
             positions = rows * int(batch.target_mask.bool().any(0).sum())
             planned = shape.kept_for_backward(tokens, positions, 4, checkpointing)
-            measured = _kept_for_backward(learner, batch)
+            measured = kept_for_backward(learner, batch)
             assert abs(measured - planned) <= 0.3 * measured, (checkpointing, rows, measured, planned)
         learner.rl_step(seqs)
         planned_state = 16 * shape.params  # fp32 weights and gradients, Adam m and v
