@@ -40,7 +40,7 @@ def evaluate(run: str, version: int | None = None) -> dict:
             )
         success = tasks.evaluate(
             run_id, quote(served), quote(parts.setup()), quote(parts.session_factory()), quote(evals), parts.env_version,
-            config.eval.temperature, config.eval.seed,
+            config.eval.temperature, config.eval.seed, config.concurrency,
         )
     finally:
         served.shutdown()

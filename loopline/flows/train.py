@@ -142,7 +142,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         failpoint("evaluate")
         success = tasks.evaluate(
             ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(eval_tasks),
-            parts.env_version, config.eval.temperature, config.eval.seed,
+            parts.env_version, config.eval.temperature, config.eval.seed, config.concurrency,
         )
         log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(eval_tasks))
 

@@ -73,10 +73,10 @@ def sync_weights(ctx: stages.RolloutContext) -> int:
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient)
 def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
-    temperature: float, seed: int,
+    temperature: float, seed: int, concurrency: int,
 ) -> float:
     """Held-out success of the version `engine` serves, stored in the ledger and shown as the run's eval table."""
-    success = asyncio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed))
+    success = asyncio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency))
     with session_factory() as s:
         rows = queries.eval_results(s, run_id)
     table = "\n".join(f"| {v} | {n} | {rate:.1%} |" for v, n, rate in rows)

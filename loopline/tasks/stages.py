@@ -200,14 +200,22 @@ async def sync_weights(ctx: RolloutContext) -> int:
 
 async def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory: Callable[[], Session],
-    eval_tasks: list[Task], env_version: int, temperature: float, seed: int,
+    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int,
 ) -> float:
-    """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version."""
+    """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version.
+    At most `concurrency` episodes at once, as in training: an episode's wall-time budget runs from its start,
+    and one queued behind hundreds of others would time out before its first model call."""
     version = engine.version()
     setup = dataclasses.replace(
         setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=setup.sampling.max_new_tokens, seed=seed)
     )
-    results = await asyncio.gather(*(run_episode(engine, setup, t, f"eval-v{version}-{t.id}/") for t in eval_tasks))
+    slots = asyncio.Semaphore(concurrency)
+
+    async def episode(task: Task):
+        async with slots:
+            return await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/")
+
+    results = await asyncio.gather(*(episode(t) for t in eval_tasks))
     successes = sum(r.reward == 1.0 for r in results)
     with session_factory() as s:
         ledger.record_eval_result(

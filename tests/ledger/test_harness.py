@@ -177,3 +177,27 @@ def test_learner_reads_committed_multi_turn_trajectories_token_exact(chat, db, r
     assert list(seq.action_mask) == expected_mask  # the observation between the turns is context (mask 0)
     assert [lp for lp, m in zip(seq.behaviour_logprobs, seq.action_mask) if m] == [-1.0] * sum(expected_mask)
     assert seq.reward == 1.0 and seq.group_id == lease.group_id
+
+
+class OneAtATime(ScriptedEngine):
+    """Serves one request at a time, 0.3 s each: a slow engine with a queue in front of it."""
+
+    def __init__(self, chat: ChatFormat):
+        super().__init__(chat, [])
+        self.lock = asyncio.Lock()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        async with self.lock:
+            await asyncio.sleep(0.3)
+            ids = self.chat.tokenizer.encode("<answer>24</answer>", add_special_tokens=False) + [self.chat.eos_id]
+            return Generation(tuple(ids), tuple([-1.0] * len(ids)), "stop", (VersionSpan(3, 0, len(ids)),))
+
+
+def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queue(chat, db, run):
+    """12 held-out episodes, a 1 s wall-time budget each, an engine that takes 0.3 s a request one at a time:
+    all 12 at once would wait up to 3.6 s before their first call; `concurrency` 2 starts each when it can run."""
+    from loopline.tasks.stages import evaluate
+
+    tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(12)]
+    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=2))
+    assert success == 1.0
