@@ -2,6 +2,7 @@
 
     python -m benchmarks.smollm2_learning --probe [--tasks 100]     # held-out success of candidate few-shot prompts, before any training
     python -m benchmarks.smollm2_learning [--mode sync|async]       # train examples/smollm2_arithmetic.yaml, write the curve and numbers
+    python -m benchmarks.smollm2_learning --report RUN              # the same numbers for a run already in the ledger
 
 --probe plays the env's held-out problems with the pulled model under each candidate demonstration
 (greedy, as the run's evaluation does, and T=1 on 4 samples, the training signal) and prints success,
@@ -107,23 +108,37 @@ def train(mode: str) -> None:
     (work / "run.yaml").write_text(yaml.safe_dump(config))
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(work / "run.yaml")], cwd=ROOT, check=True)
-    wall = time.monotonic() - started
+    report(config["name"], mode, time.monotonic() - started)
 
+
+def report(name: str, mode: str, wall: float | None = None) -> None:
+    """The run's curve and per-step time breakdown from the ledger (also for a run stopped early)."""
     from loopline.store import views
     from loopline.store.db import read_only_engine
 
     database = read_only_engine()
     with database.connect() as conn:
-        run = views.run_id(conn, config["name"])
+        run = views.run_id(conn, name)
         evals = views.evals(conn, run)
         timings = views.step_timings(conn, run)
+        metrics = views.metrics(conn, run)
     database.dispose()
+    wanted = ("reward_mean", "clip_fraction", "degenerate_groups", "logprob_abs_diff")
+    per_step: dict[int, dict] = {}
+    for step, metric, value in metrics.rows:
+        if metric in wanted:
+            per_step.setdefault(int(step), {})[metric] = value
     curve = [dict(zip(evals.columns, r)) for r in evals.rows]
     steps = [dict(zip(timings.columns, r)) for r in timings.rows]
     parts = [c for c in timings.columns if c.endswith("_s")]
     breakdown = {p: statistics.median(s[p] for s in steps if s.get(p) is not None) for p in parts if any(s.get(p) is not None for s in steps)}
     first, last = curve[0]["success_rate"], curve[-1]["success_rate"]
-    result = {"mode": mode, "wall_s": wall, "curve": curve, "median_step_breakdown_s": breakdown, "gain_points": 100 * (last - first)}
+    wall = wall if wall is not None else curve[-1]["seconds"]
+    training = [{"step": k, **v} for k, v in sorted(per_step.items())]
+    result = {
+        "run": name, "mode": mode, "wall_s": wall, "curve": curve, "training": training,
+        "median_step_breakdown_s": breakdown, "gain_points": 100 * (last - first),
+    }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"smollm2_learning_{mode}.json").write_text(json.dumps(result, indent=2, default=str))
     import matplotlib
@@ -131,11 +146,14 @@ def train(mode: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4))
     ax.plot([c["seconds"] / 60 for c in curve], [100 * c["success_rate"] for c in curve], marker="o")
     ax.set_xlabel("minutes")
     ax.set_ylabel("held-out success, greedy (%)")
-    ax.set_title(f"SmolLM2-135M on arithmetic with a calculator ({mode})")
+    ax.set_title(f"SmolLM2-135M, arithmetic with a calculator ({mode})")
+    right.plot([t["step"] for t in training], [100 * t.get("reward_mean", float("nan")) for t in training], marker=".")
+    right.set_xlabel("learner step")
+    right.set_ylabel("training reward, T=1 samples (%)")
     fig.savefig(OUT / f"smollm2_learning_{mode}.png", dpi=100, bbox_inches="tight")
     print(json.dumps(result, indent=2, default=str))
     print(f"held-out success {first:.1%} -> {last:.1%} ({result['gain_points']:+.1f} points) in {wall / 60:.1f} min")
@@ -146,11 +164,14 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true")
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--mode", default="sync", choices=["sync", "async"])
+    parser.add_argument("--report", metavar="RUN", help="only read RUN's curve and timings from the ledger (e.g. a run stopped early)")
     args = parser.parse_args()
     from loopline.store.db import loopline_home
 
     if args.probe:
         probe(_model(loopline_home()), args.tasks)
+    elif args.report:
+        report(args.report, args.mode)
     else:
         train(args.mode)
 
