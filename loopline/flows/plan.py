@@ -172,6 +172,13 @@ class Plan:
     def engine_bytes(self) -> int:
         return sum(r.bytes for r in self.engine)
 
+    def as_dict(self) -> dict:
+        """What the ledger keeps with the run (`run.plan`), for the inspector."""
+        return {
+            "hardware": self.hardware.name, "memory": self.hardware.memory, "budget": self.budget, "fits": self.fits,
+            "verdict": self.verdict, "learner": {r.part: r.bytes for r in self.learner}, "engine": {r.part: r.bytes for r in self.engine},
+        }
+
     def table(self) -> str:
         lines = []
         for title, rows, total in (("learner, per rank", self.learner, self.learner_bytes), ("engine, per server", self.engine, self.engine_bytes)):

@@ -91,13 +91,15 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
     machine = plan.this_machine()  # a run that cannot fit is refused before the run exists
-    plan.require_fits(plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine), config.name)
+    memory = plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine)
+    plan.require_fits(memory, config.name)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:
         run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
         ledger.set_run_status(s, run_id, "running")
+        ledger.set_run_plan(s, run_id, memory.as_dict())
     parts = assembly.open_run(config, run_id, database)
     workdir = parts.workdir()
     for path in clean_partial_writes(workdir):

@@ -29,6 +29,7 @@ from loopline.store.runs import (
     owed_evaluations,
     record_eval_result,
     resume_state,
+    set_run_plan,
     set_run_status,
     version_weights,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "release_attempt",
     "renew_lease",
     "resume_state",
+    "set_run_plan",
     "set_run_status",
     "slot_id_for",
     "unfinished_slots",

@@ -112,6 +112,7 @@ class Run(SQLModel, table=True):
     config: dict[str, Any] = _jsonb()
     config_hash: str = Field(sa_column=Column(Text, nullable=False))
     status: str = Field(default="created", sa_column=Column(Text, nullable=False, server_default="created"))
+    plan: dict[str, Any] | None = _jsonb(nullable=True)  # `loopline plan`'s estimate on the hardware it started on
     created_at: datetime | None = _created_at()
 
 

@@ -81,6 +81,12 @@ def set_run_status(session: Session, run_id: uuid.UUID, status: str) -> None:
         q(session, "UPDATE run SET status = :s WHERE id = :r", s=status, r=run_id)
 
 
+def set_run_plan(session: Session, run_id: uuid.UUID, plan: dict[str, Any]) -> None:
+    """The memory estimate for the hardware the run (re)started on; the inspector shows it beside the measured peak."""
+    with transaction(session):
+        q(session, "UPDATE run SET plan = :p WHERE id = :r", p=Jsonb(plan), r=run_id)
+
+
 
 # --------------------------------------------------------------------------- versions and evaluations
 

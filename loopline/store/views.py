@@ -53,6 +53,18 @@ def metrics(conn: sa.Connection, run: uuid.UUID) -> Table:
     return _table(conn, "SELECT step, name, value FROM metric WHERE run_id = :r", r=run)
 
 
+def run_plan(conn: sa.Connection, run: uuid.UUID) -> dict | None:
+    """The memory plan the run started with, and the training process's measured peak RSS (bytes)."""
+    row = _one(
+        conn,
+        "SELECT r.plan, (SELECT max(m.value) FROM metric m WHERE m.run_id = r.id AND m.name = 'peak_rss_gb') AS peak_gb FROM run r WHERE r.id = :r",
+        r=run,
+    )
+    if row is None or row["plan"] is None:
+        return None
+    return {**row["plan"], "measured_peak": None if row["peak_gb"] is None else row["peak_gb"] * 1e9}
+
+
 def evals(conn: sa.Connection, run: uuid.UUID) -> Table:
     """Held-out success per version, with when it was measured and how many tokens had been trained by then."""
     return _table(

@@ -11,6 +11,7 @@ it if committed), and re-publishes the version the ledger says is current.
 from __future__ import annotations
 
 import asyncio
+import resource
 import dataclasses
 import logging
 import random
@@ -150,7 +151,9 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     digest = ctx.learner.export_weights(weights)
     timings["export_s"] = lap()
     failpoint("learner_commit")
-    metrics = {**result.metrics, **timings, "groups_stale_dropped": batch.stale_dropped}
+    # the process's peak so far (learner, and the engine when it runs here): the inspector shows it beside the plan
+    peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
         committed = ledger.commit_learner_step(s, batch, str(weights), ctx.checkpoint_uri, digest, metrics=metrics, samples=result.samples)
     prune(ctx)

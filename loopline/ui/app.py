@@ -163,6 +163,19 @@ def page_runs(db: LedgerView) -> None:
         st.subheader("Rollout vs learner logprob gap (mean |Δ|)")
         if "logprob_abs_diff" in metrics:
             st.line_chart(metrics, x="step", y="logprob_abs_diff")
+        st.subheader("Memory: planned vs measured")
+        memory = db.run_plan(run_id)
+        if memory is None:
+            st.caption("no plan stored (the run started before loopline planned memory)")
+        else:
+            rows = [("learner", part, b) for part, b in memory["learner"].items()] + [("engine", part, b) for part, b in memory["engine"].items()]
+            planned = sum(b for _, _, b in rows)
+            st.dataframe(pd.DataFrame(rows, columns=["where", "part", "bytes"]).assign(GiB=lambda f: f["bytes"] / 2**30), hide_index=True)
+            measured = memory["measured_peak"]
+            st.caption(
+                f"planned {planned / 2**30:.2f} GiB on {memory['hardware']} ({memory['verdict'].split(':')[0]}); measured peak RSS of the "
+                f"training process {'-' if measured is None else f'{measured / 2**30:.2f} GiB'} (it also holds the runtime, the tokenizer and the CPU engine's batch)"
+            )
         gaps = db.logprob_gaps(run_id)
         if not gaps.empty:
             st.subheader("|μ − π_old| per trajectory, by step (max over its tokens)")

@@ -82,6 +82,9 @@ class LedgerView:
     def segments(self, trajectory_id: uuid.UUID) -> list[dict]:
         return self._read(views.segments, trajectory_id)
 
+    def run_plan(self, run_id: uuid.UUID) -> dict | None:
+        return self._read(views.run_plan, run_id)
+
     def learner_logprobs(self, trajectory_id: uuid.UUID) -> list[float] | None:
         return self._read(views.learner_logprobs, trajectory_id)
 

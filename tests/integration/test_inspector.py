@@ -69,7 +69,12 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
             loop_tasks.sync_weights.fn(ctx)
     finally:
         ctx.engine.shutdown()
+    from loopline.flows import plan
+
+    cpu = plan.hardware("cpu")
+    memory = plan.estimate(plan.ModelShape.from_dir(tiny_dirs["v0"]), plan.Workload(), cpu)
     with new_session(engine) as s:
+        ledger.set_run_plan(s, run.id, memory.as_dict())
         xss = s.execute(sa.text("SELECT id, group_id FROM trajectory WHERE run_id = :r AND task_id = 'xss' LIMIT 1"), {"r": run.id}).one()
     engine.dispose()
     return {"url": database_url, "run": run.name, "run_id": run.id, "xss": str(xss.id), "xss_group": str(xss.group_id), "env": ref}
@@ -104,8 +109,11 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     assert "Training reward" in titles and "Version lag of trained samples" in titles
     assert "Seconds per learner step, by part" in titles
     assert "|μ − π_old| per trajectory, by step (max over its tokens)" in titles
-    worst = at.dataframe[1].value
+    worst = next(d.value for d in at.dataframe if "max_abs_diff" in d.value)
     assert len(worst) == 10 and (worst["max_abs_diff"].diff().dropna() <= 0).all()  # the worst first, with links
+    memory = next(d.value for d in at.dataframe if "part" in d.value)
+    assert {"weights", "optimizer states", "activations", "KV cache"} <= set(memory["part"]) and (memory["bytes"] > 0).all()
+    assert any("planned" in c.value and "measured peak RSS" in c.value for c in at.caption)
     assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
 
 

@@ -60,6 +60,13 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     assert tuple(counts) == (16, 3)
     report = check_run(db, run_id)
     assert report.ok, report.violations
+    # the memory plan is stored with the run, beside the peak RSS each learner step measured
+    fits, peak = db.execute(
+        sa.text("SELECT plan->>'fits', (SELECT max(value) FROM metric WHERE run_id = :r AND name = 'peak_rss_gb') FROM run WHERE id = :r"),
+        {"r": run_id},
+    ).one()
+    db.rollback()
+    assert fits == "true" and peak > 0.1
 
     # replay: step 2 retrained from the records (step 1 replayed first: checkpoint_every 4 kept none before
     # step 2) gives version 2's recorded weights bit for bit; a changed record gives other weights
