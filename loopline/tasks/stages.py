@@ -11,10 +11,10 @@ it if committed), and re-publishes the version the ledger says is current.
 from __future__ import annotations
 
 import asyncio
-import resource
 import dataclasses
 import logging
 import random
+import resource
 import shutil
 import time
 import uuid

@@ -10,7 +10,7 @@ positions. Gradients flow through the shared cache into the prefix, so the updat
 rows would give separately (the tests compare them); only the FLOPs differ.
 
 Both passes use caches that give the same answer when a layer runs again: with gradient checkpointing
-(`trainer/recompute.py`) each layer's forward is replayed during the backward pass, and a plain
+(`learner.gradient_checkpointing`) each layer's forward is replayed during the backward pass, and a plain
 DynamicCache would append the replayed keys a second time.
 """
 
