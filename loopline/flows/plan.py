@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.errors import LooplineError
@@ -162,7 +162,7 @@ class Plan:
     verdict: str
     max_concurrency: int
     max_micro_batch_tokens: int
-    budget: int = field(repr=False, default=0)
+    budget: int  # bytes usable on one device (HEADROOM of its memory)
 
     @property
     def learner_bytes(self) -> int:
