@@ -6,7 +6,10 @@
    each, EOS ignored) with `max_batch=16` and `max_batch=1`; tokens/s ratio.
 2. Concurrency sweep (experiment 1 of seed §10.3): the arithmetic
    environment through the harness and the continuous scheduler at
-   concurrency 1/4/8/16: trajectories/s, p50/p95 episode seconds, timeouts.
+   concurrency 1/4/8/16: trajectories/s, p50/p95 episode seconds, timeouts,
+   and the KV cache the engine held at its fullest decode step beside what
+   `loopline plan` estimates for that concurrency (concurrency x the env's
+   longest context x KV bytes per token: an upper bound).
 
 The model is a random-init Llama of the given size (a throughput measurement
 needs real matrix work, not a trained policy).
@@ -27,6 +30,7 @@ from transformers import AutoTokenizer
 
 from benchmarks._scratch import scratch_database
 from loopline.envregistry.spec import load_spec
+from loopline.flows.plan import ModelShape, size
 from loopline.envregistry.tasks import load_tasks
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
@@ -61,7 +65,7 @@ async def sweep_point(model_dir: Path, binding: Binding, db_engine, concurrency:
         import sqlalchemy as sa
 
         ends = s.execute(sa.text("SELECT info->>'end' FROM trajectory WHERE run_id = :r"), {"r": run.id}).scalars().all()
-    return stats, sum(e == "wall_time" for e in ends)
+    return stats, sum(e == "wall_time" for e in ends), max(engine.kv_tokens, default=0)
 
 
 def main() -> None:
@@ -90,14 +94,21 @@ def main() -> None:
         tasks = {t.id: t for t in load_tasks(spec, EXAMPLES) if t.split == "train"}
         binding = Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=args.tokens)), tasks)
         sweep = Table(title=f"arithmetic env, {args.episodes} episodes per point, continuous scheduler")
-        for column in ("concurrency", "trajectories/s", "p50 episode s", "p95 episode s", "timeouts"):
+        shape = ModelShape.from_dir(model_dir)
+        per_token = shape.kv_bytes_per_token(4)
+        prompt = max(len(chat.initial_ids(spec.reset.system_prompt, t.prompt)) for t in list(tasks.values())[: args.episodes])
+        longest = prompt + min(spec.budgets.max_generated_tokens, spec.budgets.max_turns * args.tokens)
+        for column in ("concurrency", "trajectories/s", "p50 episode s", "p95 episode s", "timeouts", "KV held (peak)", "KV planned"):
             sweep.add_column(column, justify="right")
         with scratch_database() as (_, db_engine):
             for concurrency in (1, 4, 8, 16):
-                stats, timeouts = asyncio.run(sweep_point(model_dir, binding, db_engine, concurrency, args.episodes))
+                stats, timeouts, kv_peak = asyncio.run(sweep_point(model_dir, binding, db_engine, concurrency, args.episodes))
                 times = sorted(stats.episode_s)
                 p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
-                sweep.add_row(str(concurrency), f"{stats.committed / stats.wall_s:.2f}", f"{statistics.median(times):.2f}", f"{p95:.2f}", str(timeouts))
+                sweep.add_row(
+                    str(concurrency), f"{stats.committed / stats.wall_s:.2f}", f"{statistics.median(times):.2f}", f"{p95:.2f}", str(timeouts),
+                    size(kv_peak * per_token), size(concurrency * longest * per_token),
+                )
         console.print(sweep)
 
 

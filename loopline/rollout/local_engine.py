@@ -139,6 +139,7 @@ class LocalEngine:
         self._task: asyncio.Task | None = None
         self._seeds = itertools.count(1)
         self.batch_sizes: list[int] = []  # per decode step, for benchmarks and tests
+        self.kv_tokens: list[int] = []  # per decode step: tokens the running requests' KV caches hold (occupancy)
 
     def version(self) -> int:
         return self._version
@@ -269,6 +270,7 @@ class LocalEngine:
         self._active = running
         if running:
             self.batch_sizes.append(len(running))
+            self.kv_tokens.append(sum(r.length for r in running))
             self._decode(running)
         return finished
 

@@ -159,3 +159,17 @@ def test_engine_thread_shares_one_engine_across_threads_and_loops(tiny_dirs):
         shared.shutdown()
     with pytest.raises(EngineError, match="shut down"):  # an infra failure: the slot is retried elsewhere
         asyncio.run(shared.generate([1, 2, 3], sampling, "closed"))
+
+
+def test_kv_occupancy_is_recorded_per_decode_step(tiny_dirs):
+    """What the concurrency sweep prints beside the plan: the tokens the running requests' caches hold."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
+
+    async def go():
+        engine = LocalEngine(tiny_dirs["v0"], max_batch=2)
+        engine.eos_ids = frozenset()  # both run to 5 tokens
+        await asyncio.gather(engine.generate(PROMPTS[0], sampling, "a"), engine.generate(PROMPTS[1], sampling, "b"))
+        return engine.kv_tokens
+
+    prompts = len(PROMPTS[0]) + len(PROMPTS[1])
+    assert _run(go()) == [prompts + 2 * k for k in range(1, 5)]  # after the 5th token both have finished
