@@ -150,8 +150,9 @@ def build_tiny_policy(
     init = directory.with_name(directory.name + ".init")
     random_model(init, tokenizer, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    config = LearnerConfig(
-        lr=recipe.lr, warmup_steps=recipe.warmup_steps, decay_steps=recipe.sft_steps, seed=recipe.seed, micro_batch_tokens=32768
+    config = LearnerConfig(  # a 2-layer model's activations are small: replaying layers would only cost time
+        lr=recipe.lr, warmup_steps=recipe.warmup_steps, decay_steps=recipe.sft_steps, seed=recipe.seed, micro_batch_tokens=32768,
+        gradient_checkpointing=False,
     )
     learner = Learner(init, config, backend="torch")
     direct_per_step = round(recipe.batch_size * recipe.direct_answer_fraction / (1 - recipe.direct_answer_fraction))
