@@ -80,6 +80,7 @@ def run_loopline(model: Path, env: Path, steps: int, work: Path) -> dict:
     with database.connect() as conn:
         run = views.run_id(conn, name)
         timings = views.step_timings(conn, run)
+        written_versions = views.written_versions(conn, run)
     database.dispose()
     every = [dict(zip(timings.columns, r)) for r in timings.rows]
     rows = every[1:]
@@ -90,8 +91,8 @@ def run_loopline(model: Path, env: Path, steps: int, work: Path) -> dict:
     exports = sorted((runs / "weights").glob("v*"))
     checkpoint_bytes = size(checkpoints[-1]) if checkpoints else 0
     export_bytes = size(exports[-1]) if exports else 0
-    every_n = 4  # learner.checkpoint_every's default
-    written = sum(1 for k in range(1, steps + 1) if k % every_n == 0 or k == steps) * checkpoint_bytes + steps * export_bytes
+    # what the ledger says was written over the run (older ones were pruned), times the newest one's size
+    written = written_versions["checkpoints"] * checkpoint_bytes + written_versions["exports"] * export_bytes
     return {
         "step_s": statistics.median(step_seconds),
         "generation_s": statistics.median(r["rollout_s"] for r in rows),

@@ -8,6 +8,7 @@ initial policy, the sampling settings and the engine the config names.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from loopline.tasks import stages
 from loopline.trainer.learner import Learner
 
 
+log = logging.getLogger(__name__)
 FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
 
 
@@ -158,6 +160,27 @@ def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: i
         parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang",
         tag=parts.run_id.hex[:8],
     )
+
+
+def export_restored(parts: RunParts, learner: Learner, version: int) -> str:
+    """Export `version`, which its commit did not write to disk, from a learner restored to it (checkpoint
+    plus replay), and record where it is. Its weights must be the ones the commit recorded: on CPU a replay
+    is bit-exact, so a difference is refused; on a GPU kernels may differ in the last bits (a warning)."""
+    digest = learner.weights_sha256()
+    with parts.session() as s:
+        recorded = ledger.version_weights(s, parts.run_id, version).sha256
+    if recorded is not None and digest != recorded:
+        message = (
+            f"run {parts.config.name} v{version}: the weights rebuilt from the last checkpoint and the recorded batches "
+            f"(sha256 {digest[:12]}…) differ from the ones its commit recorded ({recorded[:12]}…)"
+        )
+        if learner.device.type == "cpu":
+            raise LooplineError(message + "; the replay was not exact, so the run cannot continue from it")
+        log.warning("%s (not bit-exact on %s)", message, learner.device.type)
+    target = learner.export_weights(parts.workdir() / "weights" / f"v{version:06d}")
+    with parts.session() as s:
+        ledger.record_export(s, parts.run_id, version, str(target))
+    return str(target)
 
 
 def build_learner(parts: RunParts) -> Learner | None:

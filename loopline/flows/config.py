@@ -41,6 +41,12 @@ class LearnerSettings(_Strict):
     checkpoint_every: int = Field(
         4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
     )
+    export_every: int | None = Field(
+        None, ge=1,
+        description="write version N's weights to disk when N is a multiple of this (and at every evaluation and the last); "
+        "default: 1 when another process loads each version (SGLang, `loopline worker`), else checkpoint_every - the "
+        "in-process engine takes the others from the learner's memory",
+    )
     keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
     keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
     advantage: AdvantageConfig = AdvantageConfig()
@@ -116,6 +122,34 @@ class RunConfig(_Strict):
         if value < 2:
             raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
         return value
+
+    @model_validator(mode="after")
+    def _every_version_on_disk_for_other_processes(self) -> "RunConfig":
+        every = self.learner.export_every
+        if every not in (None, 1) and self.versions_loaded_elsewhere:
+            where = "the SGLang servers load" if self.engine.kind == "sglang" else "rollout workers (local_rollout: false) load"
+            raise ValueError(f"learner.export_every: {every}: {where} every version from disk; leave it unset or set 1")
+        return self
+
+    @property
+    def versions_loaded_elsewhere(self) -> bool:
+        """Whether a process other than the learner's serves each new version (and so needs it on disk)."""
+        return self.engine.kind == "sglang" or (self.mode == "async" and not self.local_rollout)
+
+    @property
+    def exports_every(self) -> int:
+        if self.learner.export_every is not None:
+            return self.learner.export_every
+        return 1 if self.versions_loaded_elsewhere else self.learner.checkpoint_every
+
+    def evaluates(self, version: int) -> bool:
+        """Version v is trained by learner step v: evaluate before the first step, every `eval.every`, and the last."""
+        return version == 0 or version % self.eval.every == 0 or version == self.steps
+
+    def exports(self, version: int) -> bool:
+        """Whether version `version`'s weights are written to disk: what an evaluation, a fork, a later
+        `loopline eval` or another process may load. The others live in the learner's memory only."""
+        return version % self.exports_every == 0 or self.evaluates(version)
 
     def learner_config(self) -> LearnerConfig:
         learner = self.learner

@@ -2,16 +2,14 @@
 
 `loopline replay RUN --step N` rebuilds the learner as it was before step N (the newest full checkpoint
 at or before step N-1 still on disk, else the run's initial weights, then the recorded batches of the
-steps since, replayed), trains step N on exactly the batch the ledger says it consumed, exports the
-result and compares its sha256 with the one recorded for version N. On CPU the two are equal bit for
+steps since, replayed), trains step N on exactly the batch the ledger says it consumed, and compares
+the sha256 of the weights it makes with the one recorded for version N (`checkpoint.tensors_sha256`). On CPU the two are equal bit for
 bit; on a GPU, kernels may differ in the last bits, and the result says by how much is unknown (the
 sha256 differs): compare the weights with a tolerance there.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -44,12 +42,7 @@ def replay_step(run: str, step: int) -> dict:
         raise LooplineError(f"run {run} has no committed learner step {step} (its versions go up to {recorded.version})")
     restored, since = _restore_point(parts.workdir(), step)
     log.info("replaying steps %d..%d of %s from %s", since + 1, step, run, restored or "the initial weights")
-    learner = assembly.restore_learner(parts, restored, step)
-    out = Path(tempfile.mkdtemp(prefix=f"replay-{step}-", dir=parts.workdir()))
-    try:
-        digest = learner.export_weights(out / "weights")
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    digest = assembly.restore_learner(parts, restored, step).weights_sha256()
     reproduced = digest == recorded.sha256
     log.info("step %d: replayed sha256 %s, recorded %s: %s", step, digest[:12], (recorded.sha256 or "none")[:12], "equal" if reproduced else "DIFFERENT")
     return {"run": run, "step": step, "from_step": since, "sha256": digest, "recorded_sha256": recorded.sha256, "reproduced": reproduced}

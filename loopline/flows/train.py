@@ -77,11 +77,11 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
                 f"run {config.name!r} was started with another config (or another version of its environment); "
                 f"resume it unchanged, or fork it: loopline train CONFIG --fork NEW_NAME"
             ) from None
-    parent = ledger.get_run(s, config.name)
-    state = ledger.resume_state(s, parent.id)
+    parent = ledger.get_run(s, config.name).id
+    start = ledger.version_weights(s, parent, ledger.exported_versions(s, parent)[-1])  # the newest version on disk
     forked = config.model_copy(update={"name": fork})
-    stored = {**pinned, "name": fork, FORKED_FROM: {"run": config.name, "policy_version": state.policy_version}}
-    return ledger.create_run(s, fork, stored, state.weights_uri), forked
+    stored = {**pinned, "name": fork, FORKED_FROM: {"run": config.name, "policy_version": start.version}}
+    return ledger.create_run(s, fork, stored, start.uri), forked
 
 
 def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
@@ -106,10 +106,15 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
     state = parts.state
     learner = assembly.build_learner(parts)
+    weights = state.weights_uri
+    if weights is None:  # the newest version was committed without an export: the restored learner holds it
+        if learner is None:
+            raise LooplineError(f"run {config.name}: v{state.policy_version} was never exported and the run has no step left to rebuild it")
+        weights = assembly.export_restored(parts, learner, state.policy_version)
     ctx = LoopContext(
         run_id=run_id,
         session_factory=parts.session_factory(),
-        engine=assembly.build_run_engine(parts, state.weights_uri, state.policy_version),
+        engine=assembly.build_run_engine(parts, weights, state.policy_version),
         binding=assembly.build_binding(parts),
         learner=learner,
         workdir=workdir,
@@ -124,8 +129,12 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         last_step=config.steps,
         keep_checkpoints=config.learner.keep_checkpoints,
         keep_exports=config.learner.keep_exports,
-        keep_version=lambda v: eval_scheduled(config, v),
+        keep_version=config.evaluates,
         checkpoint_uri=state.last_checkpoint.uri if state.last_checkpoint else "",
+        export_version=config.exports,
+        sync_from_memory=config.engine.kind == "local",
+        learner_version=state.policy_version,
+        restore=lambda checkpoint, step: assembly.restore_learner(parts, checkpoint or None, step),
     )
     return Prepared(parts, ctx, state.next_learner_step)
 
@@ -152,7 +161,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
         between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
         with ctx.session_factory() as s:
-            owed = ledger.owed_evaluations(s, ctx.run_id, lambda v: eval_scheduled(config, v), ctx.engine.version())
+            owed = ledger.owed_evaluations(s, ctx.run_id, config.evaluates, ctx.engine.version())
         for weights in owed:
             if weights.version == ctx.engine.version():
                 evaluate(ctx.engine)
@@ -194,11 +203,6 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
         ledger.set_run_status(s, ctx.run_id, "completed")
         history = [(version, rate) for version, _, rate in queries.eval_results(s, ctx.run_id)]
     return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
-
-
-def eval_scheduled(config: RunConfig, version: int) -> bool:
-    """Version v is trained by learner step v: evaluate before the first step, every `eval.every`, and the last."""
-    return version == 0 or version % config.eval.every == 0 or version == config.steps
 
 
 def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step) -> None:

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from loopline import holder
+from loopline.errors import LooplineError
 from loopline.flows import assembly
 from loopline.store import ledger
 from loopline.tasks import loop as tasks
@@ -39,6 +40,12 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     log = get_run_logger()
     parts = assembly.open_named_run(run)
     config, run_id = parts.config, parts.run_id
+    if config.exports_every != 1:
+        raise LooplineError(
+            f"run {config.name} writes its weights to disk every {config.exports_every} versions (its learner's engine takes "
+            "the others from memory), so a worker in another process could not follow it; start the run with "
+            "`mode: async` and `local_rollout: false`, or set learner.export_every: 1"
+        )
     concurrency = concurrency or config.concurrency
     ctx = stages.RolloutContext(
         run_id=run_id,

@@ -8,7 +8,11 @@ a trajectory.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
 
 # What `Generation.logprobs` holds. SGLang's default, and ours: the sampled
 # token's log-probability under softmax(logits / T) over the full vocabulary;
@@ -90,10 +94,15 @@ class ContextOverflow(ValueError):
     """The prompt plus the requested tokens exceed the model's context: the episode's budget is spent."""
 
 
+# What a weight sync hands an engine: an exported model directory, or - to an engine in the learner's own
+# process - the learner's tensors by name (no disk; see `tasks/stages.sync_weights`).
+WeightsSource = Union[str, Path, Mapping[str, "torch.Tensor"]]
+
+
 class Engine(Protocol):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation: ...
 
-    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
+    async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
         """Serve `version` from now on; in-flight requests finish on the old weights, are aborted, or continue.
         Returns how long its parts took, in seconds (recorded with the published version)."""
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 from typing import Coroutine, Sequence, TypeVar
 
-from loopline.rollout.engine import Engine, EngineError, Generation, InFlightPolicy, SamplingParams
+from loopline.rollout.engine import Engine, EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
 
 T = TypeVar("T")
 
@@ -36,8 +35,8 @@ class EngineThread:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
         return await self._call(self.inner.generate(prompt_ids, sampling, request_id))
 
-    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
-        return await self._call(self.inner.update_weights(version, weights_dir, in_flight))
+    async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
+        return await self._call(self.inner.update_weights(version, weights, in_flight))
 
     def call(self, coro: Coroutine[object, object, T], timeout_s: float | None = None) -> T:
         """Run a coroutine of the engine (e.g. SGLangEngine.refresh_versions) on its loop, from a plain thread."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,10 @@ from loopline.rollout.engine import (
     Generation,
     InFlightPolicy,
     SamplingParams,
+    WeightsSource,
     spans_from_versions,
 )
+from loopline.errors import LooplineError
 
 log = logging.getLogger(__name__)
 _COMPATIBLE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
@@ -166,16 +169,21 @@ class LocalEngine:
         except asyncio.TimeoutError:
             raise EngineError(f"request {request_id} did not finish within {self.request_timeout_s:g} s") from None
 
-    async def update_weights(self, version: int, weights_dir: str | Path, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
-        """Returns the seconds spent loading the weights and waiting to swap them in (after the batch in flight)."""
+    async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+        """Returns the seconds spent loading the weights and waiting to swap them in (after the batch in flight).
+        `weights`: an exported model directory, or the learner's tensors by name (this engine runs in the
+        learner's process): copied here, before this returns, so the learner may change its own afterwards."""
         started = time.monotonic()
-        new_model = await asyncio.to_thread(load_model, weights_dir)
+        if isinstance(weights, (str, Path)):
+            new_model = await asyncio.to_thread(load_model, weights)
+        else:
+            new_model = await asyncio.to_thread(self._copy_with, weights)
         loaded = time.monotonic()
         mismatched = [
             k for k in _COMPATIBLE_KEYS if getattr(new_model.config, k, None) != getattr(self.model.config, k, None)
         ]
         if mismatched:
-            raise EngineError(f"weights in {weights_dir} do not match the served model ({', '.join(mismatched)} differ)")
+            raise EngineError(f"weights in {weights} do not match the served model ({', '.join(mismatched)} differ)")
         if version <= self._version:
             raise EngineError(f"weight version {version} is not newer than the served version {self._version}")
         update = _WeightUpdate(version, new_model, in_flight, asyncio.get_running_loop().create_future())
@@ -183,6 +191,15 @@ class LocalEngine:
         self._kick()
         await update.done
         return {"load_s": loaded - started, "swap_s": time.monotonic() - loaded}
+
+    def _copy_with(self, tensors: Mapping[str, torch.Tensor]):
+        """A copy of the served model holding `tensors` (the served one keeps generating meanwhile)."""
+        model = copy.deepcopy(self.model)
+        try:
+            model.load_state_dict(tensors, strict=True)
+        except RuntimeError as exc:
+            raise LooplineError(f"the learner's weights do not fit the served model: {exc}") from None
+        return model
 
     async def close(self) -> None:
         if self._task is not None:

@@ -22,6 +22,7 @@ SGLang server.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -38,6 +39,7 @@ from loopline.rollout.engine import (
     SamplingParams,
     VersionSpan,
 )
+from loopline.errors import LooplineError
 from loopline.rollout.weights import Layout, check_weights
 
 # in_flight policy -> /pause_generation mode (None: no pause; the update waits for in-flight requests)
@@ -197,6 +199,8 @@ class SGLangEngine:
         on the first that fails. Returns the seconds spent: check (the files, before any server sees them),
         load (every replica's update, which in `finish` mode includes waiting for its requests in flight)
         and confirm (asking every replica what it serves)."""
+        if not isinstance(weights_dir, (str, os.PathLike)):
+            raise LooplineError("SGLang servers load weights from an exported directory, not from the learner's memory")
         started = time.monotonic()
         if self.served_layout is not None:
             check_weights(weights_dir, self.served_layout)

@@ -148,7 +148,7 @@ def claim_learner_batch(
 def commit_learner_step(
     session: Session,
     batch: LearnerBatch,
-    weights_uri: str,
+    weights_uri: str | None,
     checkpoint_uri: str,
     weights_sha256: str | None = None,
     metrics: dict[str, float] | None = None,

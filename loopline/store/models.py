@@ -130,7 +130,7 @@ class PolicyVersion(SQLModel, table=True):
     )
     version: int = Field(sa_column=Column(Integer, primary_key=True))
     learner_step: int
-    weights_uri: str = Field(sa_column=Column(Text, nullable=False))
+    weights_uri: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # None: never exported
     sha256: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime | None = _created_at()
     published_at: datetime | None = _timestamp()

@@ -194,7 +194,7 @@ class ResumeState:
     run_id: uuid.UUID
     last_checkpoint: CheckpointInfo | None
     policy_version: int
-    weights_uri: str
+    weights_uri: str | None  # None: the version was committed without an export (flows/train.py exports it)
     next_learner_step: int
     consumed_trajectories: int
     pending_learner_groups: tuple[uuid.UUID, ...]  # claimed for next_learner_step, not yet committed

@@ -94,8 +94,8 @@ def set_run_plan(session: Session, run_id: uuid.UUID, plan: dict[str, Any]) -> N
 @dataclass(frozen=True)
 class VersionWeights:
     version: int
-    uri: str
-    sha256: str | None = None  # of the exported weights, recorded at the commit
+    uri: str | None  # None: committed without an export (only the learner that made it held the weights)
+    sha256: str | None = None  # of the weights' tensors (`trainer/checkpoint.tensors_sha256`), recorded at the commit
 
 
 def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
@@ -111,6 +111,20 @@ def version_weights(session: Session, run_id: uuid.UUID, version: int | None = N
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
     return VersionWeights(row.version, row.weights_uri, row.sha256)
+
+
+def exported_versions(session: Session, run_id: uuid.UUID) -> list[int]:
+    """The versions whose weights were written to disk (what a process other than the learner can load)."""
+    rows = q(session, "SELECT version FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL ORDER BY version", r=run_id)
+    versions = list(rows.scalars())
+    session.rollback()
+    return versions
+
+
+def record_export(session: Session, run_id: uuid.UUID, version: int, uri: str) -> None:
+    """A version committed without an export was exported later (a resume does it for the newest)."""
+    with transaction(session):
+        q(session, "UPDATE policy_version SET weights_uri = :u WHERE run_id = :r AND version = :v", u=uri, r=run_id, v=version)
 
 
 def owed_evaluations(

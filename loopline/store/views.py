@@ -111,6 +111,17 @@ def step_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
     )
 
 
+def written_versions(conn: sa.Connection, run: uuid.UUID) -> dict[str, int]:
+    """How many weight exports (versions after 0 written to disk) and full checkpoints the run wrote: its
+    disk traffic, whatever was pruned since."""
+    return _one(
+        conn,
+        "SELECT (SELECT count(*) FROM policy_version WHERE run_id = :r AND version > 0 AND weights_uri IS NOT NULL) AS exports, "
+        "(SELECT count(DISTINCT uri) FROM checkpoint WHERE run_id = :r AND uri <> '') AS checkpoints",
+        r=run,
+    )
+
+
 def version_lags(conn: sa.Connection, run: uuid.UUID) -> Table:
     return _table(conn, "SELECT version_lag, count(*) AS samples FROM consumption WHERE run_id = :r GROUP BY 1 ORDER BY 1", r=run)
 

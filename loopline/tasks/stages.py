@@ -20,12 +20,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
+
+import torch
 
 from sqlmodel import Session
 
 from loopline import holder
 from loopline.envregistry.tasks import Task
+from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
@@ -48,6 +51,10 @@ class RolloutContext:
     lease_seconds: float = 60.0
     in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
 
+    def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
+        """`version`'s weights when this process holds them in memory; None: the engine loads them from disk."""
+        return None
+
 
 @dataclass(kw_only=True)
 class LoopContext(RolloutContext):
@@ -67,6 +74,20 @@ class LoopContext(RolloutContext):
     keep_exports: int = 3  # newest weight exports kept, besides those `keep_version` names (evaluated ones)
     keep_version: Callable[[int], bool] | None = None
     checkpoint_uri: str = ""  # the newest full checkpoint on disk ("": none yet, replay from the initial weights)
+    # Which versions are written to disk (for other processes, evaluations, forks); the in-process engine
+    # takes the others from the learner's memory when `sync_from_memory`.
+    export_version: Callable[[int], bool] = lambda version: True
+    sync_from_memory: bool = False
+    # The committed version the learner holds in memory; None from the moment a step changes the weights
+    # until its commit lands. A step retried after a failed commit finds None and restores the learner
+    # with `restore(checkpoint_uri, through_step)` first: it must not train the same batch twice.
+    learner_version: int | None = 0
+    restore: Callable[[str, int], Learner] | None = None
+
+    def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
+        if self.sync_from_memory and self.learner is not None and self.learner_version == version:
+            return self.learner.state_dict()
+        return None
 
 
 class StopFlag(Protocol):
@@ -128,12 +149,23 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         sequences = load_sequences(s, batch.trajectory_ids)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
+    if ctx.learner_version != batch.policy_version:
+        if ctx.restore is None:
+            raise RuntimeError(
+                f"learner step {step}: the learner holds weights past v{batch.policy_version} (an uncommitted step) "
+                "and cannot restore them here; restart the run to resume from the ledger"
+            )
+        log.warning("learner step %d: an earlier try changed the weights without committing; restoring v%d", step, batch.policy_version)
+        ctx.learner = None  # free the old one before the new one is built
+        ctx.learner = ctx.restore(ctx.checkpoint_uri, step - 1)
+        ctx.learner_version = batch.policy_version
     clock = [time.monotonic()]
 
     def lap() -> float:
         clock.append(time.monotonic())
         return clock[-1] - clock[-2]
 
+    ctx.learner_version = None
     try:
         result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
     except RefusedUpdate as refused:
@@ -147,15 +179,18 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         saved = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
         ctx.checkpoint_uri = str(saved)
     timings["checkpoint_s"] = lap()
-    weights = ctx.workdir / "weights" / f"v{version:06d}"
-    digest = ctx.learner.export_weights(weights)
+    digest = ctx.learner.weights_sha256()
+    weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}") if ctx.export_version(version) else None
     timings["export_s"] = lap()
     failpoint("learner_commit")
     # the process's peak so far (learner, and the engine when it runs here): the inspector shows it beside the plan
     peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
     metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
-        committed = ledger.commit_learner_step(s, batch, str(weights), ctx.checkpoint_uri, digest, metrics=metrics, samples=result.samples)
+        committed = ledger.commit_learner_step(
+            s, batch, str(weights) if weights else None, ctx.checkpoint_uri, digest, metrics=metrics, samples=result.samples
+        )
+    ctx.learner_version = committed.policy_version
     prune(ctx)
     return committed
 
@@ -193,7 +228,13 @@ async def sync_weights(ctx: RolloutContext) -> int:
     timings = None
     if ctx.engine.version() < state.policy_version:
         started = time.monotonic()
-        timings = dict(await ctx.engine.update_weights(state.policy_version, state.weights_uri, ctx.in_flight) or {})
+        weights = ctx.held_weights(state.policy_version) or state.weights_uri
+        if weights is None:
+            raise LooplineError(
+                f"v{state.policy_version} was committed without an export and this process does not hold it; "
+                "a process other than the learner needs learner.export_every: 1"
+            )
+        timings = dict(await ctx.engine.update_weights(state.policy_version, weights, ctx.in_flight) or {})
         timings["total_s"] = time.monotonic() - started
         failpoint("weight_sync")
     with ctx.session_factory() as s:

@@ -76,8 +76,8 @@ def mismatched_model(directory: Path, current: dict[str, Any]) -> str | None:
     return None
 
 
-def export_weights(model, model_dir: Path, target: str | Path) -> str:
-    """HF-format safetensors plus the policy's tokenizer files, for the engines; returns the weights' sha256."""
+def export_weights(model, model_dir: Path, target: str | Path) -> Path:
+    """HF-format safetensors plus the policy's tokenizer files, for the engines."""
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -85,11 +85,24 @@ def export_weights(model, model_dir: Path, target: str | Path) -> str:
             if name.startswith(_TOKENIZER_FILES) and not (tmp / name).exists():
                 shutil.copy(model_dir / name, tmp / name)
 
-    return weights_sha256(write_complete(target, fill))
+    return write_complete(target, fill)
+
+
+def tensors_sha256(model) -> str:
+    """A policy version's identity: sha256 over the model's parameters (name, dtype, shape, bytes), in
+    their order. Computed in memory (~0.3 s for 135M fp32), so a version has one whether it was exported
+    or not, and a replay or a later export can be compared with it."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        tensor = param.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor  # numpy has no bfloat16
+        digest.update(memoryview(raw.numpy()).cast("B"))
+    return digest.hexdigest()
 
 
 def weights_sha256(directory: str | Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """`tensors_sha256` of an export on disk (loaded as the engines load it)."""
+    from transformers import AutoModelForCausalLM
+
+    return tensors_sha256(AutoModelForCausalLM.from_pretrained(directory, dtype="auto"))

@@ -77,7 +77,7 @@ def _checkpoint_activations(model) -> None:
 
     if not model.supports_gradient_checkpointing:
         raise LearnerError(f"{type(model).__name__} does not support gradient checkpointing; set learner.gradient_checkpointing: false")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer):
             layer._can_checkpoint_with_cache = True
@@ -347,9 +347,16 @@ class Learner:
         self.steps_done = state["steps_done"]
         return state
 
-    def export_weights(self, directory: str | Path) -> str:
-        """HF-format safetensors (plus the tokenizer) for the engines; returns the sha256 of the weights."""
+    def export_weights(self, directory: str | Path) -> Path:
+        """HF-format safetensors (plus the tokenizer) for the engines and evaluations of other processes."""
         return checkpoint.export_weights(self.model, self.model_dir, directory)
+
+    def weights_sha256(self) -> str:
+        return checkpoint.tensors_sha256(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights by name, as an in-process engine loads them (live tensors: copy before the next step)."""
+        return self.model.state_dict()
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])

@@ -106,6 +106,10 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
     assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run_id)[0][0] > 0
     versions = [v for (v,) in _rows(db, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)]
     assert versions == [0, 1, 2, 3]
+    # v1 (no checkpoint, no evaluation) was committed without an export; the process killed at its weight sync
+    # had served it from memory, and the resume exported it from the learner it rebuilt (replaying step 1)
+    uri, sha = _rows(db, "SELECT weights_uri, sha256 FROM policy_version WHERE run_id = :r AND version = 1", r=run_id)[0]
+    assert uri is not None and weights_sha256(uri) == sha
     consumed, distinct, in_consumed_groups = _rows(
         db,
         "SELECT (SELECT count(*) FROM consumption WHERE run_id = :r), "

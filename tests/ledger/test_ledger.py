@@ -349,8 +349,8 @@ def test_failed_learner_commit_leaves_nothing_consumed(db, run):
     _complete_step(db, run)
     batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)
     # A write late in the transaction fails (after the consumption rows were inserted).
-    with pytest.raises(IntegrityError, match="weights_uri"):
-        ledger.commit_learner_step(db, batch, None, "c")
+    with pytest.raises(IntegrityError, match="uri"):
+        ledger.commit_learner_step(db, batch, "w", None)
     assert ledger.consumed_trajectory_ids(db, run.id) == set()
     assert ledger.group_states(db, run.id) == {"claimed": 2}
     assert _scalar(db, "SELECT count(*) FROM checkpoint WHERE run_id = :r", r=run.id) == 0

@@ -134,3 +134,43 @@ def test_prune_keeps_the_newest_checkpoints_and_exports_and_the_ones_still_neede
     prune(ctx)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000005"]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000004", "v000005", "v000006"]
+
+
+def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs, engine, db, tmp_path, monkeypatch):
+    """The learner_step task retries a lost database: the failed try already moved the learner's weights,
+    so the retry restores them (checkpoint + replay) before training the same batch again."""
+    from loopline.store.errors import DatabaseUnavailable
+    from loopline.tasks import stages
+    from loopline.trainer.batch import load_sequences
+
+    spec = load_spec(ARITHMETIC)
+    train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:20]
+    run = ledger.create_run(db, f"retry-{tmp_path.name}", {"test": True}, str(tiny_dirs["v0"]))
+    config = LearnerConfig(lr=1e-2)
+    ctx = LoopContext(
+        run_id=run.id, session_factory=lambda: new_session(engine), engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
+        binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), tasks_by_id(train)),
+        learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4,
+        export_version=lambda v: False,
+        restore=lambda checkpoint, step: Learner(tiny_dirs["v0"], config, backend="torch"),  # no checkpoint, no step before: v0
+    )
+    commit = ledger.commit_learner_step
+
+    def lost_once(*args, **kwargs):
+        monkeypatch.setattr(ledger, "commit_learner_step", commit)
+        raise DatabaseUnavailable("connection to the ledger lost")
+
+    try:
+        tasks.plan_step.fn(ctx, 1)
+        tasks.rollout_batch.fn(ctx, 1)
+        monkeypatch.setattr(ledger, "commit_learner_step", lost_once)
+        with pytest.raises(DatabaseUnavailable):
+            stages.learn(ctx, 1, max_groups=2)
+        assert stages.learn(ctx, 1, max_groups=2).policy_version == 1
+    finally:
+        ctx.engine.shutdown()
+    once = Learner(tiny_dirs["v0"], config, backend="torch")
+    once.rl_step(load_sequences(db, ledger.trained_batch(db, run.id, 1)), trained_version=0)
+    recorded = ledger.version_weights(db, run.id, 1)
+    assert recorded.uri is None  # not exported: the engine took it from memory
+    assert ctx.learner.weights_sha256() == once.weights_sha256() == recorded.sha256

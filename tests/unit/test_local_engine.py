@@ -173,3 +173,40 @@ def test_kv_occupancy_is_recorded_per_decode_step(tiny_dirs):
 
     prompts = len(PROMPTS[0]) + len(PROMPTS[1])
     assert _run(go()) == [prompts + 2 * k for k in range(1, 5)]  # after the 5th token both have finished
+
+
+def test_weights_from_memory_serve_like_the_same_weights_from_disk_and_are_copied(tiny_dirs):
+    """The in-process sync: the learner's tensors are copied into a new model, so the learner may change its own
+    right after; the engine then generates exactly what it generates from the exported directory."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    learner_side = load_model(tiny_dirs["v1"])
+    tensors = learner_side.state_dict()
+
+    async def go():
+        from_disk, from_memory = LocalEngine(tiny_dirs["v0"]), LocalEngine(tiny_dirs["v0"])
+        await from_disk.update_weights(1, tiny_dirs["v1"])
+        await from_memory.update_weights(1, tensors)
+        with torch.no_grad():
+            for p in learner_side.parameters():  # the learner's next step, after the sync returned
+                p.add_(1.0)
+        pairs = []
+        for i, prompt in enumerate(PROMPTS[:3]):
+            pairs.append((await from_disk.generate(prompt, greedy, f"d{i}"), await from_memory.generate(prompt, greedy, f"m{i}")))
+        return pairs, from_memory.version()
+
+    pairs, version = _run(go())
+    assert version == 1
+    for disk, memory in pairs:
+        assert disk.token_ids == memory.token_ids and disk.logprobs == memory.logprobs
+
+
+def test_weights_from_memory_of_another_model_are_refused(tiny_dirs):
+    from loopline.errors import LooplineError
+
+    async def go():
+        engine = LocalEngine(tiny_dirs["v0"])
+        with pytest.raises(LooplineError, match="do not fit the served model"):
+            await engine.update_weights(1, load_model(tiny_dirs["other"]).state_dict())
+        assert engine.version() == 0
+
+    _run(go())

@@ -1,0 +1,34 @@
+"""Which versions a run writes to disk: every one another process must load, otherwise only what needs a file."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopline.errors import LooplineError
+from loopline.flows.config import parse_config
+
+BASE = {"name": "r", "env": "arithmetic@1", "steps": 10, "eval": {"every": 5}}
+
+
+def _config(**overrides):
+    return parse_config({**BASE, **overrides}, "test")
+
+
+def test_an_in_process_engine_gets_exports_only_at_checkpoints_evaluations_and_the_end():
+    config = _config(learner={"checkpoint_every": 4})
+    assert config.exports_every == 4
+    assert [v for v in range(11) if config.exports(v)] == [0, 4, 5, 8, 10]  # checkpoints 4, 8; evaluations 0, 5, 10
+
+
+def test_every_version_is_exported_when_another_process_loads_it():
+    servers = {"kind": "sglang", "servers": ["http://127.0.0.1:30000"]}
+    for config in (_config(engine=servers), _config(mode="async", local_rollout=False)):
+        assert config.versions_loaded_elsewhere and config.exports_every == 1
+        assert all(config.exports(v) for v in range(11))
+    assert _config(mode="async").exports_every == 4  # local rollout: the learner's process serves it
+
+
+def test_a_sparse_export_for_a_run_that_other_processes_serve_is_refused():
+    with pytest.raises(LooplineError, match="learner.export_every: 2: the SGLang servers load every version"):
+        _config(engine={"kind": "sglang", "servers": ["http://h:1"]}, learner={"export_every": 2})
+    assert _config(learner={"export_every": 3}).exports_every == 3
