@@ -149,7 +149,9 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     first = train(str(path))
     name = first["run"]
     assert [v for v, _ in train(resume=name)["eval"]] == [0, 2]  # the stored config resumes a finished run: nothing to do
-    changed = _config(tmp_path, tiny_dirs["v0"], steps=3, eval={"every": 2, "tasks": 4}, learner={"lr": 5e-4, "backend": "torch"})
+    changed = _config(
+        tmp_path, tiny_dirs["v0"], steps=3, eval={"every": 2, "tasks": 4}, learner={"lr": 5e-4, "backend": "torch", "export_every": 1}
+    )
     with pytest.raises(LedgerConflict, match="another config .* --fork NEW_NAME"):
         train(str(changed))
     forked = train(str(changed), fork=f"{name}-b")
@@ -163,9 +165,11 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     assert parent_v2 == fork_v0  # the fork starts from the parent's newest policy
     again = evaluate(name)  # v2 was evaluated by the run: read back, not re-run
     assert (again["policy_version"], again["recorded"]) == (2, False)
-    fresh = evaluate(name, version=1)
+    with pytest.raises(LooplineError, match="v1 was never written to disk .* versions on disk: 0, 2"):
+        evaluate(name, version=1)  # the in-process engine took v1 from the learner's memory
+    fresh = evaluate(f"{name}-b", version=1)  # the fork exports every version
     assert fresh["recorded"] and 0.0 <= fresh["success"] <= 1.0
-    assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=name)[0][0] == 3
+    assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=f"{name}-b")[0][0] == 4
 
 
 @pytest.mark.parametrize("engine_kind", ["local", "sglang"])
