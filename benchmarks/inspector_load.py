@@ -4,8 +4,8 @@
 
 Uses the ledger at LOOPLINE_DATABASE_URL (or the embedded one) and a run with at least 1,000
 trajectories (a quickstart run has 2,048). Starts `loopline inspect`, opens the page in headless
-Chromium (Debian's `chromium`, driven by Playwright) and times navigation until the table and the
-"Open one" buttons are drawn; the first load (cold caches, tokenizer) is reported apart.
+Chromium (Debian's `chromium`, driven by Playwright) and times navigation until the table is drawn
+(its caption and its canvas); the first load (cold caches, tokenizer) is reported apart.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def main() -> None:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 started = time.perf_counter()
                 page.goto(url)
-                page.get_by_text("Open one").wait_for(timeout=60_000)
-                page.get_by_role("button").filter(has_text="step").first.wait_for(timeout=60_000)
+                caption = page.get_by_text(re.compile(r"^\d+ of \d+ trajectories"))
+                caption.first.wait_for(timeout=60_000)
+                page.locator('[data-testid="stDataFrame"] canvas').first.wait_for(timeout=60_000)  # the table drawn
                 times.append(time.perf_counter() - started)
-                shown = page.get_by_text(re.compile(r"^\d+ of \d+ trajectories$")).first.inner_text()
+                shown = caption.first.inner_text().split(";")[0]
                 page.close()
             browser.close()
     finally:

@@ -199,14 +199,21 @@ def deploy(
     train_cron: str = typer.Option(None, help="Cron schedule for training, e.g. '0 3 * * *' (needs --config)."),
     eval_run: str = typer.Option(None, help="Run the evaluate deployment uses by default."),
     eval_interval: float = typer.Option(None, help="Evaluate --eval-run every this many seconds."),
+    pool: str = typer.Option(None, "--pool", metavar="NAME", help="Register on this Prefect work pool (created if missing) instead of serving here."),
+    pool_type: str = typer.Option("process", "--pool-type", help="process | docker | kubernetes (a new pool's type)."),
+    base_job_template: Path = typer.Option(None, "--base-job-template", help="A new pool's job template (JSON), e.g. deploy/k8s/base-job-template.json."),
 ) -> None:
-    """Serve the train, evaluate and rollout_worker deployments (blocks; runs what the server schedules)."""
+    """Serve the train, learner, evaluate and rollout_worker deployments here (blocks), or register them on a work pool."""
     _prefect_quiet()
-    from loopline.flows.deploy import serve_deployments
+    from loopline.flows.deploy import deploy_to_pool, serve_deployments
 
-    serve_deployments(
-        config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval
-    )
+    kwargs = dict(config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval)
+    if pool is None:
+        serve_deployments(**kwargs)
+        return
+    for name in deploy_to_pool(pool, pool_type, base_job_template, **kwargs):
+        console.print(f"deployment {name} on work pool {pool}")
+    console.print(f"start workers on any machine that reaches the ledger and this Prefect API: prefect worker start --pool {pool}")
 
 
 @app.command("inspect")

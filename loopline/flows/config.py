@@ -101,6 +101,10 @@ class RunConfig(_Strict):
     local_rollout: bool = Field(
         True, description="async: generate in the training process too; false leaves it to `loopline worker RUN` processes"
     )
+    rollout_workers: int = Field(
+        0, ge=0, description="async with local_rollout: false: rollout_worker flow runs the train flow submits through its "
+        "deployment (`loopline deploy --pool`) and keeps running; 0: start `loopline worker RUN` yourself",
+    )
     in_flight: Literal["finish", "abort", "continue"] = Field(
         "finish", description="at a weight sync, requests in flight finish on the old weights, are aborted, or continue on the new"
     )
@@ -122,6 +126,12 @@ class RunConfig(_Strict):
         if value < 2:
             raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
         return value
+
+    @model_validator(mode="after")
+    def _deployed_workers_feed_an_async_learner(self) -> "RunConfig":
+        if self.rollout_workers and (self.mode != "async" or self.local_rollout):
+            raise ValueError("rollout_workers: deployed workers feed an async learner: set mode: async and local_rollout: false")
+        return self
 
     @model_validator(mode="after")
     def _every_version_on_disk_for_other_processes(self) -> "RunConfig":

@@ -1,25 +1,42 @@
-"""`loopline deploy`: serve the train, learner, evaluate and rollout_worker flows as Prefect deployments.
+"""`loopline deploy`: the train, learner, evaluate and rollout_worker flows as Prefect deployments.
 
-The serving process polls the Prefect server for scheduled or triggered runs and executes each in a
-subprocess; keep it running (a terminal, a systemd unit). Trigger from Python with
+Two ways to run them. Without `--pool`, this process serves them (one machine): it polls the Prefect
+server for scheduled or triggered runs and executes each in a subprocess; keep it running. With
+`--pool NAME`, the deployments are registered on a Prefect work pool (created if missing) and any
+machine that runs `prefect worker start --pool NAME` - and reaches the ledger and the Prefect API -
+executes them; the flows are imported from the installed `loopline` package (module-path
+entrypoints: no image and no code storage for a process pool). Trigger from Python with
 `prefect.deployments.run_deployment("train/loopline-train", parameters={"config_path": ...})`.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from prefect import serve
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.deployments.runner import EntrypointType
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
+from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
 
 from loopline.flows.evaluate import evaluate
 from loopline.flows.train import learner, train
+from loopline.flows.worker import DEPLOYMENT as WORKER_DEPLOYMENT
 from loopline.flows.worker import rollout_worker
 from loopline.errors import LooplineError
 
-TRAIN, LEARNER, EVALUATE, WORKER = "loopline-train", "loopline-learner", "loopline-evaluate", "loopline-rollout-worker"
+TRAIN, LEARNER, EVALUATE, WORKER = "loopline-train", "loopline-learner", "loopline-evaluate", WORKER_DEPLOYMENT.split("/")[1]
+
+
+POOL_TYPES = ("process", "docker", "kubernetes")
 
 
 def deployments(
-    config_path: str | None = None, train_cron: str | None = None, eval_run: str | None = None, eval_interval_s: float | None = None
+    config_path: str | None = None, train_cron: str | None = None, eval_run: str | None = None, eval_interval_s: float | None = None,
+    entrypoint_type: EntrypointType = EntrypointType.FILE_PATH,
 ) -> list:
     if train_cron and not config_path:
         raise LooplineError("--train-cron needs --config: a schedule must know which run config to train")
@@ -27,23 +44,71 @@ def deployments(
         raise LooplineError("--eval-interval needs --eval-run: a schedule must know which run to evaluate")
     return [
         train.to_deployment(
+            entrypoint_type=entrypoint_type,
             name=TRAIN, parameters={"config_path": config_path} if config_path else {}, cron=train_cron,
             description="Train or resume a run (sync or async); re-running resumes exactly once from the ledger.",
         ),
         learner.to_deployment(
+            entrypoint_type=entrypoint_type,
             name=LEARNER, description="The learner alone, for async runs whose rollouts come from rollout_worker deployments.",
         ),
         evaluate.to_deployment(
+            entrypoint_type=entrypoint_type,
             name=EVALUATE, parameters={"run": eval_run} if eval_run else {}, interval=eval_interval_s,
             description="Held-out success of a run's newest (or a given) policy version.",
         ),
         rollout_worker.to_deployment(
+            entrypoint_type=entrypoint_type,
             name=WORKER, description="Generate rollouts for a run until it ends; start several to scale out.",
         ),
     ]
 
 
-def serve_deployments(**kwargs) -> None:
+def _require_server() -> None:
     if not PREFECT_API_URL.value():
         raise LooplineError("no Prefect server: deployments need one that stays up; run `loopline server start` first")
+
+
+def serve_deployments(**kwargs) -> None:
+    _require_server()
     serve(*deployments(**kwargs))
+
+
+def ensure_work_pool(name: str, pool_type: str = "process", base_job_template: Path | None = None) -> bool:
+    """Create the work pool unless it exists (then it is left as it is); True when it was created."""
+    if pool_type not in POOL_TYPES:
+        raise LooplineError(f"--pool-type {pool_type}: expected one of {', '.join(POOL_TYPES)}")
+    with get_client(sync_client=True) as client:
+        try:
+            existing = client.read_work_pool(name)
+        except ObjectNotFound:
+            existing = None
+        if existing is not None:
+            if existing.type != pool_type:
+                raise LooplineError(f"work pool {name!r} exists with type {existing.type}, not {pool_type}; pick another name")
+            return False
+        if base_job_template is not None:
+            try:
+                template = json.loads(Path(base_job_template).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise LooplineError(f"--base-job-template {base_job_template}: {exc}") from None
+        else:
+            from prefect.utilities.asyncutils import run_coro_as_sync
+
+            template = run_coro_as_sync(get_default_base_job_template_for_infrastructure_type(pool_type))
+            if template is None:
+                raise LooplineError(f"Prefect has no default job template for {pool_type} pools here; pass --base-job-template")
+        client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+        return True
+
+
+def deploy_to_pool(pool: str, pool_type: str = "process", base_job_template: Path | None = None, **kwargs) -> list[str]:
+    """Register the four deployments on work pool `pool` (created if missing); returns their names.
+    Re-running updates them in place (Prefect matches a deployment by flow and name)."""
+    _require_server()
+    ensure_work_pool(pool, pool_type, base_job_template)
+    names = []
+    for deployment in deployments(entrypoint_type=EntrypointType.MODULE_PATH, **kwargs):
+        deployment.apply(work_pool_name=pool)
+        names.append(f"{deployment.flow_name}/{deployment.name}")
+    return names

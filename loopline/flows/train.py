@@ -23,6 +23,7 @@ from loopline.flows import assembly, plan
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig
 from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
+from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
@@ -214,6 +215,10 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
     stop = threading.Event()
     worker = tasks.rollout_worker.submit(live, stop, staleness, None) if config.local_rollout else None
     producing = (lambda: not worker.state.is_final()) if worker else None
+    if config.rollout_workers:  # flow runs of the rollout_worker deployment, on the machines of its work pool
+        deployed = DeployedWorkers(config.name, config.rollout_workers)
+        deployed.start()
+        producing = deployed.alive
     try:
         for step in range(first_step, config.steps + 1):
             tasks.learner_step(live, step, max_staleness=staleness, producing=producing)

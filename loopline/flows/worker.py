@@ -13,6 +13,9 @@ import threading
 import time
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.utilities.annotations import quote
 
 from loopline import holder
@@ -21,6 +24,8 @@ from loopline.flows import assembly
 from loopline.store import ledger
 from loopline.tasks import loop as tasks
 from loopline.tasks import stages
+
+DEPLOYMENT = "rollout_worker/loopline-rollout-worker"  # `loopline deploy` registers it under this name
 
 
 def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float | None, poll_s: float = 1.0) -> None:
@@ -71,3 +76,45 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
         ctx.engine.shutdown()
     log.info("worker %s: %d trajectories committed, %d infra failures", name, stats["committed"], stats["infra_failed"])
     return stats
+
+
+class DeployedWorkers:
+    """`count` rollout_worker flow runs for a run, submitted through the deployment (a work pool places them on
+    whichever machines run `prefect worker start --pool ...`) and kept at `count`: a flow run that ended while
+    the run still trains (crashed with its machine, failed, cancelled) is submitted again, at most
+    `max_resubmits` times in all. A slot its worker held comes back through the ledger's lease."""
+
+    def __init__(self, run: str, count: int, max_resubmits: int = 10, check_every_s: float = 5.0):
+        self.run, self.count, self.max_resubmits, self.check_every_s = run, count, max_resubmits, check_every_s
+        self.flow_runs: list = []
+        self.resubmits = 0
+        self._checked = 0.0
+
+    def _submit(self):
+        try:
+            return run_deployment(DEPLOYMENT, parameters={"run": self.run}, timeout=0, as_subflow=False).id
+        except ObjectNotFound:
+            raise LooplineError(
+                f"run {self.run} asks for rollout_workers, but this Prefect server has no {DEPLOYMENT} deployment: run "
+                "`loopline server start`, `loopline deploy --pool NAME`, and `prefect worker start --pool NAME` on the machines"
+            ) from None
+
+    def start(self) -> None:
+        self.flow_runs = [self._submit() for _ in range(self.count)]
+
+    def alive(self) -> bool:
+        """The learner's `producing` check: resubmits ended flow runs; raises when it gave up."""
+        if time.monotonic() - self._checked < self.check_every_s:
+            return True
+        self._checked = time.monotonic()
+        with get_client(sync_client=True) as client:
+            states = [client.read_flow_run(flow_run).state for flow_run in self.flow_runs]
+        for i, state in enumerate(states):
+            if state is None or not state.is_final():
+                continue
+            if self.resubmits >= self.max_resubmits:
+                raise LooplineError(f"run {self.run}: rollout worker flow runs ended {self.resubmits + 1} times ({state.name}); giving up")
+            get_run_logger().warning("rollout worker flow run %s ended (%s) while run %s trains; submitting another", self.flow_runs[i], state.name, self.run)
+            self.flow_runs[i] = self._submit()
+            self.resubmits += 1
+        return True

@@ -11,6 +11,8 @@ import html
 import json
 import math
 import os
+import subprocess
+import sys
 import uuid
 from functools import lru_cache
 
@@ -176,6 +178,8 @@ def page_runs(db: LedgerView) -> None:
                 f"planned {planned / 2**30:.2f} GiB on {memory['hardware']} ({memory['verdict'].split(':')[0]}); measured peak RSS of the "
                 f"training process {'-' if measured is None else f'{measured / 2**30:.2f} GiB'} (it also holds the runtime, the tokenizer and the CPU engine's batch)"
             )
+        if "step" in metrics and not metrics.empty:
+            replay_step(name, int(metrics["step"].max()))
         gaps = db.logprob_gaps(run_id)
         if not gaps.empty:
             st.subheader("|μ − π_old| per trajectory, by step (max over its tokens)")
@@ -186,6 +190,28 @@ def page_runs(db: LedgerView) -> None:
             st.dataframe(
                 worst, hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
             )
+
+
+def replay_step(run: str, last_step: int) -> None:
+    """`loopline replay`: a Prefect flow run (it shows in the Prefect UI too) that retrains one step from the
+    ledger's records and compares the weights with the recorded version. It writes nothing to the ledger."""
+    st.subheader("Replay a learner step")
+    step = int(st.number_input("learner step", min_value=1, max_value=last_step, value=last_step, key="replay-step"))
+    if not st.button(f"Replay step {step}"):
+        st.caption("retrains the step on exactly the batch it consumed and compares the sha256 with the recorded version")
+        return
+    with st.spinner(f"replaying {run} step {step} (newest checkpoint before it, then the recorded steps since)"):
+        done = subprocess.run(
+            [sys.executable, "-m", "loopline.cli", "replay", run, "--step", str(step)], capture_output=True, text=True, timeout=3600
+        )
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    verdict = next((line for line in reversed(lines) if "sha256" in line and "recorded" in line), None)
+    if done.returncode == 0 and verdict:
+        st.success(verdict)
+    elif verdict:
+        st.error(verdict)
+    else:
+        st.error(f"the replay failed (exit {done.returncode}):\n\n" + "\n".join(lines[-8:]))
 
 
 def page_trajectories(db: LedgerView) -> None:
@@ -214,13 +240,16 @@ def page_trajectories(db: LedgerView) -> None:
     shown = table[table["split"].isin(splits) & table["failure_class"].isin(classes) & table["reward"].between(*rewards)]
     if consumed != "any":
         shown = shown[shown["consumed"] == (consumed == "yes")]
-    st.caption(f"{len(shown)} of {len(table)} trajectories")
-    st.dataframe(shown.drop(columns=["group_id", "created_at"]).astype({"id": str}), hide_index=True)
-    st.subheader("Open one")
-    for row in shown.head(10).itertuples():
-        label = f"{str(row.id)[:8]} · {row.task_id} · step {row.step} · reward {row.reward:g} · {row.failure_class}"
-        if st.button(label, key=f"open-{row.id}"):
-            go("trajectory", id=str(row.id))
+    st.caption(f"{len(shown)} of {len(table)} trajectories; select a row to open it")
+    # a fresh key per visit: a selection kept in the session would reopen the same trajectory on return
+    visit = st.session_state.setdefault("trajectory_table_visit", 0)
+    picked = st.dataframe(
+        shown.drop(columns=["group_id", "created_at"]).astype({"id": str}), hide_index=True,
+        on_select="rerun", selection_mode="single-row", key=f"trajectory-table-{visit}",
+    ).selection.rows
+    if picked:
+        st.session_state["trajectory_table_visit"] = visit + 1
+        go("trajectory", id=str(shown.iloc[picked[0]]["id"]))
 
 
 def page_trajectory(db: LedgerView) -> None:

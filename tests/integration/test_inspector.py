@@ -129,6 +129,17 @@ def test_trajectories_page_filters_and_opens_one(app, seeded):
     assert len(capped.dataframe[0].value) == 10 and "first 10 of 24" in capped.warning[0].value
 
 
+def test_selecting_a_row_opens_its_trajectory(app, seeded):
+    at = app("trajectories", run=seeded["run"])
+    table = at.dataframe[0].value
+    row = table.index[table["id"] == seeded["xss"]][0]
+    at.session_state["trajectory-table-0"] = {"selection": {"rows": [int(row)], "columns": [], "cells": []}}  # a click on the row
+    at.run()
+    assert not at.exception, at.exception
+    assert at.query_params["page"] == "trajectory" and at.query_params["id"] == seeded["xss"]
+    assert at.header[0].value == f"Trajectory {seeded['xss']}"
+
+
 def test_trajectory_page_shows_tokens_masks_and_escapes_untrusted_text(app, seeded):
     at = app("trajectory", id=seeded["xss"])
     page = _html(at)
@@ -270,7 +281,12 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/?page=runs&run={seeded['run']}")
             page.get_by_role("button", name="Open its trajectories").click()
-            page.get_by_role("button", name="xss").first.click()
+            table = page.locator('[data-testid="stDataFrame"]').first
+            table.locator("canvas").first.wait_for(timeout=30_000)
+            box = table.bounding_box()
+            page.mouse.click(box["x"] + 14, box["y"] + 35 + 17)  # the first row's selection box (rows and header are 35 px)
+            page.get_by_text(re.compile(r"^Trajectory [0-9a-f-]{36}$")).wait_for(timeout=30_000)  # the row opened its trajectory
+            page.goto(f"http://127.0.0.1:{port}/?page=trajectory&id={seeded['xss']}")
             page.wait_for_selector("span.tok.act", timeout=30_000)
             page.get_by_text("Attempts at this slot").wait_for(timeout=30_000)
             page.wait_for_load_state("networkidle")

@@ -1,0 +1,144 @@
+"""The ledger under many rollout workers: 1, 4, 16 and 64 processes claiming slots and committing trajectories.
+
+    python -m benchmarks.ledger_scale [--clients 1,4,16,64] [--seconds 15] [--profile small|coding]
+
+Each client is a process with its own connection doing what a rollout worker does per episode: claim one
+slot (FOR UPDATE SKIP LOCKED, with its lease), then commit one trajectory for it (binary COPY). All
+clients of a level start together and run for `--seconds`; the table gives claims/s and commits/s over
+the level, p50/p95 latency of each operation, and the errors a worker would see (deadlocks and
+serialisation failures must be 0). Profiles: `small` is the arithmetic agent's size (4 segments of 256
+prompt + 256 generated tokens); `coding` a 7B coding agent's (16 turns, each segment its turn's
+whole context: 2,048 prompt + 512 generated tokens, so ~40k token ids with logprobs per trajectory).
+
+Clients and PostgreSQL share this machine's cores, so past a few clients the numbers measure the CPU,
+not the ledger: the ratios between levels are the finding, and the README's paper estimate uses them.
+Runs in a scratch database next to the ledger (LOOPLINE_DATABASE_URL or the embedded server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import statistics
+import time
+import uuid
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks._scratch import scratch_database
+
+PROFILES = {"small": (4, 256, 256), "coding": (16, 2048, 512)}  # segments, prompt tokens, generated tokens
+
+
+def _trajectory(rng: random.Random, profile: str):
+    from loopline.store.records import SegmentRecord, TrajectoryRecord
+
+    segments, prompt, generated = PROFILES[profile]
+    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, [
+        SegmentRecord(
+            request_id=f"r{rng.getrandbits(48)}", policy_version=0, tokenizer_version="tok",
+            prompt_ids=[rng.randrange(150_000) for _ in range(prompt)], generated_ids=[rng.randrange(150_000) for _ in range(generated)],
+            action_loss_mask=[1] * generated, rollout_logprobs=[-rng.random() * 4 for _ in range(generated)],
+            logprob_semantics="log_softmax(logits/T)", sampling_config={"temperature": 1.0},
+            tool_events=[{"tool": "bash", "args": "pytest -q", "output": "1 passed", "seconds": 0.5}],
+        )
+        for _ in range(segments)
+    ])
+
+
+def _client(url: str, run_id: uuid.UUID, profile: str, seconds: float, go, out) -> None:
+    import psycopg
+    import sqlalchemy.exc
+
+    from loopline.store import ledger
+    from loopline.store.db import make_engine, session
+
+    rng = random.Random(os.getpid())
+    work = [_trajectory(rng, profile) for _ in range(8)]  # made before the clock starts
+    engine = make_engine(url)
+    claims, commits, errors = [], [], {"deadlock": 0, "serialization": 0, "other": 0}
+    worker = f"bench:{os.getpid()}"
+    with session(engine) as s:
+        go.wait()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            try:
+                t0 = time.perf_counter()
+                leases = ledger.claim_slots(s, run_id, worker, 1, split="train", lease_seconds=600)
+                t1 = time.perf_counter()
+                if not leases:
+                    break
+                ledger.commit_trajectories(s, [(leases[0].attempt_id, work[len(commits) % len(work)])])
+                t2 = time.perf_counter()
+            except sqlalchemy.exc.DBAPIError as exc:
+                s.rollback()
+                kind = "deadlock" if isinstance(exc.orig, psycopg.errors.DeadlockDetected) else (
+                    "serialization" if isinstance(exc.orig, psycopg.errors.SerializationFailure) else "other")
+                errors[kind] += 1
+                continue
+            claims.append(t1 - t0)
+            commits.append(t2 - t1)
+    engine.dispose()
+    out.put((claims, commits, errors))
+
+
+def level(url: str, engine, clients: int, seconds: float, profile: str) -> dict:
+    from loopline.store import ledger
+    from loopline.store.db import session
+
+    with session(engine) as s:
+        run = ledger.create_run(s, f"scale-{clients}-{uuid.uuid4().hex[:6]}", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(2_500)], group_size=4)
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(url, run.id, profile, seconds, go, out)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0 + clients * 0.15)  # every process imports, builds its trajectories and connects first
+    started = time.perf_counter()
+    go.set()
+    results = [out.get(timeout=seconds + 600) for _ in procs]
+    elapsed = time.perf_counter() - started
+    for p in procs:
+        p.join()
+    claims = [x for r in results for x in r[0]]
+    commits = [x for r in results for x in r[1]]
+    errors = {k: sum(r[2][k] for r in results) for k in ("deadlock", "serialization", "other")}
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000 if len(xs) > 1 else float("nan")  # noqa: E731
+    return {
+        "clients": clients, "claims_s": len(claims) / elapsed, "commits_s": len(commits) / elapsed,
+        "claim_p50": q(claims, 50), "claim_p95": q(claims, 95), "commit_p50": q(commits, 50), "commit_p95": q(commits, 95), **errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="coding")
+    args = parser.parse_args()
+    segments, prompt, generated = PROFILES[args.profile]
+    console = Console()
+    rows = []
+    with scratch_database() as (url, engine):
+        for clients in (int(c) for c in args.clients.split(",")):
+            rows.append(level(url, engine, clients, args.seconds, args.profile))
+            console.print(f"{clients} clients: {rows[-1]['commits_s']:.1f} commits/s")
+    table = Table(title=f"ledger under N rollout workers ({args.profile}: {segments} segments x {prompt}+{generated} tokens; {os.cpu_count()} cores shared with PostgreSQL)")
+    for column in ("clients", "claims/s", "commits/s", "vs 1 client", "claim p50/p95 ms", "commit p50/p95 ms", "deadlocks", "serialisation", "other errors"):
+        table.add_column(column, justify="right")
+    base = rows[0]["commits_s"]
+    for r in rows:
+        table.add_row(
+            str(r["clients"]), f"{r['claims_s']:.1f}", f"{r['commits_s']:.1f}", f"{r['commits_s'] / base:.2f}x",
+            f"{r['claim_p50']:.1f} / {r['claim_p95']:.1f}", f"{r['commit_p50']:.1f} / {r['commit_p95']:.1f}",
+            str(r["deadlock"]), str(r["serialization"]), str(r["other"]),
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Scale-out on a Prefect work pool, as the README's "many machines" section runs it.
+
+A real Prefect server on PostgreSQL; `loopline deploy --pool` registers the deployments on a process work
+pool; two `prefect worker start --pool` processes (two "machines") run what the pool is given; `loopline
+train` on an async run with `local_rollout: false, rollout_workers: 2` submits two rollout_worker flow
+runs through the deployment. Mid-run one machine is lost (its Prefect worker and the flow run it started,
+SIGKILLed): its leased slots come back, the run completes, and `check` finds nothing trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from tests.conftest import create_scratch_database, drop_scratch_database
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = "loopline-test-pool"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def prefect_on_postgres(tmp_path):
+    """`prefect server start` on a scratch PostgreSQL database of its own, with a Prefect home of its own."""
+    from sqlalchemy.engine import make_url
+
+    url = create_scratch_database("prefect_test")
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql("CREATE EXTENSION IF NOT EXISTS pg_trgm")
+    admin.dispose()
+    port = _free_port()
+    env = {
+        **os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_DATABASE_CONNECTION_URL": make_url(url).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False),
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = (tmp_path / "prefect-server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{api}/health", timeout=2)
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "prefect-server.log").read_text()[-3000:]
+            time.sleep(0.5)
+    try:
+        yield {"api": api, "home": str(tmp_path / "prefect-home")}
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        drop_scratch_database(url)
+
+
+@pytest.mark.slow
+def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(prefect_on_postgres, tiny_dirs, database_url, db, tmp_path):
+    name = f"pool-{tmp_path.name[-10:]}".replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
+        "mode": "async", "local_rollout": False, "rollout_workers": 2, "max_staleness": 1,
+        "steps": 6, "groups_per_step": 4, "group_size": 4, "concurrency": 4, "lease_seconds": 5,
+        "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 6, "tasks": 4},
+    }))
+    env = {
+        **os.environ, "PREFECT_API_URL": prefect_on_postgres["api"], "PREFECT_HOME": prefect_on_postgres["home"],
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"),
+    }
+    for attempt in ("create", "again"):  # the second is a no-op for the pool and updates the deployments in place
+        deployed = subprocess.run(
+            [sys.executable, "-m", "loopline.cli", "deploy", "--pool", POOL], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert "rollout_worker/loopline-rollout-worker" in deployed.stdout, attempt
+
+    processes = []
+
+    def start(args: list[str], log: str, **extra: str) -> subprocess.Popen:
+        out = (tmp_path / log).open("w")
+        proc = subprocess.Popen(args, env={**env, **extra}, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        processes.append(proc)
+        return proc
+
+    # two "machines", one flow run at a time each; machine 1's flow run dies after its third trajectory
+    worker = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "1"]
+    machine_1 = start([*worker, "--name", "machine-1"], "machine-1.log", LOOPLINE_FAILPOINT="rollout_commit:3")
+    start([*worker, "--name", "machine-2"], "machine-2.log")
+    trainer = start([sys.executable, "-m", "loopline.cli", "train", str(config)], "train.log")
+    logs = lambda: "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))  # noqa: E731
+    try:
+        seen: set[int] = set()
+        deadline = time.monotonic() + 300
+        while not (seen and not any(Path(f"/proc/{pid}").exists() for pid in seen)):  # machine 1's flow run came and went
+            seen |= set(_children(machine_1.pid))  # the flow-run processes it starts (not their sandboxes)
+            assert trainer.poll() is None and time.monotonic() < deadline, logs()
+            time.sleep(0.2)
+        _kill(machine_1.pid)  # ... and then the whole machine is gone
+        assert trainer.wait(timeout=600) == 0, logs()
+    finally:
+        for proc in processes:
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                _kill(pid)
+    from loopline.store.check import check_run
+
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    report = check_run(db, run_id)
+    assert report.ok, report.violations
+    consumed, distinct = _rows(db, "SELECT count(*), count(DISTINCT trajectory_id) FROM consumption WHERE run_id = :r", r=run_id)[0]
+    assert consumed == distinct == 6 * 4 * 4  # every step's groups, each trajectory once
+    holders = {int(w.split(":")[1]) for (w,) in _rows(db, "SELECT DISTINCT worker FROM attempt WHERE run_id = :r", r=run_id)}
+    assert holders & seen and holders - seen, holders  # both machines generated for the run
+    assert trainer.pid not in holders  # only the pool's flow runs did
+    lost = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run_id)[0][0]
+    assert lost > 0  # the slots machine 1 held came back through their leases
+
+
+def _rows(db, sql, **params):
+    rows = db.execute(sa.text(sql), params).all()
+    db.rollback()
+    return rows
+
+
+def test_a_kubernetes_pool_is_created_with_the_shipped_template(prefect_on_postgres, tmp_path):
+    """What can be checked without a cluster: the real server accepts deploy/k8s/base-job-template.json and the
+    deployments register on the pool (no Kubernetes worker runs here)."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_on_postgres["api"], "PREFECT_HOME": prefect_on_postgres["home"]}
+    template = ROOT / "deploy" / "k8s" / "base-job-template.json"
+    args = [sys.executable, "-m", "loopline.cli", "deploy", "--pool", "k8s-rollout", "--pool-type", "kubernetes", "--base-job-template", str(template)]
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "inspect", "k8s-rollout", "--output", "json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    pool = json.loads(shown.stdout)
+    assert pool["type"] == "kubernetes" and pool["base_job_template"] == json.loads(template.read_text())
+    wrong = subprocess.run([*args[:-4], "--pool-type", "process"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "exists with type kubernetes" in wrong.stdout + wrong.stderr
