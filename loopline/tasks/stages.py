@@ -175,9 +175,9 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     timings = {"learner_s": lap()}
     failpoint("learner_step")
     version = batch.policy_version + 1
+    checkpoint_uri = ctx.checkpoint_uri  # the newest committed one, until this step's commit names its own
     if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
-        saved = ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step})
-        ctx.checkpoint_uri = str(saved)
+        checkpoint_uri = str(ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step}))
     timings["checkpoint_s"] = lap()
     digest = ctx.learner.weights_sha256()
     weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}") if ctx.export_version(version) else None
@@ -188,9 +188,9 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
     with ctx.session_factory() as s:
         committed = ledger.commit_learner_step(
-            s, batch, str(weights) if weights else None, ctx.checkpoint_uri, digest, metrics=metrics, samples=result.samples
+            s, batch, str(weights) if weights else None, checkpoint_uri, digest, metrics=metrics, samples=result.samples
         )
-    ctx.learner_version = committed.policy_version
+    ctx.checkpoint_uri, ctx.learner_version = checkpoint_uri, committed.policy_version
     prune(ctx)
     return committed
 

@@ -38,18 +38,46 @@ def _play(spec, task, calls, final="Done. All tests pass!"):
     return asyncio.run(go())
 
 
-def test_task_file_has_thirty_problems_split_train_and_eval(coding):
+def test_task_file_has_enough_problems_for_rl_split_by_problem(coding):
     _, tasks = coding
     splits = [t.split for t in tasks.values()]
-    assert len(tasks) >= 30 and splits.count("eval") >= 5 and splits.count("train") >= 20
+    assert len(tasks) >= 200 and splits.count("eval") >= 50 and splits.count("train") >= 200
     assert all({"solution", "tests"} <= set(t.data) for t in tasks.values())
+    assert len({t.prompt for t in tasks.values()}) == len(tasks)  # no problem twice, so none in both splits
+
+
+def test_the_generated_task_file_is_what_the_generator_writes(tmp_path):
+    """examples/coding_tasks.jsonl is generated (examples/make_coding_tasks.py): edit the generator, not the file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_coding_tasks", EXAMPLES / "make_coding_tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.OUT = tmp_path / "coding_tasks.jsonl"
+    module.main()
+    assert module.OUT.read_bytes() == (EXAMPLES / "coding_tasks.jsonl").read_bytes()
 
 
 def test_every_reference_solution_passes_its_hidden_tests(coding):
+    """All 290 references, four sandboxes at a time, through the verifier the runs use."""
     spec, tasks = coding
-    for task in tasks.values():
-        _, verdict = _play(spec, task, [ToolCall("write_file", {"path": "solution.py", "content": task.data["solution"]})])
-        assert verdict.reward == 1.0, (task.id, verdict)
+
+    async def play(task, slots):
+        async with slots:
+            episode = await Episode.start(spec, task)
+            try:
+                await episode.reset()
+                await episode.step(ToolCall("write_file", {"path": "solution.py", "content": task.data["solution"]}))
+                return task.id, await episode.verify("Done.")
+            finally:
+                await episode.close()
+
+    async def play_all():
+        slots = asyncio.Semaphore(4)
+        return await asyncio.gather(*(play(task, slots) for task in tasks.values()))
+
+    failed = [(task_id, verdict) for task_id, verdict in asyncio.run(play_all()) if verdict.reward != 1.0]
+    assert not failed, failed[:5]
 
 
 def test_claiming_success_without_working_code_scores_zero(coding):

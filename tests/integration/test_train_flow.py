@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -75,6 +76,16 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     name = yaml.safe_load(path.read_text())["name"]
     replayed = replay_step(name, 2)
     assert replayed["reproduced"] and replayed["from_step"] == 0, replayed
+    # the same from the inspector's Runs page: a `loopline replay` flow run, its verdict shown
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "loopline" / "ui" / "app.py"), default_timeout=300)
+    at.query_params.update({"page": "runs", "run": name})
+    at.run()
+    at.number_input(key="replay-step").set_value(1)
+    at.button[1].click().run()  # "Replay step 1" (the first button opens the run's trajectories)
+    assert not at.exception, at.exception
+    assert [m.value for m in at.success if "step 1" in m.value and "reproduced" in m.value], [e.value for e in at.error]
     db.execute(
         sa.text(
             "UPDATE trajectory SET reward = 1 - reward WHERE id = (SELECT c.trajectory_id FROM consumption c "

@@ -147,12 +147,18 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:20]
     run = ledger.create_run(db, f"retry-{tmp_path.name}", {"test": True}, str(tiny_dirs["v0"]))
     config = LearnerConfig(lr=1e-2)
+
+    def restore(checkpoint: str, through_step: int) -> Learner:
+        # the failed try wrote step 1's checkpoint, but only a committed one may be restored: none yet
+        assert (checkpoint, through_step) == ("", 0)
+        return Learner(tiny_dirs["v0"], config, backend="torch")
+
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), tasks_by_id(train)),
         learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4,
         export_version=lambda v: False,
-        restore=lambda checkpoint, step: Learner(tiny_dirs["v0"], config, backend="torch"),  # no checkpoint, no step before: v0
+        restore=restore,
     )
     commit = ledger.commit_learner_step
 
