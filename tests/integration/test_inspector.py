@@ -281,8 +281,14 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/?page=runs&run={seeded['run']}")
             page.get_by_role("button", name="Open its trajectories").click()
+            page.get_by_text(re.compile(r"^\d+ of \d+ trajectories; select a row")).wait_for(timeout=30_000)
             table = page.locator('[data-testid="stDataFrame"]').first
             table.locator("canvas").first.wait_for(timeout=30_000)
+            deadline = time.monotonic() + 30
+            while (box := table.bounding_box())["height"] < 100:  # drawn with its rows, at its final place
+                assert time.monotonic() < deadline, box
+                page.wait_for_timeout(200)
+            page.wait_for_timeout(500)
             box = table.bounding_box()
             page.mouse.click(box["x"] + 14, box["y"] + 35 + 17)  # the first row's selection box (rows and header are 35 px)
             page.get_by_text(re.compile(r"^Trajectory [0-9a-f-]{36}$")).wait_for(timeout=30_000)  # the row opened its trajectory

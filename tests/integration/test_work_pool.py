@@ -158,8 +158,10 @@ def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(prefect_on_
     holders = {int(w.split(":")[1]) for (w,) in _rows(db, "SELECT DISTINCT worker FROM attempt WHERE run_id = :r", r=run_id)}
     assert holders & seen and holders - seen, holders  # both machines generated for the run
     assert trainer.pid not in holders  # only the pool's flow runs did
-    lost = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run_id)[0][0]
-    assert lost > 0  # the slots machine 1 held came back through their leases
+    # the slots machine 1 held came back: through their leases (another machine), or at once here, where its
+    # processes are seen to be gone (same host)
+    lost = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class IN ('LeaseExpired', 'HolderDied')", r=run_id)[0][0]
+    assert lost > 0
 
 
 def _rows(db, sql, **params):
