@@ -197,21 +197,21 @@ def replay_step(run: str, last_step: int) -> None:
     ledger's records and compares the weights with the recorded version. It writes nothing to the ledger."""
     st.subheader("Replay a learner step")
     step = int(st.number_input("learner step", min_value=1, max_value=last_step, value=last_step, key="replay-step"))
-    if not st.button(f"Replay step {step}"):
+    if not st.button(f"Replay step {step}", key="replay"):
         st.caption("retrains the step on exactly the batch it consumed and compares the sha256 with the recorded version")
         return
     with st.spinner(f"replaying {run} step {step} (newest checkpoint before it, then the recorded steps since)"):
         done = subprocess.run(
-            [sys.executable, "-m", "loopline.cli", "replay", run, "--step", str(step)], capture_output=True, text=True, timeout=3600
+            [sys.executable, "-m", "loopline.cli", "replay", run, "--step", str(step)], capture_output=True, text=True, timeout=3600,
+            env={**os.environ, "COLUMNS": "400"},  # the verdict on one line
         )
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    verdict = next((line for line in reversed(lines) if "sha256" in line and "recorded" in line), None)
+    verdict = next((line for line in reversed(done.stdout.splitlines()) if line.rstrip().endswith(("reproduced", "DIFFERENT"))), None)
     if done.returncode == 0 and verdict:
         st.success(verdict)
     elif verdict:
         st.error(verdict)
     else:
-        st.error(f"the replay failed (exit {done.returncode}):\n\n" + "\n".join(lines[-8:]))
+        st.error(f"the replay failed (exit {done.returncode}):\n\n" + "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:]))
 
 
 def page_trajectories(db: LedgerView) -> None:

@@ -52,7 +52,11 @@ def test_the_generated_task_file_is_what_the_generator_writes(tmp_path):
 
     spec = importlib.util.spec_from_file_location("make_coding_tasks", EXAMPLES / "make_coding_tasks.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     module.OUT = tmp_path / "coding_tasks.jsonl"
     module.main()
     assert module.OUT.read_bytes() == (EXAMPLES / "coding_tasks.jsonl").read_bytes()

@@ -83,9 +83,9 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     at.query_params.update({"page": "runs", "run": name})
     at.run()
     at.number_input(key="replay-step").set_value(1)
-    at.button[1].click().run()  # "Replay step 1" (the first button opens the run's trajectories)
+    at.button(key="replay").click().run()
     assert not at.exception, at.exception
-    assert [m.value for m in at.success if "step 1" in m.value and "reproduced" in m.value], [e.value for e in at.error]
+    assert [m.value for m in at.success if f"{name} step 1 from the initial weights" in m.value and m.value.endswith("reproduced")], at.error
     db.execute(
         sa.text(
             "UPDATE trajectory SET reward = 1 - reward WHERE id = (SELECT c.trajectory_id FROM consumption c "
