@@ -6,9 +6,9 @@ Each client is a process with its own connection doing what a rollout worker doe
 slot (FOR UPDATE SKIP LOCKED, with its lease), then commit one trajectory for it (binary COPY). All
 clients of a level start together and run for `--seconds`; the table gives claims/s and commits/s over
 the level, p50/p95 latency of each operation, and the errors a worker would see (deadlocks and
-serialisation failures must be 0). Profiles: `small` is the arithmetic agent's size (4 segments of 256
-prompt + 256 generated tokens); `coding` a 7B coding agent's (16 turns, each segment its turn's
-whole context: 2,048 prompt + 512 generated tokens, so ~40k token ids with logprobs per trajectory).
+serialisation failures must be 0). Profiles: `small` is a short agent (4 turns: a 256-token prompt, 64
+generated and 32 tool-output tokens a turn); `coding` a coding agent's (16 turns: a 1,024-token prompt,
+256 generated and 256 tool-output tokens a turn; each segment stores its whole context: ~82k token ids).
 
 Clients and PostgreSQL share this machine's cores, so past a few clients the numbers measure the CPU,
 not the ledger: the ratios between levels are the finding, and the README's paper estimate uses them.
@@ -30,26 +30,35 @@ from rich.table import Table
 
 from benchmarks._scratch import scratch_database
 
-PROFILES = {"small": (4, 256, 256), "coding": (16, 2048, 512)}  # segments, prompt tokens, generated tokens
+PROFILES = {"small": (4, 256, 64, 32), "coding": (16, 1024, 256, 256)}  # turns, first prompt, generated per turn, tool output per turn
 
 
 def _trajectory(rng: random.Random, profile: str):
+    """A multi-turn trajectory as the harness records it: each segment's prompt is the whole context so far
+    (the previous prompt, its generated tokens, the tool's output), so stored ids grow with the square of the turns."""
     from loopline.store.records import SegmentRecord, TrajectoryRecord
 
-    segments, prompt, generated = PROFILES[profile]
-    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, [
-        SegmentRecord(
-            request_id=f"r{rng.getrandbits(48)}", policy_version=0, tokenizer_version="tok",
-            prompt_ids=[rng.randrange(150_000) for _ in range(prompt)], generated_ids=[rng.randrange(150_000) for _ in range(generated)],
-            action_loss_mask=[1] * generated, rollout_logprobs=[-rng.random() * 4 for _ in range(generated)],
+    turns, first, generated, observation = PROFILES[profile]
+    context = [rng.randrange(150_000) for _ in range(first)]
+    segments = []
+    for _ in range(turns):
+        out = [rng.randrange(150_000) for _ in range(generated)]
+        segments.append(SegmentRecord(
+            request_id=f"r{rng.getrandbits(48)}", policy_version=0, tokenizer_version="tok", prompt_ids=list(context),
+            generated_ids=out, action_loss_mask=[1] * generated, rollout_logprobs=[-rng.random() * 4 for _ in range(generated)],
             logprob_semantics="log_softmax(logits/T)", sampling_config={"temperature": 1.0},
             tool_events=[{"tool": "bash", "args": "pytest -q", "output": "1 passed", "seconds": 0.5}],
-        )
-        for _ in range(segments)
-    ])
+        ))
+        context += out + [rng.randrange(150_000) for _ in range(observation)]
+    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, segments)
 
 
-def _client(url: str, run_id: uuid.UUID, profile: str, seconds: float, go, out) -> None:
+def stored_ids(profile: str) -> int:
+    turns, first, generated, observation = PROFILES[profile]
+    return sum(first + t * (generated + observation) + generated for t in range(turns))
+
+
+def _client(url: str, run_id: uuid.UUID, profile: str, seconds: float, ready, go, out) -> None:
     import psycopg
     import sqlalchemy.exc
 
@@ -62,6 +71,9 @@ def _client(url: str, run_id: uuid.UUID, profile: str, seconds: float, go, out) 
     claims, commits, errors = [], [], {"deadlock": 0, "serialization": 0, "other": 0}
     worker = f"bench:{os.getpid()}"
     with session(engine) as s:
+        s.connection()  # connected before the clock starts
+        s.rollback()
+        ready.put(os.getpid())
         go.wait()
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
@@ -93,11 +105,12 @@ def level(url: str, engine, clients: int, seconds: float, profile: str) -> dict:
         run = ledger.create_run(s, f"scale-{clients}-{uuid.uuid4().hex[:6]}", {}, "file:///w")
         ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(2_500)], group_size=4)
     ctx = mp.get_context("spawn")
-    go, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(url, run.id, profile, seconds, go, out)) for _ in range(clients)]
+    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(url, run.id, profile, seconds, ready, go, out)) for _ in range(clients)]
     for p in procs:
         p.start()
-    time.sleep(3.0 + clients * 0.15)  # every process imports, builds its trajectories and connects first
+    for _ in procs:  # every process has imported, built its trajectories and connected
+        ready.get(timeout=600)
     started = time.perf_counter()
     go.set()
     results = [out.get(timeout=seconds + 600) for _ in procs]
@@ -120,14 +133,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="coding")
     args = parser.parse_args()
-    segments, prompt, generated = PROFILES[args.profile]
-    console = Console()
+    turns, first, generated, observation = PROFILES[args.profile]
+    console = Console(width=200)  # the table on one line per level, also into a file
     rows = []
     with scratch_database() as (url, engine):
         for clients in (int(c) for c in args.clients.split(",")):
             rows.append(level(url, engine, clients, args.seconds, args.profile))
             console.print(f"{clients} clients: {rows[-1]['commits_s']:.1f} commits/s")
-    table = Table(title=f"ledger under N rollout workers ({args.profile}: {segments} segments x {prompt}+{generated} tokens; {os.cpu_count()} cores shared with PostgreSQL)")
+    table = Table(title=(
+        f"ledger under N rollout workers ({args.profile}: {turns} turns, {stored_ids(args.profile):,} token ids per trajectory; "
+        f"{os.cpu_count()} cores shared with PostgreSQL)"
+    ))
     for column in ("clients", "claims/s", "commits/s", "vs 1 client", "claim p50/p95 ms", "commit p50/p95 ms", "deadlocks", "serialisation", "other errors"):
         table.add_column(column, justify="right")
     base = rows[0]["commits_s"]
