@@ -29,33 +29,18 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks._scratch import scratch_database
+from benchmarks._trajectories import multi_turn
+from benchmarks._trajectories import stored_ids as _stored_ids
 
 PROFILES = {"small": (4, 256, 64, 32), "coding": (16, 1024, 256, 256)}  # turns, first prompt, generated per turn, tool output per turn
 
 
 def _trajectory(rng: random.Random, profile: str):
-    """A multi-turn trajectory as the harness records it: each segment's prompt is the whole context so far
-    (the previous prompt, its generated tokens, the tool's output), so stored ids grow with the square of the turns."""
-    from loopline.store.records import SegmentRecord, TrajectoryRecord
-
-    turns, first, generated, observation = PROFILES[profile]
-    context = [rng.randrange(150_000) for _ in range(first)]
-    segments = []
-    for _ in range(turns):
-        out = [rng.randrange(150_000) for _ in range(generated)]
-        segments.append(SegmentRecord(
-            request_id=f"r{rng.getrandbits(48)}", policy_version=0, tokenizer_version="tok", prompt_ids=list(context),
-            generated_ids=out, action_loss_mask=[1] * generated, rollout_logprobs=[-rng.random() * 4 for _ in range(generated)],
-            logprob_semantics="log_softmax(logits/T)", sampling_config={"temperature": 1.0},
-            tool_events=[{"tool": "bash", "args": "pytest -q", "output": "1 passed", "seconds": 0.5}],
-        ))
-        context += out + [rng.randrange(150_000) for _ in range(observation)]
-    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, segments)
+    return multi_turn(rng, *PROFILES[profile])
 
 
 def stored_ids(profile: str) -> int:
-    turns, first, generated, observation = PROFILES[profile]
-    return sum(first + t * (generated + observation) + generated for t in range(turns))
+    return _stored_ids(*PROFILES[profile])
 
 
 def _client(url: str, run_id: uuid.UUID, profile: str, seconds: float, ready, go, out) -> None:

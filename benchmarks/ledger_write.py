@@ -2,8 +2,8 @@
 
     python -m benchmarks.ledger_write [--trajectories 256] [--rounds 3]
 
-Commits trajectories of 4 segments (each a 256-token prompt and 256
-generated tokens with mask and logprobs) through binary COPY and through
+Commits trajectories of 4 turns (a 256-token prompt, 256 generated tokens a
+turn with mask and logprobs; each segment stores its whole context) through binary COPY and through
 executemany, alternating the two in every round so machine noise hits both
 alike, and prints trajectories/s and the COPY/executemany ratio, for a worker
 committing one trajectory per transaction and for batches of 32. Then 1 and 4
@@ -26,32 +26,18 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks._scratch import scratch_database
+from benchmarks._trajectories import multi_turn
 
 from loopline.store import ledger
 from loopline.store.db import make_engine, session
-from loopline.store.records import SegmentRecord, TrajectoryRecord
+from loopline.store.records import TrajectoryRecord
 
 TOKENS = 256
 SEGMENTS = 4
 
 
 def make_trajectory(rng: random.Random) -> TrajectoryRecord:
-    segments = [
-        SegmentRecord(
-            request_id=f"r{rng.getrandbits(48)}",
-            policy_version=0,
-            tokenizer_version="tok",
-            prompt_ids=[rng.randrange(50_000) for _ in range(TOKENS)],
-            generated_ids=[rng.randrange(50_000) for _ in range(TOKENS)],
-            action_loss_mask=[1] * TOKENS,
-            rollout_logprobs=[-rng.random() * 4 for _ in range(TOKENS)],
-            logprob_semantics="log_softmax(logits/T)",
-            sampling_config={"temperature": 1.0},
-            tool_events=[{"tool": "calc", "args": "12*7", "output": "84", "seconds": 0.01}],
-        )
-        for _ in range(SEGMENTS)
-    ]
-    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, segments)
+    return multi_turn(rng, SEGMENTS, TOKENS, TOKENS, 0)
 
 
 def commit_rate(engine, method: str, n: int, batch: int, rng: random.Random) -> float:

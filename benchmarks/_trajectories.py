@@ -1,0 +1,28 @@
+"""Synthetic trajectories shaped as the harness records them, for the ledger benchmarks."""
+
+from __future__ import annotations
+
+import random
+
+
+def multi_turn(rng: random.Random, turns: int, first: int, generated: int, observation: int):
+    """Each segment's prompt is the whole context so far (the previous prompt, its generated tokens and the
+    tool's output): what `TrajectoryRecord.validate` requires, and why stored ids grow with the square of the turns."""
+    from loopline.store.records import SegmentRecord, TrajectoryRecord
+
+    context = [rng.randrange(150_000) for _ in range(first)]
+    segments = []
+    for _ in range(turns):
+        out = [rng.randrange(150_000) for _ in range(generated)]
+        segments.append(SegmentRecord(
+            request_id=f"r{rng.getrandbits(48)}", policy_version=0, tokenizer_version="tok", prompt_ids=list(context),
+            generated_ids=out, action_loss_mask=[1] * generated, rollout_logprobs=[-rng.random() * 4 for _ in range(generated)],
+            logprob_semantics="log_softmax(logits/T)", sampling_config={"temperature": 1.0},
+            tool_events=[{"tool": "bash", "args": "pytest -q", "output": "1 passed", "seconds": 0.5}],
+        ))
+        context += out + [rng.randrange(150_000) for _ in range(observation)]
+    return TrajectoryRecord("bench", 1, "v1", "h1", 1.0, True, False, segments)
+
+
+def stored_ids(turns: int, first: int, generated: int, observation: int) -> int:
+    return sum(first + t * (generated + observation) + generated for t in range(turns))
