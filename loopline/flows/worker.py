@@ -81,8 +81,10 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
 class DeployedWorkers:
     """`count` rollout_worker flow runs for a run, submitted through the deployment (a work pool places them on
     whichever machines run `prefect worker start --pool ...`) and kept at `count`: a flow run that ended while
-    the run still trains (crashed with its machine, failed, cancelled) is submitted again, at most
-    `max_resubmits` times in all. A slot its worker held comes back through the ledger's lease."""
+    the run still trains (crashed - its process died under a live Prefect worker -, failed, cancelled) is
+    submitted again, at most `max_resubmits` times in all. A slot its worker held comes back through the
+    ledger's lease. A machine lost with its Prefect worker leaves its flow run "Running" (nobody reports it):
+    that one is not replaced; the other workers take its slots."""
 
     def __init__(self, run: str, count: int, max_resubmits: int = 10, check_every_s: float = 5.0):
         self.run, self.count, self.max_resubmits, self.check_every_s = run, count, max_resubmits, check_every_s

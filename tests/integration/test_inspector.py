@@ -10,11 +10,9 @@ import html
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +31,7 @@ from loopline.store.db import session as new_session
 from loopline.tasks import loop as loop_tasks
 from loopline.tasks.stages import LoopContext, tasks_by_id
 from loopline.trainer.learner import Learner, LearnerConfig
+from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = str(ROOT / "loopline" / "ui" / "app.py")
@@ -246,11 +245,6 @@ def test_the_inspector_cannot_write(seeded):
         conn.execute(sa.text("DELETE FROM consumption"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(seeded, tmp_path):
@@ -261,21 +255,14 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
         pytest.skip("no chromium on this machine (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LOOPLINE_DATABASE_URL": seeded["url"]}
     server = subprocess.Popen(
         [sys.executable, "-m", "loopline.cli", "inspect", "--port", str(port)], env=env, cwd=ROOT,
         stdout=(tmp_path / "streamlit.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, (tmp_path / "streamlit.log").read_text()
-                time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", server, tmp_path / "streamlit.log", timeout_s=60)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})

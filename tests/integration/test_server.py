@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,14 +13,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 import yaml
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args, env, timeout=300):
@@ -31,7 +26,7 @@ def _cli(*args, env, timeout=300):
 @pytest.mark.slow
 def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_path):
     prefect_db = f"prefect_test_{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"),
         "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

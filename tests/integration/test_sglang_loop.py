@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,22 +22,18 @@ import pytest
 import yaml
 
 from tests.integration.test_chaos import _checked_run, _kill_at_each_then_resume, _rows, _small_run, _train
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "tests.fakes.sglang_protocol_server"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandIns:
     """SGLang stand-in server processes serving `model` (what a user would start with sglang.launch_server)."""
 
     def __init__(self, model: Path, count: int, log_dir: Path):
-        self.ports = [_free_port() for _ in range(count)]
+        self.ports = [free_port() for _ in range(count)]
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", STAND_IN, "--model-path", str(model), "--port", str(port)],

@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,15 +22,11 @@ import sqlalchemy as sa
 import yaml
 
 from tests.conftest import create_scratch_database, drop_scratch_database
+from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "loopline-test-pool"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -71,7 +65,7 @@ def prefect_on_postgres(tmp_path):
     with admin.connect() as conn:
         conn.exec_driver_sql("CREATE EXTENSION IF NOT EXISTS pg_trgm")
     admin.dispose()
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_DATABASE_CONNECTION_URL": make_url(url).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False),
@@ -83,14 +77,7 @@ def prefect_on_postgres(tmp_path):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     api = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{api}/health", timeout=2)
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "prefect-server.log").read_text()[-3000:]
-            time.sleep(0.5)
+    wait_healthy(f"{api}/health", server, tmp_path / "prefect-server.log")
     try:
         yield {"api": api, "home": str(tmp_path / "prefect-home")}
     finally:

@@ -1,0 +1,27 @@
+"""Small helpers the integration tests share: a free port, and waiting for a started server to answer."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    """Until `url` answers; fails with the server's log when it died or took longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
