@@ -32,3 +32,11 @@ def test_a_sparse_export_for_a_run_that_other_processes_serve_is_refused():
     with pytest.raises(LooplineError, match="learner.export_every: 2: the SGLang servers load every version"):
         _config(engine={"kind": "sglang", "servers": ["http://h:1"]}, learner={"export_every": 2})
     assert _config(learner={"export_every": 3}).exports_every == 3
+
+
+def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
+    with pytest.raises(LooplineError, match="rollout_workers: deployed workers feed an async learner"):
+        _config(rollout_workers=2)
+    with pytest.raises(LooplineError, match="rollout_workers"):
+        _config(mode="async", rollout_workers=2)  # local_rollout defaults to true
+    assert _config(mode="async", local_rollout=False, rollout_workers=2).exports_every == 1
