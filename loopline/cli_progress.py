@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from loopline import activity
 from loopline.cli_support import console
 from loopline.store import db as store_db
 from loopline.store import ledger, queries
@@ -24,6 +25,7 @@ def _describe(p: queries.RunProgress, rate: float) -> str:
     if p.version_lag_mean is not None:
         parts.append(f"lag {p.version_lag_mean:.1f}")
     parts.append(f"{rate:.1f} traj/s")
+    parts += [f"{name} {done}/{total}" for name, (done, total) in activity.snapshot().items()]  # e.g. an evaluation
     return " · ".join(parts)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from sqlmodel import Session
 
-from loopline import holder
+from loopline import activity, holder
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
@@ -254,12 +254,20 @@ async def evaluate(
         setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=setup.sampling.max_new_tokens, seed=seed)
     )
     slots = asyncio.Semaphore(concurrency)
+    name, done = f"evaluating v{version}", [0]
+    activity.report(name, 0, len(eval_tasks))
 
     async def episode(task: Task):
         async with slots:
-            return await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/")
+            result = await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/")
+        done[0] += 1
+        activity.report(name, done[0], len(eval_tasks))
+        return result
 
-    results = await asyncio.gather(*(episode(t) for t in eval_tasks))
+    try:
+        results = await asyncio.gather(*(episode(t) for t in eval_tasks))
+    finally:
+        activity.clear(name)
     successes = sum(r.reward == 1.0 for r in results)
     with session_factory() as s:
         ledger.record_eval_result(

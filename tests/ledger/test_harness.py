@@ -198,6 +198,24 @@ def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queu
     all 12 at once would wait up to 3.6 s before their first call; `concurrency` 2 starts each when it can run."""
     from loopline.tasks.stages import evaluate
 
+    from loopline import activity
+
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(12)]
-    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=2))
-    assert success == 1.0
+    seen = []
+
+    async def watch_and_evaluate():
+        async def watch():
+            while True:
+                seen.append(activity.snapshot().get("evaluating v3"))
+                await asyncio.sleep(0.1)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=2)
+        finally:
+            watcher.cancel()
+
+    assert asyncio.run(watch_and_evaluate()) == 1.0
+    # the CLI's run bar shows the evaluation's progress (the ledger records it only at the end), then drops it
+    progress = [s for s in seen if s is not None]
+    assert progress[0][1] == 12 and any(0 < done < 12 for done, _ in progress) and activity.snapshot() == {}
