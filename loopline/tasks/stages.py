@@ -30,7 +30,8 @@ from loopline import activity, holder
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
-from loopline.rollout.engine import Engine, InFlightPolicy, SamplingParams
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.rollout.engine import Engine, EngineError, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
@@ -244,7 +245,7 @@ async def sync_weights(ctx: RolloutContext) -> int:
 
 async def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory: Callable[[], Session],
-    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int,
+    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int, max_attempts: int = 3,
 ) -> float:
     """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version.
     At most `concurrency` episodes at once, as in training: an episode's wall-time budget runs from its start,
@@ -258,8 +259,18 @@ async def evaluate(
     activity.report(name, 0, len(eval_tasks))
 
     async def episode(task: Task):
-        async with slots:
-            result = await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/")
+        # An infra failure (the engine, the sandbox; also a turn whose wall-time budget ran out in the engine's
+        # queue - an async run's rollouts share the engine) is retried with the same task and seed, as a
+        # training slot would be: it says nothing about the policy, and one must not fail the evaluation.
+        for attempt in range(1, max_attempts + 1):
+            try:
+                async with slots:
+                    result = await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/{attempt}/")
+                break
+            except (EngineError, InfraFailure) as exc:
+                if attempt == max_attempts:
+                    raise
+                log.warning("evaluation of v%d: task %s, attempt %d: %s; trying again", version, task.id, attempt, exc)
         done[0] += 1
         activity.report(name, done[0], len(eval_tasks))
         return result

@@ -219,3 +219,16 @@ def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queu
     # the CLI's run bar shows the evaluation's progress (the ledger records it only at the end), then drops it
     progress = [s for s in seen if s is not None]
     assert progress[0][1] == 12 and any(0 < done < 12 for done, _ in progress) and activity.snapshot() == {}
+
+
+def test_an_evaluation_episode_that_times_out_in_the_engine_queue_is_played_again(chat, db, run):
+    """An async run's rollouts share the engine with its evaluation: an eval episode may spend its whole wall-time
+    budget queued (an infra failure, not a verdict). It is played again, same task and seed, and the evaluation
+    completes instead of failing the run. Six at once, 0.3 s each one at a time, 1 s budget: three time out first."""
+    from loopline.tasks.stages import evaluate
+
+    tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(6)]
+    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6))
+    assert success == 1.0
+    with pytest.raises(EngineError, match="ended before the first model call"):  # without retries it failed
+        asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6, max_attempts=1))
