@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -113,7 +113,10 @@ def open_named_run(run: str) -> RunParts:
 
 def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Path) -> EpisodeSetup:
     sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
-    return EpisodeSetup(spec, env_version, ChatFormat.for_policy(initial), sampling)
+    chat = ChatFormat.for_policy(initial)
+    if config.few_shot is not None:
+        chat = replace(chat, few_shot=tuple(turn.model_dump() for turn in config.few_shot))
+    return EpisodeSetup(spec, env_version, chat, sampling)
 
 
 def build_binding(parts: RunParts) -> Binding:

@@ -90,6 +90,11 @@ class EvalSettings(_Strict):
     seed: int = 1234
 
 
+class ChatTurn(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class RunConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
@@ -116,6 +121,10 @@ class RunConfig(_Strict):
     lease_seconds: float = Field(60.0, gt=0, description="a dead worker's slots are retried after this long")
     seed: int = 0
     sampling: SamplingConfig = SamplingConfig()
+    few_shot: list[ChatTurn] | None = Field(
+        None, description="demonstration turns before every task's prompt (they teach a small model the env's tool syntax); "
+        "unset: the policy's own (its loopline_prompt.json, e.g. smollm2-135m's calculator demonstrations); []: none",
+    )
     learner: LearnerSettings = LearnerSettings()
     eval: EvalSettings = EvalSettings()
     engine: EngineSettings = EngineSettings()

@@ -152,10 +152,16 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
 
     def evaluate(engine) -> None:
         failpoint("evaluate")
-        success = tasks.evaluate(
-            ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(eval_tasks),
-            parts.env_version, config.eval.temperature, config.eval.seed, config.concurrency,
-        )
+        # async: the local rollout worker starts no episode until the evaluation is done (they share the engine,
+        # or on a resume's owed evaluation of an older version, the machine)
+        ctx.evaluating.set()
+        try:
+            success = tasks.evaluate(
+                ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(eval_tasks),
+                parts.env_version, config.eval.temperature, config.eval.seed, config.concurrency,
+            )
+        finally:
+            ctx.evaluating.clear()
         log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(eval_tasks))
 
     def owed_evaluations() -> None:

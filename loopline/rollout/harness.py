@@ -41,6 +41,7 @@ async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_i
     budgets = setup.spec.budgets
     started = time.monotonic()
     episode = await Episode.start(setup.spec, task, labels)
+    start_seconds = time.monotonic() - started
     segments: list[SegmentRecord] = []
     state = {"final": "", "end": "turns", "generated": 0}
     try:
@@ -71,7 +72,7 @@ async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_i
         truncated=truncated,
         failure_type="truncated" if truncated else (None if verdict.passed else "task_failed"),
         segments=segments,
-        timings={"episode_s": time.monotonic() - started, "verify_s": verify_seconds},
+        timings={"episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "verify_s": verify_seconds},
         info={"verdict": verdict.details, "end": state["end"], "generated_tokens": state["generated"]},
     )
 

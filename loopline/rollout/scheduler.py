@@ -56,7 +56,7 @@ class RolloutStats:
     lost_leases: int = 0
     busy_s: float = 0.0  # sum of episode durations
     wall_s: float = 0.0
-    gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "backpressure": 0})
+    gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "backpressure": 0, "evaluation": 0})
     episode_s: list[float] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)  # in commit order
 
@@ -159,9 +159,13 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
 
 
 async def run_continuous(
-    engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: asyncio.Event | None = None
+    engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: asyncio.Event | None = None,
+    paused: Callable[[], bool] | None = None,
 ) -> RolloutStats:
-    """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set)."""
+    """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set).
+
+    While `paused()` (an evaluation on the same engine) no new episode starts: an evaluation episode's
+    wall-time budget runs while it waits in the engine's queue, behind every rollout started meanwhile."""
     db, stats, start = _LedgerCalls(session_factory), RolloutStats(), time.monotonic()
     stop = stop or asyncio.Event()
     renewer = _Renewer(db, cfg.lease_seconds)
@@ -170,7 +174,7 @@ async def run_continuous(
     next_reap = 0.0
     try:
         while not stop.is_set():
-            gate = await _gate(engine, db, cfg)
+            gate = "evaluation" if paused is not None and paused() else await _gate(engine, db, cfg)
             free = cfg.concurrency - len(inflight)
             if gate is not None:
                 stats.gate_waits[gate] += 1

@@ -66,10 +66,10 @@ def run_plan(conn: sa.Connection, run: uuid.UUID) -> dict | None:
 
 
 def evals(conn: sa.Connection, run: uuid.UUID) -> Table:
-    """Held-out success per version, with when it was measured and how many tokens had been trained by then."""
+    """Held-out success (and mean reward) per version, with when it was measured and how many tokens had been trained by then."""
     return _table(
         conn,
-        "SELECT e.policy_version, e.success_rate, e.n_tasks, "
+        "SELECT e.policy_version, e.success_rate, (e.details->>'mean_reward')::float8 AS mean_reward, e.n_tasks, "
         "extract(epoch FROM e.created_at - r.created_at)::float8 AS seconds, "
         "coalesce((SELECT sum(m.value) FROM metric m WHERE m.run_id = e.run_id AND m.name = 'tokens_trained' "
         "          AND m.step <= e.policy_version), 0)::float8 AS tokens_trained "
@@ -134,6 +134,16 @@ def failure_classes(conn: sa.Connection, run: uuid.UUID) -> Table:
         "WHEN a.status = 'ok' THEN 'succeeded or scored' ELSE a.status END AS class, count(*) AS attempts "
         "FROM attempt a JOIN slot s ON s.id = a.slot_id LEFT JOIN trajectory t ON t.attempt_id = a.id "
         "WHERE a.run_id = :r AND a.status <> 'running' GROUP BY 1, 2 ORDER BY 1",
+        r=run,
+    )
+
+
+def episode_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """Each committed trajectory's sandbox start, verification and whole-episode seconds, as the harness timed them."""
+    return _table(
+        conn,
+        "SELECT (timings->>'sandbox_start_s')::float AS sandbox_start_s, (timings->>'verify_s')::float AS verify_s, "
+        "(timings->>'episode_s')::float AS episode_s, reward FROM trajectory WHERE run_id = :r",
         r=run,
     )
 

@@ -16,6 +16,7 @@ import logging
 import random
 import resource
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class RolloutContext:
     concurrency: int = 16
     lease_seconds: float = 60.0
     in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
+    # Set while an evaluation runs on this context's engine: the rollout worker starts no new episode meanwhile.
+    evaluating: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         """`version`'s weights when this process holds them in memory; None: the engine loads them from disk."""
@@ -120,7 +123,7 @@ async def rollout_continuous(
         ctx.run_id, worker or holder.this_process(), concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
         max_staleness=max_staleness, max_complete_groups=max_complete_groups, wait_for_work=True,
     )
-    return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop)
+    return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop, paused=ctx.evaluating.is_set)
 
 
 def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] | None = None, poll_s: float = 0.2) -> float:
@@ -283,7 +286,8 @@ async def evaluate(
     with session_factory() as s:
         ledger.record_eval_result(
             s, run_id, version, setup.spec.name, env_version, len(results), successes,
-            {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed},
+            {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed,
+             "mean_reward": sum(r.reward for r in results) / len(results)},  # partial credit (coding: tests passed)
         )
     return successes / len(results)
 

@@ -121,3 +121,24 @@ def test_backpressure_stops_new_work_while_groups_wait_for_the_learner(tiny_dirs
     assert ledger.group_states(db, run.id).get("consumed") == 1 and stats.committed >= 4
     # stopping handed unfinished slots back instead of leaving them leased
     assert _count(db, "SELECT count(*) FROM slot WHERE run_id = :r AND state = 'leased'", r=run.id) == 0
+
+
+def test_no_episode_starts_while_an_evaluation_shares_the_engine(tiny_dirs, binding, engine, db, run):
+    """An async run's evaluation episodes queue on the rollout engine; with rollouts starting meanwhile, an
+    evaluation episode's wall-time budget ran out before its first model call (seen on SmolLM2, issue 17)."""
+    ledger.plan_step(db, run.id, 1, ["t0"], group_size=2)
+    evaluating = [True]
+    cfg = WorkerConfig(run.id, "w", concurrency=2, poll_s=0.05)
+
+    async def go():
+        worker = asyncio.create_task(
+            run_continuous(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg, paused=lambda: evaluating[0])
+        )
+        await asyncio.sleep(1.0)
+        held = _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r", r=run.id)
+        evaluating[0] = False
+        return held, await worker
+
+    held, stats = asyncio.run(go())
+    assert held == 0 and stats.gate_waits["evaluation"] > 0
+    assert stats.committed == 2

@@ -210,3 +210,42 @@ def test_weights_from_memory_of_another_model_are_refused(tiny_dirs):
         assert engine.version() == 0
 
     _run(go())
+
+
+def test_a_prompt_that_starts_with_cached_tokens_runs_only_the_rest_and_generates_the_same(tiny_dirs):
+    """First turns share their demonstration (run once), second turns extend the first turn and its
+    generation (run only the observation); tokens and logprobs are those of an engine without the cache."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    demonstration = list(range(10, 60))
+    first_turns = [demonstration + [61, 62], demonstration + [63], demonstration + [64, 65, 66]]
+
+    async def episodes(engine):
+        firsts = await asyncio.gather(*(engine.generate(p, greedy, f"a{i}") for i, p in enumerate(first_turns)))
+        seconds = [p + list(g.token_ids) + [70, 71] for p, g in zip(first_turns, firsts)]
+        return [*firsts, *await asyncio.gather(*(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(seconds)))]
+
+    cached, plain = LocalEngine(tiny_dirs["v0"], max_batch=4), LocalEngine(tiny_dirs["v0"], max_batch=4, prefix_cache_mb=0)
+    for a, b in zip(_run(episodes(cached)), _run(episodes(plain))):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    # the demonstration once (50), the first turns' own tokens (2 + 1 + 3), each second turn its last
+    # generated token and the observation (3 x 3)
+    assert cached.prefill_tokens["computed"] == 50 + 6 + 9
+    assert plain.prefill_tokens["reused"] == 0 and plain.prefill_tokens["computed"] > 3 * 52 + 3 * 60
+
+
+def test_the_prefix_cache_is_dropped_with_the_weights_that_computed_it(tiny_dirs):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompt = list(range(10, 40))
+
+    async def go():
+        engine = LocalEngine(tiny_dirs["v0"])
+        await engine.generate(prompt, greedy, "a")
+        await engine.update_weights(1, tiny_dirs["v1"])
+        after = await engine.generate(prompt, greedy, "b")
+        return engine.prefill_tokens, after
+
+    counts, after = _run(go())
+    fresh = _run(LocalEngine(tiny_dirs["v1"], version=1).generate(prompt, greedy, "c"))
+    assert counts == {"computed": 60, "reused": 0}
+    assert after.token_ids == fresh.token_ids

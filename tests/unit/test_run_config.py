@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loopline.errors import LooplineError
@@ -40,3 +42,30 @@ def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
     with pytest.raises(LooplineError, match="rollout_workers"):
         _config(mode="async", rollout_workers=2)  # local_rollout defaults to true
     assert _config(mode="async", local_rollout=False, rollout_workers=2).exports_every == 1
+
+
+def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, tmp_path):
+    """A policy's few-shot turns teach one env's tool syntax (smollm2-135m's: the calculator); a run on
+    another env names its own, or none."""
+    import json
+    import shutil
+
+    from loopline.envregistry.spec import load_spec
+    from loopline.flows.assembly import build_setup
+
+    policy = shutil.copytree(tiny_dirs["v0"], tmp_path / "policy")
+    calc = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "<calc>1 + 2</calc>"}]
+    (policy / "loopline_prompt.json").write_text(json.dumps({"few_shot": calc}))
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml")
+    code = [{"role": "user", "content": "Write `f`."}, {"role": "assistant", "content": '<write_file>{"path": "s.py"}</write_file>'}]
+
+    def shown(**overrides):
+        chat = build_setup(_config(**overrides), spec, 1, policy).chat
+        return chat.few_shot, chat.decode(chat.initial_ids("", "What is 2 + 2?"))
+
+    assert shown()[0] == tuple(calc)
+    few_shot, prompt = shown(few_shot=code)
+    assert few_shot == tuple(code) and "<write_file>" in prompt and "<calc>" not in prompt
+    assert shown(few_shot=[])[0] == ()
+    with pytest.raises(LooplineError, match="few_shot"):
+        _config(few_shot=[{"role": "robot", "content": "x"}])
