@@ -112,7 +112,7 @@ def policy(tasks_limit: int | None) -> dict:
     held_out = [t for t in tasks if t.split == "eval"][:tasks_limit]
     chat = replace(ChatFormat.for_policy(model), few_shot=tuple(config["few_shot"]))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=config["sampling"]["max_new_tokens"], seed=0)
-    setup = EpisodeSetup(spec, 2, chat, sampling)
+    setup = EpisodeSetup(spec, 0, chat, sampling)  # env_version labels ledger rows: this part writes none
     out = {}
     print(f"{'conc':>4s} {'pass':>6s} {'reward':>6s} {'wrote':>6s} {'ran':>6s} {'tokens':>6s} {'traj/s':>7s} {'start share':>11s} {'infra':>5s} {'s':>5s}")
 
@@ -183,13 +183,15 @@ def train() -> dict:
     reward = {int(step): value for step, metric, value in metrics.rows if metric == "reward_mean"}
     result = {
         "run": config["name"], "wall_s": wall, "held_out_pass_rate": {c["policy_version"]: c["success_rate"] for c in curve},
+        "held_out_mean_reward": {c["policy_version"]: c["mean_reward"] for c in curve},
         "training_reward_mean": reward, "attempts": attempts,
         "infra_failure_rate": attempts.get("infra_failed", 0) / max(1, sum(attempts.values())),
         "sandbox_start_s": _times([r["sandbox_start_s"] for r in rows if r["sandbox_start_s"] is not None]),
         "verify_s": _times([r["verify_s"] for r in rows]), "episode_s": _times([r["episode_s"] for r in rows]),
     }
     first, last = curve[0]["success_rate"], curve[-1]["success_rate"]
-    print(f"held-out pass rate {first:.1%} (v{curve[0]['policy_version']}) -> {last:.1%} (v{curve[-1]['policy_version']}) in {wall / 60:.1f} min")
+    print(f"held-out pass rate {first:.1%} (v{curve[0]['policy_version']}) -> {last:.1%} (v{curve[-1]['policy_version']}) in {wall / 60:.1f} min; "
+          f"mean reward (fraction of hidden tests) {' -> '.join(format(c['mean_reward'], '.3f') for c in curve)}")
     print(f"training reward by step: {', '.join(f'{k}: {v:.2f}' for k, v in sorted(reward.items()))}")
     print(f"attempts: {attempts} (infra-failure rate {result['infra_failure_rate']:.1%}); sandbox start p50 "
           f"{result['sandbox_start_s']['p50']:.2f} s, p95 {result['sandbox_start_s']['p95']:.2f} s; verification p50 "

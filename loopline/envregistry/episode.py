@@ -72,7 +72,8 @@ class Episode:
         prompt = self.spec.reset.prompt.replace("{prompt}", self.task.prompt)
         return ResetResult(self.spec.reset.system_prompt, prompt)
 
-    async def step(self, call: ToolCall) -> Observation:
+    async def step(self, call: ToolCall, max_seconds: float | None = None) -> Observation:
+        """Run one tool call, stopped after its tool's timeout_s or `max_seconds` (what the episode's budget has left)."""
         start = time.monotonic()
         tool = self.tools.get(call.name)
         if tool is None:
@@ -90,10 +91,11 @@ class Episode:
         fill = {name: str(value) for name, value in call.args.items()}
         command = tool.command.format(**{name: shlex.quote(value) for name, value in fill.items()})
         stdin = tool.stdin.format(**fill) if tool.stdin else None
-        result = await self.sandbox.exec(command, timeout_s=tool.timeout_s, stdin=stdin)
+        timeout_s = tool.timeout_s if max_seconds is None else max(0.1, min(tool.timeout_s, max_seconds))  # `timeout 0`: none
+        result = await self.sandbox.exec(command, timeout_s=timeout_s, stdin=stdin)
         text = (result.stdout + result.stderr)[-MAX_OBSERVATION_CHARS:]
         if result.timed_out:
-            text += f"\n[timed out after {tool.timeout_s:g} s]"
+            text += f"\n[timed out after {timeout_s:g} s]"
         elif result.oom_killed:
             text += "\n[killed: out of memory]"
         elif result.exit_code:

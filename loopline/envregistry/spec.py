@@ -243,7 +243,11 @@ class Verifier(_Strict):
 class Budgets(_Strict):
     max_turns: int = Field(4, ge=1, le=1000)
     max_generated_tokens: int = Field(512, ge=1, le=10_000_000)
-    wall_time_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)
+    wall_time_s: float = Field(
+        120.0, gt=0, le=MAX_TIMEOUT_S,
+        description="seconds the environment may spend on one episode's tool calls (each also has its own timeout_s); "
+        "time waiting for the model is not counted: it depends on the engine's load, not on the agent",
+    )
 
 
 class SmokeStep(_Strict):

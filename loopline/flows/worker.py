@@ -84,7 +84,9 @@ class DeployedWorkers:
     the run still trains (crashed - its process died under a live Prefect worker -, failed, cancelled) is
     submitted again, at most `max_resubmits` times in all. A slot its worker held comes back through the
     ledger's lease. A machine lost with its Prefect worker leaves its flow run "Running" (nobody reports it):
-    that one is not replaced; the other workers take its slots."""
+    that one is not replaced; the other workers take its slots. The flow runs carry the tag
+    `loopline-run:RUN`; a resumed train flow adopts those still scheduled or running (they outlive a
+    killed trainer: a worker stops only when the run ends) instead of submitting `count` more."""
 
     def __init__(self, run: str, count: int, max_resubmits: int = 10, check_every_s: float = 5.0):
         self.run, self.count, self.max_resubmits, self.check_every_s = run, count, max_resubmits, check_every_s
@@ -92,9 +94,13 @@ class DeployedWorkers:
         self.resubmits = 0
         self._checked = 0.0
 
+    @property
+    def tag(self) -> str:
+        return f"loopline-run:{self.run}"
+
     def _submit(self):
         try:
-            return run_deployment(DEPLOYMENT, parameters={"run": self.run}, timeout=0, as_subflow=False).id
+            return run_deployment(DEPLOYMENT, parameters={"run": self.run}, timeout=0, as_subflow=False, tags=[self.tag]).id
         except ObjectNotFound:
             raise LooplineError(
                 f"run {self.run} asks for rollout_workers, but this Prefect server has no {DEPLOYMENT} deployment: run "
@@ -102,7 +108,21 @@ class DeployedWorkers:
             ) from None
 
     def start(self) -> None:
-        self.flow_runs = [self._submit() for _ in range(self.count)]
+        adopted = self._unfinished()[: self.count]
+        if adopted:
+            get_run_logger().info("run %s: %d rollout worker flow runs are still scheduled or running; adopting them", self.run, len(adopted))
+        self.flow_runs = adopted + [self._submit() for _ in range(self.count - len(adopted))]
+
+    def _unfinished(self) -> list:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+        from prefect.client.schemas.objects import StateType
+
+        live = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[self.tag]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))
+            ))
+        return [r.id for r in runs]
 
     def alive(self) -> bool:
         """The learner's `producing` check: resubmits ended flow runs; raises when it gave up."""

@@ -9,7 +9,6 @@ output and template tokens are context, mask 0). Budgets end an episode as
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -38,21 +37,15 @@ def _now() -> datetime:
 
 async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
     """Play one task to the end and return its trajectory (the caller commits it)."""
-    budgets = setup.spec.budgets
     started = time.monotonic()
     episode = await Episode.start(setup.spec, task, labels)
     start_seconds = time.monotonic() - started
     segments: list[SegmentRecord] = []
-    state = {"final": "", "end": "turns", "generated": 0}
+    state = {"final": "", "end": "turns", "generated": 0, "tool_s": 0.0}
     try:
         reset = await episode.reset()
         ids = setup.chat.initial_ids(reset.system_prompt, reset.prompt)
-        try:
-            await asyncio.wait_for(
-                _turns(engine, setup, episode, ids, request_id, segments, state), timeout=budgets.wall_time_s
-            )
-        except asyncio.TimeoutError:
-            state["end"] = "wall_time"
+        await _turns(engine, setup, episode, ids, request_id, segments, state)
         verify_started = time.monotonic()
         verdict = await episode.verify(state["final"])
         verify_seconds = time.monotonic() - verify_started
@@ -72,7 +65,7 @@ async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_i
         truncated=truncated,
         failure_type="truncated" if truncated else (None if verdict.passed else "task_failed"),
         segments=segments,
-        timings={"episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "verify_s": verify_seconds},
+        timings={"episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "tools_s": state["tool_s"], "verify_s": verify_seconds},
         info={"verdict": verdict.details, "end": state["end"], "generated_tokens": state["generated"]},
     )
 
@@ -136,12 +129,19 @@ async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id,
         if isinstance(action, Unparsable):
             observation, error, seconds, call = action.message, True, 0.0, None
         else:
-            result = await episode.step(action.call)
+            # The wall-time budget is the environment's time on the agent's actions: a call gets what is left of
+            # it. Time spent waiting for the engine is not the agent's doing (it grows with the load: an async
+            # run's queue, a busy server) and must not become a reward; generation is bounded by tokens.
+            result = await episode.step(action.call, max_seconds=budgets.wall_time_s - state["tool_s"])
+            state["tool_s"] += result.seconds
             observation, error, seconds, call = result.text, result.error, result.seconds, action.call
         events.append(
             {"tool": call.name if call else None, "args": call.args if call else None, "output": observation, "error": error, "seconds": seconds}
         )
+        state["final"] = text
+        if state["tool_s"] >= budgets.wall_time_s:
+            state["end"] = "wall_time"
+            return
         shown = setup.spec.reset.observation.replace("{output}", observation)
         ids = ids + generated + setup.chat.observation_ids(shown, generated)
-        state["final"] = text
     state["end"] = "turns"

@@ -150,8 +150,8 @@ class _PrefixCache:
     """Keys and values of token sequences computed recently by the current weights: prompts, and finished
     requests' prompt + generation. Least recently used out first, by tokens held; cleared when weights change."""
 
-    def __init__(self, capacity_tokens: int):
-        self.capacity = capacity_tokens
+    def __init__(self, capacity_tokens: int, max_entries: int = 256):
+        self.capacity, self.max_entries = capacity_tokens, max_entries  # a lookup scans every entry
         self.entries: collections.OrderedDict[tuple[int, ...], KV] = collections.OrderedDict()
         self.tokens = 0
 
@@ -181,7 +181,7 @@ class _PrefixCache:
                 del self.entries[other]
         self.entries[key] = [(k.contiguous(), v.contiguous()) for k, v in kv]  # never a view pinning a batch's cache
         self.tokens += len(key)
-        while self.tokens > self.capacity:
+        while self.tokens > self.capacity or len(self.entries) > self.max_entries:
             oldest, _ = self.entries.popitem(last=False)
             self.tokens -= len(oldest)
 

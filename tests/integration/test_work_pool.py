@@ -86,62 +86,103 @@ def prefect_on_postgres(tmp_path):
         drop_scratch_database(url)
 
 
-@pytest.mark.slow
-def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(prefect_on_postgres, tiny_dirs, database_url, db, tmp_path):
-    name = f"pool-{tmp_path.name[-10:]}".replace("_", "-")
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
-        "mode": "async", "local_rollout": False, "rollout_workers": 2, "max_staleness": 1,
-        "steps": 6, "groups_per_step": 4, "group_size": 4, "concurrency": 4, "lease_seconds": 5,
-        "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 6, "tasks": 4},
-    }))
-    env = {
-        **os.environ, "PREFECT_API_URL": prefect_on_postgres["api"], "PREFECT_HOME": prefect_on_postgres["home"],
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"),
-    }
-    for attempt in ("create", "again"):  # the second is a no-op for the pool and updates the deployments in place
-        deployed = subprocess.run(
-            [sys.executable, "-m", "loopline.cli", "deploy", "--pool", POOL], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+class Pool:
+    """A run config for `rollout_workers: 2`, the deployments on the test pool, and the processes started
+    (each in its own session, all killed at the end): `machine(...)` a Prefect worker, `train()` the trainer."""
+
+    def __init__(self, prefect: dict, tiny_dirs, database_url: str, tmp_path: Path):
+        self.name, self.tmp = f"pool-{tmp_path.name[-10:]}".replace("_", "-"), tmp_path
+        self.config = tmp_path / "run.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "name": self.name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
+            "mode": "async", "local_rollout": False, "rollout_workers": 2, "max_staleness": 1,
+            "steps": 6, "groups_per_step": 4, "group_size": 4, "concurrency": 4, "lease_seconds": 5,
+            "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 6, "tasks": 4},
+        }))
+        self.api = prefect["api"]
+        self.env = {
+            **os.environ, "PREFECT_API_URL": prefect["api"], "PREFECT_HOME": prefect["home"],
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"),
+        }
+        self.processes: list[subprocess.Popen] = []
+
+    def deploy(self) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "loopline.cli", "deploy", "--pool", POOL], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120
         )
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        assert "rollout_worker/loopline-rollout-worker" in deployed.stdout, attempt
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
 
-    processes = []
-
-    def start(args: list[str], log: str, **extra: str) -> subprocess.Popen:
-        out = (tmp_path / log).open("w")
-        proc = subprocess.Popen(args, env={**env, **extra}, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        processes.append(proc)
+    def start(self, args: list[str], log: str, **extra: str) -> subprocess.Popen:
+        out = (self.tmp / log).open("a")
+        proc = subprocess.Popen(args, env={**self.env, **extra}, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes.append(proc)
         return proc
 
-    # two "machines", one flow run at a time each; machine 1's flow run dies after its third trajectory
-    worker = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "1"]
-    machine_1 = start([*worker, "--name", "machine-1"], "machine-1.log", LOOPLINE_FAILPOINT="rollout_commit:3")
-    start([*worker, "--name", "machine-2"], "machine-2.log")
-    trainer = start([sys.executable, "-m", "loopline.cli", "train", str(config)], "train.log")
-    logs = lambda: "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))  # noqa: E731
-    try:
-        seen: set[int] = set()
-        deadline = time.monotonic() + 300
-        while not (seen and not any(Path(f"/proc/{pid}").exists() for pid in seen)):  # machine 1's flow run came and went
-            seen |= set(_children(machine_1.pid))  # the flow-run processes it starts (not their sandboxes)
-            assert trainer.poll() is None and time.monotonic() < deadline, logs()
-            time.sleep(0.2)
-        _kill(machine_1.pid)  # ... and then the whole machine is gone
-        assert trainer.wait(timeout=600) == 0, logs()
-    finally:
-        for proc in processes:
+    def machine(self, name: str, **extra: str) -> subprocess.Popen:
+        """A Prefect worker on the pool running one flow run at a time: one "machine"."""
+        return self.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "1", "--name", name], f"{name}.log", **extra)
+
+    def train(self) -> subprocess.Popen:
+        return self.start([sys.executable, "-m", "loopline.cli", "train", str(self.config)], "train.log")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def worker_flow_runs(self) -> list[dict]:
+        """The rollout_worker flow runs submitted for this run (by the tag the train flow gives them)."""
+        import httpx
+
+        body = {"flow_runs": {"tags": {"all_": [f"loopline-run:{self.name}"]}}}
+        return httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=30).json()
+
+    def kill_all(self) -> None:
+        for proc in self.processes:
             for pid in [*_descendants(proc.pid), proc.pid]:
                 _kill(pid)
+
+
+@pytest.fixture
+def pool(prefect_on_postgres, tiny_dirs, database_url, tmp_path):
+    made = Pool(prefect_on_postgres, tiny_dirs, database_url, tmp_path)
+    try:
+        yield made
+    finally:
+        made.kill_all()
+
+
+def _run_id(db, name: str):
+    return _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+
+
+def _consumed_once(db, run_id) -> None:
     from loopline.store.check import check_run
 
-    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
     report = check_run(db, run_id)
     assert report.ok, report.violations
     consumed, distinct = _rows(db, "SELECT count(*), count(DISTINCT trajectory_id) FROM consumption WHERE run_id = :r", r=run_id)[0]
     assert consumed == distinct == 6 * 4 * 4  # every step's groups, each trajectory once
+
+
+@pytest.mark.slow
+def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(pool, db):
+    for attempt in ("create", "again"):  # the second is a no-op for the pool and updates the deployments in place
+        assert "rollout_worker/loopline-rollout-worker" in pool.deploy(), attempt
+    # two "machines", one flow run at a time each; machine 1's flow run dies after its third trajectory
+    machine_1 = pool.machine("machine-1", LOOPLINE_FAILPOINT="rollout_commit:3")
+    pool.machine("machine-2")
+    trainer = pool.train()
+    seen: set[int] = set()
+    deadline = time.monotonic() + 300
+    while not (seen and not any(Path(f"/proc/{pid}").exists() for pid in seen)):  # machine 1's flow run came and went
+        seen |= set(_children(machine_1.pid))  # the flow-run processes it starts (not their sandboxes)
+        assert trainer.poll() is None and time.monotonic() < deadline, pool.logs()
+        time.sleep(0.2)
+    _kill(machine_1.pid)  # ... and then the whole machine is gone
+    assert trainer.wait(timeout=600) == 0, pool.logs()
+    run_id = _run_id(db, pool.name)
+    _consumed_once(db, run_id)
     holders = {int(w.split(":")[1]) for (w,) in _rows(db, "SELECT DISTINCT worker FROM attempt WHERE run_id = :r", r=run_id)}
     assert holders & seen and holders - seen, holders  # both machines generated for the run
     assert trainer.pid not in holders  # only the pool's flow runs did
@@ -149,6 +190,28 @@ def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(prefect_on_
     # processes are seen to be gone (same host)
     lost = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class IN ('LeaseExpired', 'HolderDied')", r=run_id)[0][0]
     assert lost > 0
+
+
+@pytest.mark.slow
+def test_a_resumed_trainer_adopts_the_worker_flow_runs_still_running(pool, db):
+    """The workers outlive a killed trainer (they stop when the run ends); the resume must not submit two more,
+    which here could never start (each machine runs one flow run at a time) and would wait forever."""
+    pool.deploy()
+    pool.machine("machine-1")
+    pool.machine("machine-2")
+    trainer = pool.train()
+    deadline = time.monotonic() + 300
+    while not _rows(db, "SELECT 1 FROM policy_version p JOIN run r ON r.id = p.run_id WHERE r.name = :n AND p.version >= 1", n=pool.name):
+        assert trainer.poll() is None and time.monotonic() < deadline, pool.logs()
+        time.sleep(0.5)
+    os.killpg(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    running = [r["id"] for r in pool.worker_flow_runs() if r["state_type"] == "RUNNING"]
+    assert len(running) == 2, pool.logs()
+    assert pool.train().wait(timeout=600) == 0, pool.logs()
+    assert sorted(r["id"] for r in pool.worker_flow_runs()) == sorted(running)
+    assert "adopting them" in (pool.tmp / "train.log").read_text()
+    _consumed_once(db, _run_id(db, pool.name))
 
 
 def _rows(db, sql, **params):

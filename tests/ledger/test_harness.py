@@ -221,14 +221,77 @@ def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queu
     assert progress[0][1] == 12 and any(0 < done < 12 for done, _ in progress) and activity.snapshot() == {}
 
 
-def test_an_evaluation_episode_that_times_out_in_the_engine_queue_is_played_again(chat, db, run):
-    """An async run's rollouts share the engine with its evaluation: an eval episode may spend its whole wall-time
-    budget queued (an infra failure, not a verdict). It is played again, same task and seed, and the evaluation
-    completes instead of failing the run. Six at once, 0.3 s each one at a time, 1 s budget: three time out first."""
+def test_waiting_for_the_engine_is_not_charged_to_the_wall_time_budget(chat, db, run):
+    """Six held-out episodes at once on an engine serving one request at a time (0.3 s each), a 1 s budget: the
+    last waits 1.8 s for its only model call. Queueing depends on the load (an async run's rollouts share the
+    engine), not on the agent: it must neither truncate the episode nor score it 0 (seen on SmolLM2, issue 17)."""
     from loopline.tasks.stages import evaluate
 
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(6)]
-    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6))
+    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6, max_attempts=1))
     assert success == 1.0
-    with pytest.raises(EngineError, match="ended before the first model call"):  # without retries it failed
-        asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6, max_attempts=1))
+
+
+def test_the_agents_tool_time_is_bounded_by_the_wall_time_budget(chat, tmp_path):
+    from tests.envfiles import write_env
+
+    spec = load_spec(write_env(tmp_path, "slow-tools", [{"id": "a", "split": "train", "prompt": "p"}]))
+    run = spec.tools[0].model_copy(update={"command": "sh -c {cmd}"})
+    spec = spec.model_copy(update={"tools": (run,), "budgets": spec.budgets.model_copy(update={"wall_time_s": 1.0, "max_turns": 5})})
+    setup = EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=48, seed=0))
+    task = Task("a", "train", "p", {})
+    engine = ScriptedEngine(chat, ["<run>sleep 0.6</run>"] * 3 + ["<answer>x</answer>"])
+    slow = asyncio.run(run_episode(engine, setup, task, "e"))
+    assert (slow.truncated, slow.info["end"], len(slow.segments)) == (True, "wall_time", 2)  # 0.6 s, then 1.2 s > 1 s
+    assert 1.0 <= slow.timings["tools_s"] < 1.5
+
+
+class FailsFirst(OneAtATime):
+    """An engine whose first request for each task fails (a server restarting, a request aborted)."""
+
+    def __init__(self, chat: ChatFormat):
+        super().__init__(chat)
+        self.failed: set[str] = set()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        task = request_id.split("/")[0]
+        if task not in self.failed:
+            self.failed.add(task)
+            raise EngineError(f"request {request_id} was aborted")
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+def test_an_evaluation_episode_that_fails_for_infra_reasons_is_played_again(chat, db, run):
+    """An engine or sandbox failure says nothing about the policy: the episode is played again (same task and
+    seed), and the evaluation completes instead of failing the run."""
+    from loopline.tasks.stages import evaluate
+
+    tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(3)]
+    assert asyncio.run(evaluate(run.id, FailsFirst(chat), _setup(chat), lambda: db, tasks, 1, 0.0, 0, concurrency=3)) == 1.0
+    with pytest.raises(EngineError, match="aborted"):  # without retries it failed
+        asyncio.run(evaluate(run.id, FailsFirst(chat), _setup(chat), lambda: db, tasks, 1, 0.0, 0, concurrency=3, max_attempts=1))
+
+
+def test_a_cancelled_tool_call_leaves_no_process_behind():
+    """A rollout worker that stops cancels its episodes; the local backend's command must die with the call."""
+    from loopline.envregistry.sandbox.base import open_sandbox
+    from loopline.envregistry.spec import Sandbox
+
+    async def go():
+        box = await open_sandbox(Sandbox(backend="local"))
+        call = asyncio.create_task(box.exec("sleep 37.5", timeout_s=60))
+        await asyncio.sleep(1.0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await box.close()
+
+    asyncio.run(go())
+    def commands():
+        for entry in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                yield entry.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                pass
+
+    assert not [c for c in commands() if "sleep 37.5" in c]

@@ -249,3 +249,20 @@ def test_the_prefix_cache_is_dropped_with_the_weights_that_computed_it(tiny_dirs
     fresh = _run(LocalEngine(tiny_dirs["v1"], version=1).generate(prompt, greedy, "c"))
     assert counts == {"computed": 60, "reused": 0}
     assert after.token_ids == fresh.token_ids
+
+
+def test_prefix_cache_keeps_the_longest_sequence_and_evicts_the_least_recently_used():
+    from loopline.rollout.local_engine import _PrefixCache, common_prefix
+
+    assert [common_prefix(a, b) for a, b in (((1, 2, 3), (1, 2, 4)), ((1, 2), (1, 2, 3)), ((5,), (6,)), ((), (1,)))] == [2, 2, 0, 0]
+    kv = lambda n: [(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))]  # noqa: E731
+    cache = _PrefixCache(capacity_tokens=10)
+    cache.add((1, 2, 3), kv(3))
+    cache.add((1, 2, 3, 4, 5), kv(5))  # supersedes (1, 2, 3): every match of it is one of this, as long
+    cache.add((1, 2), kv(2))  # already held
+    assert list(cache.entries) == [(1, 2, 3, 4, 5)] and cache.tokens == 5
+    cache.add((7, 8, 9), kv(3))
+    assert cache.longest((1, 2, 3, 9))[0] == 3  # and (1, 2, 3, 4, 5) is now the most recently used
+    cache.add((6, 6, 6), kv(3))  # 11 tokens > 10: the least recently used, (7, 8, 9), goes
+    assert list(cache.entries) == [(1, 2, 3, 4, 5), (6, 6, 6)] and cache.tokens == 8
+    assert cache.longest((4, 4)) == (0, None)

@@ -69,3 +69,11 @@ def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, 
     assert shown(few_shot=[])[0] == ()
     with pytest.raises(LooplineError, match="few_shot"):
         _config(few_shot=[{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.parametrize("name", ["arithmetic_quickstart.yaml", "smollm2_arithmetic.yaml", "coding_quickstart.yaml", "plan_7b_coding.yaml"])
+def test_the_example_run_configs_load(name):
+    from loopline.flows.config import load_config
+
+    config, _ = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
+    assert config.name

@@ -14,6 +14,7 @@ only through the same bwrap prefix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import shutil
@@ -93,6 +94,11 @@ class LocalSandbox:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = await proc.communicate()
+        except asyncio.CancelledError:  # the caller gave up (a worker stopping): nothing it started may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
         return ExecResult(
             exit_code=proc.returncode if not timed_out else 137,
             stdout=out[:OUTPUT_LIMIT].decode(errors="replace"),
