@@ -140,7 +140,7 @@ def policy(tasks_limit: int | None) -> dict:
         row = {
             "pass_rate": statistics.mean(r.reward == 1.0 for r in results),
             "mean_reward": statistics.mean(r.reward for r in results),
-            "wrote_solution": statistics.mean(any(e["tool"] == "write_file" and not e["error"] for e in ev) for ev in events),
+            "wrote_solution": statistics.mean(any(e["tool"] in ("write_file", "write_solution") and not e["error"] for e in ev) for ev in events),
             "ran_code": statistics.mean(any(e["tool"] == "run" for e in ev) for ev in events),
             "generated_tokens_mean": statistics.mean(r.info["generated_tokens"] for r in results),
             "trajectories_per_s": len(results) / wall, "wall_s": wall,

@@ -173,13 +173,16 @@ def test_two_prefect_workers_feed_a_run_and_losing_one_loses_nothing(pool, db):
     machine_1 = pool.machine("machine-1", LOOPLINE_FAILPOINT="rollout_commit:3")
     pool.machine("machine-2")
     trainer = pool.train()
-    seen: set[int] = set()
+    seen: set[int] = set()  # the flow-run processes machine 1 starts (not their sandboxes)
+    first: set[int] = set()
     deadline = time.monotonic() + 300
-    while not (seen and not any(Path(f"/proc/{pid}").exists() for pid in seen)):  # machine 1's flow run came and went
-        seen |= set(_children(machine_1.pid))  # the flow-run processes it starts (not their sandboxes)
+    while not (first and not any(Path(f"/proc/{pid}").exists() for pid in first)):  # its first flow run came and went
         assert trainer.poll() is None and time.monotonic() < deadline, pool.logs()
+        children = set(_children(machine_1.pid))
+        first, seen = first or children, seen | children
         time.sleep(0.2)
-    _kill(machine_1.pid)  # ... and then the whole machine is gone
+    for pid in [*_descendants(machine_1.pid), machine_1.pid]:  # ... and then the whole machine is gone (a flow run
+        _kill(pid)  # resubmitted in place of the crashed one may have started there)
     assert trainer.wait(timeout=600) == 0, pool.logs()
     run_id = _run_id(db, pool.name)
     _consumed_once(db, run_id)
