@@ -155,12 +155,14 @@ def policy(tasks_limit: int | None) -> dict:
     return out
 
 
-def train() -> dict:
+def train(steps: int | None, eval_every: int | None) -> dict:
     from loopline.store import views
     from loopline.store.db import read_only_engine
 
     config = yaml.safe_load(CONFIG.read_text())
     config["name"] = f"coding-quickstart-{int(time.time())}"
+    config["steps"] = steps or config["steps"]
+    config["eval"]["every"] = eval_every or config["eval"]["every"]
     config["env"] = str(ENV)
     work = Path(tempfile.mkdtemp(prefix="coding-run-"))
     (work / "run.yaml").write_text(yaml.safe_dump(config))
@@ -204,6 +206,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["sandbox", "policy", "train"])
     parser.add_argument("--episodes", type=int, default=64, help="sandbox: scripted episodes per concurrency")
     parser.add_argument("--tasks", type=int, default=None, help="policy: the first N held-out problems (default all 58)")
+    parser.add_argument("--steps", type=int, default=None, help="train: learner steps (default the quickstart's)")
+    parser.add_argument("--eval-every", type=int, default=None, help="train: evaluate every N steps (default the quickstart's)")
     args = parser.parse_args()
     result = {}
     if args.only in (None, "sandbox"):
@@ -214,7 +218,7 @@ def main() -> None:
         result["policy"] = policy(args.tasks)
     if args.only in (None, "train"):
         print("== train: loopline train examples/coding_quickstart.yaml ==")
-        result["train"] = train()
+        result["train"] = train(args.steps, args.eval_every)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "coding_run.json" if args.only is None else f"coding_run_{args.only}.json"
     (OUT / name).write_text(json.dumps(result, indent=2, default=str))

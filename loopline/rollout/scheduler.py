@@ -164,8 +164,8 @@ async def run_continuous(
 ) -> RolloutStats:
     """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set).
 
-    While `paused()` (an evaluation on the same engine) no new episode starts: an evaluation episode's
-    wall-time budget runs while it waits in the engine's queue, behind every rollout started meanwhile."""
+    While `paused()` (an evaluation on the same engine) no new episode starts: the evaluation has the engine
+    to itself and ends sooner (the training process waits for it anyway before its next learner step)."""
     db, stats, start = _LedgerCalls(session_factory), RolloutStats(), time.monotonic()
     stop = stop or asyncio.Event()
     renewer = _Renewer(db, cfg.lease_seconds)

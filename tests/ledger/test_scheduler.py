@@ -124,8 +124,8 @@ def test_backpressure_stops_new_work_while_groups_wait_for_the_learner(tiny_dirs
 
 
 def test_no_episode_starts_while_an_evaluation_shares_the_engine(tiny_dirs, binding, engine, db, run):
-    """An async run's evaluation episodes queue on the rollout engine; with rollouts starting meanwhile, an
-    evaluation episode's wall-time budget ran out before its first model call (seen on SmolLM2, issue 17)."""
+    """An async run evaluates on its rollout engine: rollouts started meanwhile would queue beside the
+    evaluation's episodes and slow it (the training process waits for the evaluation)."""
     ledger.plan_step(db, run.id, 1, ["t0"], group_size=2)
     evaluating = [True]
     cfg = WorkerConfig(run.id, "w", concurrency=2, poll_s=0.05)
