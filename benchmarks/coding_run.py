@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.smollm2_learning import pulled_model
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
 ENV = ROOT / "examples" / "coding_env.yaml"
@@ -105,9 +107,7 @@ def policy(tasks_limit: int | None) -> dict:
     from loopline.store.db import loopline_home
 
     config = yaml.safe_load(CONFIG.read_text())
-    model = loopline_home() / "models" / "smollm2-135m"
-    if not (model / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "loopline.cli", "models", "pull", "smollm2-135m"], check=True)
+    model = pulled_model(loopline_home())
     spec, tasks = _spec_and_tasks()
     held_out = [t for t in tasks if t.split == "eval"][:tasks_limit]
     chat = replace(ChatFormat.for_policy(model), few_shot=tuple(config["few_shot"]))

@@ -15,6 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.smollm2_learning import pulled_model
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.rollout.chat import ChatFormat
@@ -55,9 +56,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    model = loopline_home() / "models" / "smollm2-135m"
-    if not (model / "config.json").is_file():
-        raise SystemExit("pull the model first: loopline models pull smollm2-135m")
+    model = pulled_model(loopline_home())
     env = ROOT / "examples" / "arithmetic_env.yaml"
     spec = load_spec(env)
     tasks = [t for t in load_tasks(spec, env.parent) if t.split == "eval"][: args.tasks]

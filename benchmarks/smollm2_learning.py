@@ -50,7 +50,7 @@ CANDIDATES = {
 }
 
 
-def _model(home: Path) -> Path:
+def pulled_model(home: Path) -> Path:
     model = home / "models" / "smollm2-135m"
     if not (model / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "loopline.cli", "models", "pull", "smollm2-135m"], env={**os.environ, "LOOPLINE_HOME": str(home)}, check=True)
@@ -169,7 +169,7 @@ def main() -> None:
     from loopline.store.db import loopline_home
 
     if args.probe:
-        probe(_model(loopline_home()), args.tasks)
+        probe(pulled_model(loopline_home()), args.tasks)
     elif args.report:
         report(args.report, args.mode)
     else:

@@ -251,8 +251,7 @@ async def evaluate(
     eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int, max_attempts: int = 3,
 ) -> float:
     """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version.
-    At most `concurrency` episodes at once, as in training: an episode's wall-time budget runs from its start,
-    and one queued behind hundreds of others would time out before its first model call."""
+    At most `concurrency` episodes at once, as in training: each holds a sandbox from its start."""
     version = engine.version()
     setup = dataclasses.replace(
         setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=setup.sampling.max_new_tokens, seed=seed)
@@ -262,9 +261,8 @@ async def evaluate(
     activity.report(name, 0, len(eval_tasks))
 
     async def episode(task: Task):
-        # An infra failure (the engine, the sandbox; also a turn whose wall-time budget ran out in the engine's
-        # queue - an async run's rollouts share the engine) is retried with the same task and seed, as a
-        # training slot would be: it says nothing about the policy, and one must not fail the evaluation.
+        # An infra failure (the engine, the sandbox) is retried with the same task and seed, as a training slot
+        # would be: it says nothing about the policy, and one must not fail the evaluation.
         for attempt in range(1, max_attempts + 1):
             try:
                 async with slots:
