@@ -32,6 +32,7 @@ from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
 from loopline.tasks import stages
+from loopline.trainer import ranks
 from loopline.trainer.learner import Learner
 
 
@@ -200,7 +201,7 @@ def restore_learner(parts: RunParts, checkpoint: str | Path | None, through_step
     """A learner as it was after learner step `through_step`: the full checkpoint given (else the run's
     initial weights), then the recorded batches of the steps after the checkpoint's own step, replayed."""
     config = parts.config
-    learner = Learner(parts.initial, config.learner_config(), backend=config.learner.backend)
+    learner = ranks.build_learner(parts.initial, config.learner_config(), backend=config.learner.backend)
     restored = 0
     if checkpoint:
         step = learner.load_checkpoint(checkpoint).get("cursor", {}).get("learner_step")

@@ -24,6 +24,28 @@ class SamplingConfig(_Strict):
     max_new_tokens: int = Field(48, ge=1)
 
 
+class RankLaunch(_Strict):
+    """Data-parallel learner ranks started through DeepSpeed's launcher (`deepspeed`); rank 0 runs the flow."""
+
+    nodes: int = Field(1, ge=1, description="hosts the ranks run on (more than 1: a hostfile, and pdsh or `args: [--launcher, ...]`)")
+    ranks_per_node: int = Field(2, ge=1, description="ranks on each host (on a GPU node: its GPUs)")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('HOST slots=N' lines; the first host runs rank 0)")
+    master_port: int | None = Field(None, ge=1, le=65535, description="rank 0's rendezvous port; default: a free one on this host")
+    args: list[str] = Field(default_factory=list, description="more launcher flags, e.g. [--launcher, openmpi] or [--ssh_port, '2222']")
+
+    @model_validator(mode="after")
+    def _many_hosts_need_a_hostfile(self) -> "RankLaunch":
+        if self.nodes > 1 and not self.hostfile:
+            raise ValueError("nodes > 1: name the hosts in a hostfile (DeepSpeed's format: 'HOST slots=N' per line)")
+        if self.nodes > 1 and self.master_port is None:
+            raise ValueError("nodes > 1: set master_port (a port free on the hostfile's first host)")
+        return self
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
 class LearnerSettings(_Strict):
     lr: float = Field(3e-4, gt=0)
     backend: Literal["deepspeed", "torch"] = "deepspeed"
@@ -51,6 +73,15 @@ class LearnerSettings(_Strict):
     keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
+    launch: RankLaunch | None = Field(
+        None, description="train on several data-parallel ranks (DeepSpeed's launcher; rank 0 runs the flow); unset: this process alone",
+    )
+
+    @model_validator(mode="after")
+    def _ranks_need_deepspeed(self) -> "LearnerSettings":
+        if self.launch is not None and self.backend != "deepspeed":
+            raise ValueError("launch: several learner ranks need backend: deepspeed")
+        return self
 
 
 class LaunchSettings(_Strict):

@@ -283,7 +283,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
     learner = config.learner
     new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.sampling.max_new_tokens)
     sequence = prompt_tokens + new_tokens
-    dp = hw.devices if hw.gpu else 1
+    dp = learner.launch.ranks if learner.launch is not None else (hw.devices if hw.gpu else 1)
     stage = learner.zero_stage if learner.zero_stage is not None else (0 if dp == 1 else 1)
     return Workload(
         dtype_bytes=2 if (hw.gpu and learner.dtype == "bf16") else 4,

@@ -19,7 +19,7 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
-from loopline.flows import assembly, plan
+from loopline.flows import assembly, learner_launch, plan
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig
 from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
@@ -145,6 +145,9 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     """Train a policy as the run config says; continue where the ledger says the run stands."""
     log = get_run_logger()
     config, base = run_config(config_path, resume)
+    if config.learner.launch is not None and not learner_launch.launched():
+        log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", config.learner.launch.ranks)
+        return learner_launch.run(config.learner.launch, config_path, resume, fork)
     prepared = prepare(config, base, fork)
     parts, ctx = prepared.parts, prepared.ctx
     config, eval_tasks = parts.config, parts.eval_tasks()

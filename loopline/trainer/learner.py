@@ -269,6 +269,7 @@ class Learner:
             "tokens_trained": float(sum(int(b.target_mask.sum()) for b in micro)),
             "sequences_trained": float(len(seqs)),
             "reward_mean": float(sum(s.reward for s in sequences) / len(sequences)),
+            "learner_ranks": float(self.backend.world()[0]),
         }
         return StepResult(None, metrics, samples)
 
@@ -325,12 +326,16 @@ class Learner:
         learner = asdict(self.config) | {"advantage": asdict(self.config.advantage), "loss": asdict(self.config.loss)}
 
         def fill(tmp: Path) -> None:
-            self.backend.save(tmp, state)
+            self._save_state(tmp, state)
             checkpoint.save_rng(tmp)
             self.model.config.to_json_file(tmp / "model_config.json")
             checkpoint.mark_complete(tmp, {**state, "backend": self.backend_name, "learner": learner})
 
         return checkpoint.write_complete(directory, fill)
+
+    def _save_state(self, directory: Path, state: dict) -> None:
+        """The backend's part of a checkpoint (with several ranks, each writes its own shards here)."""
+        self.backend.save(directory, state)
 
     def load_checkpoint(self, directory: str | Path) -> dict:
         path = Path(directory)
