@@ -29,6 +29,7 @@ from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
+from loopline.tasks import stages
 from loopline.tasks.stages import LoopContext
 from loopline.trainer.checkpoint import clean_partial_writes
 
@@ -190,9 +191,22 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
             finally:
                 engine.shutdown()
 
+    reported: set[tuple[str, str]] = set()
+
+    def report_lagging_servers(version: int) -> None:
+        """A server another process syncs (a rollout worker's, on any machine) that fell behind what its
+        worker should have loaded by now: said once, since its process may be gone or stuck."""
+        with ctx.session_factory() as s:
+            servers = ledger.serving_servers(s, ctx.run_id)
+        for url, syncer, served in servers:
+            if served < version - config.max_staleness - 1 and (url, syncer) not in reported:
+                reported.add((url, syncer))
+                log.warning("server %s (synced by %s) serves v%d while the run is at v%d: is that process gone?", url, syncer, served, version)
+
     def after_step(step: int) -> None:
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
+        report_lagging_servers(version)
         owed_evaluations()
 
     try:
@@ -209,6 +223,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
             _run_async(ctx, config, prepared.first_step, after_step)
     finally:
         ctx.engine.shutdown()
+        stages.release_servers(ctx)
     with ctx.session_factory() as s:
         ledger.set_run_status(s, ctx.run_id, "completed")
         history = [(version, rate) for version, _, rate in queries.eval_results(s, ctx.run_id)]

@@ -74,6 +74,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
         stop.set()
         follower.join(timeout=10)
         ctx.engine.shutdown()
+        stages.release_servers(ctx)
     log.info("worker %s: %d trajectories committed, %d infra failures", name, stats["committed"], stats["infra_failed"])
     return stats
 

@@ -45,6 +45,9 @@ class EngineThread:
     def version(self) -> int:
         return self.inner.version()
 
+    def servers(self) -> list[str]:
+        return self.inner.servers()
+
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
 

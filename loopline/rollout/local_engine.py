@@ -228,6 +228,9 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
+    def servers(self) -> list[str]:
+        return []  # generates in this process
+
     # ------------------------------------------------------------------ API
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:

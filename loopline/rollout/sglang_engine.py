@@ -86,6 +86,9 @@ class SGLangEngine:
     def version(self) -> int:
         return min(r.version for r in self.replicas)
 
+    def servers(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
     def label(self, version: int) -> str:
         """The weight_version string a server is given for `version`."""
         return f"{version}@{self.tag}" if self.tag else str(version)

@@ -154,6 +154,9 @@ class LaunchedSGLang:
     def version(self) -> int:
         return self.client.version()
 
+    def servers(self) -> list[str]:
+        return self.client.servers()
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
         try:
             return await self.client.generate(prompt_ids, sampling, request_id)

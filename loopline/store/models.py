@@ -137,6 +137,27 @@ class PolicyVersion(SQLModel, table=True):
     sync_timings: dict[str, Any] = _jsonb()  # seconds per part of the first publication (check, load, confirm)
 
 
+class EngineServer(SQLModel, table=True):
+    """An inference server (SGLang) that a process of the run generates on, and the version it last loaded there.
+
+    Each process that builds the run's engine (the trainer, a rollout worker on a GPU node) registers the
+    servers it serves and records every version it syncs them to; it releases them when it stops. The
+    ledger then says which replica serves what, on every machine, and the learner sees one left behind.
+    """
+
+    __tablename__ = "engine_server"
+
+    run_id: uuid.UUID = Field(
+        sa_column=Column(UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    )
+    url: str = Field(sa_column=Column(Text, primary_key=True))
+    holder: str = Field(sa_column=Column(Text, primary_key=True))  # host:pid:start of the process syncing it
+    served_version: int
+    registered_at: datetime | None = _created_at()
+    seen_at: datetime | None = _created_at()
+    released_at: datetime | None = _timestamp()
+
+
 class RolloutGroup(SQLModel, table=True):
     """The samples of one task that are normalised together; trained only when every sample is done.
 

@@ -193,6 +193,38 @@ def mark_published(session: Session, run_id: uuid.UUID, version: int, timings: d
         )
 
 
+def record_served(session: Session, run_id: uuid.UUID, holder: str, urls: list[str], version: int) -> None:
+    """`holder` generates on the servers at `urls`, which now serve `version` (registering them if new)."""
+    with transaction(session):
+        for url in urls:
+            q(
+                session,
+                "INSERT INTO engine_server (run_id, url, holder, served_version) VALUES (:r, :u, :h, :v) "
+                "ON CONFLICT (run_id, url, holder) DO UPDATE SET served_version = :v, seen_at = now(), released_at = NULL",
+                r=run_id, u=url, h=holder, v=version,
+            )
+
+
+def release_servers(session: Session, run_id: uuid.UUID, holder: str) -> None:
+    """`holder` stopped generating on its servers (it shut its engine down)."""
+    with transaction(session):
+        q(
+            session, "UPDATE engine_server SET released_at = now() WHERE run_id = :r AND holder = :h AND released_at IS NULL",
+            r=run_id, h=holder,
+        )
+
+
+def serving_servers(session: Session, run_id: uuid.UUID) -> list[tuple[str, str, int]]:
+    """(url, holder, served version) of the servers some process still generates on (not released)."""
+    rows = q(
+        session,
+        "SELECT url, holder, served_version FROM engine_server WHERE run_id = :r AND released_at IS NULL ORDER BY url, holder",
+        r=run_id,
+    ).all()
+    session.rollback()
+    return [tuple(row) for row in rows]
+
+
 # --------------------------------------------------------------------------- resume
 
 

@@ -148,6 +148,16 @@ def episode_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
     )
 
 
+def engine_servers(conn: sa.Connection, run: uuid.UUID) -> Table:
+    """The inference servers the run's processes generate on: what each serves, who syncs it, whether it is released."""
+    return _table(
+        conn,
+        "SELECT url, holder AS synced_by, served_version, seen_at, released_at FROM engine_server WHERE run_id = :r "
+        "ORDER BY released_at IS NOT NULL, url, holder",
+        r=run,
+    )
+
+
 def initial_weights(conn: sa.Connection, run: uuid.UUID) -> str | None:
     row = _one(conn, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run)
     return row["weights_uri"] if row else None

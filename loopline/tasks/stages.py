@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
@@ -243,7 +244,31 @@ async def sync_weights(ctx: RolloutContext) -> int:
         failpoint("weight_sync")
     with ctx.session_factory() as s:
         ledger.mark_published(s, ctx.run_id, state.policy_version, timings)
+    _record_servers(ctx)
     return state.policy_version
+
+
+_recorded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (version, when) last written to the ledger
+SERVERS_SEEN_EVERY_S = 30.0
+
+
+def _record_servers(ctx: RolloutContext) -> None:
+    """Which version this process's inference servers serve, in the ledger: at each change, and every
+    SERVERS_SEEN_EVERY_S as a sign of life (a worker on another machine polls every second)."""
+    urls, version = ctx.engine.servers(), ctx.engine.version()
+    last = _recorded.get(ctx.engine)
+    if not urls or (last and last[0] == version and time.monotonic() - last[1] < SERVERS_SEEN_EVERY_S):
+        return
+    with ctx.session_factory() as s:
+        ledger.record_served(s, ctx.run_id, holder.this_process(), urls, version)
+    _recorded[ctx.engine] = (version, time.monotonic())
+
+
+def release_servers(ctx: RolloutContext) -> None:
+    """This process no longer generates on its servers (its engine was shut down)."""
+    if ctx.engine.servers():
+        with ctx.session_factory() as s:
+            ledger.release_servers(s, ctx.run_id, holder.this_process())
 
 
 async def evaluate(

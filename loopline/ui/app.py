@@ -165,6 +165,10 @@ def page_runs(db: LedgerView) -> None:
         st.subheader("Rollout vs learner logprob gap (mean |Δ|)")
         if "logprob_abs_diff" in metrics:
             st.line_chart(metrics, x="step", y="logprob_abs_diff")
+        servers = db.engine_servers(run_id)
+        if not servers.empty:
+            st.subheader("Inference servers (SGLang), as each process that syncs one registered it")
+            st.dataframe(servers, hide_index=True)
         st.subheader("Memory: planned vs measured")
         memory = db.run_plan(run_id)
         if memory is None:

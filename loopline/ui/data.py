@@ -55,6 +55,9 @@ class LedgerView:
     def evals(self, run_id: uuid.UUID) -> pd.DataFrame:
         return self._frame(views.evals, run_id)
 
+    def engine_servers(self, run_id: uuid.UUID) -> pd.DataFrame:
+        return self._frame(views.engine_servers, run_id)
+
     def throughput(self, run_id: uuid.UUID) -> pd.DataFrame:
         return self._frame(views.throughput, run_id)
 

@@ -74,6 +74,7 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
     memory = plan.estimate(plan.ModelShape.from_dir(tiny_dirs["v0"]), plan.Workload(), cpu)
     with new_session(engine) as s:
         ledger.set_run_plan(s, run.id, memory.as_dict())
+        ledger.record_served(s, run.id, "gpu-1:4242:77", ["http://gpu-1:30000"], 2)  # as a rollout worker on a GPU node does
         xss = s.execute(sa.text("SELECT id, group_id FROM trajectory WHERE run_id = :r AND task_id = 'xss' LIMIT 1"), {"r": run.id}).one()
     engine.dispose()
     return {"url": database_url, "run": run.name, "run_id": run.id, "xss": str(xss.id), "xss_group": str(xss.group_id), "env": ref}
@@ -113,6 +114,8 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     memory = next(d.value for d in at.dataframe if "part" in d.value)
     assert {"weights", "optimizer states", "activations", "KV cache"} <= set(memory["part"]) and (memory["bytes"] > 0).all()
     assert any("planned" in c.value and "measured peak RSS" in c.value for c in at.caption)
+    servers = next(d.value for d in at.dataframe if "served_version" in d.value)
+    assert servers[["url", "synced_by", "served_version"]].values.tolist() == [["http://gpu-1:30000", "gpu-1:4242:77", 2]]
     assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
 
 

@@ -90,6 +90,11 @@ def test_train_with_sglang_servers_syncs_every_replica_and_survives_sigkill(stan
     _kill_at_each_then_resume(config, env, ("weight_sync", "learner_commit:2"), tmp_path)
     run_id = _checked_run(db, name)
     assert stand_ins.versions() == [f"3@{run_id.hex[:8]}"] * 2  # every replica serves the run's newest version
+    # the ledger says so too: each process registered the servers it synced, the last one left them at v3
+    registered = _rows(
+        db, "SELECT url, served_version, released_at IS NOT NULL FROM engine_server WHERE run_id = :r AND served_version = 3 ORDER BY url", r=run_id,
+    )
+    assert registered == [(url, 3, True) for url in sorted(stand_ins.urls)]
     published = _rows(db, "SELECT version, sync_timings FROM policy_version WHERE run_id = :r AND version > 0 ORDER BY version", r=run_id)
     assert [v for v, _ in published] == [1, 2, 3]
     for version, timings in published[1:]:  # v1's sync was cut short by the kill: its servers already had it

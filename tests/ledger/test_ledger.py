@@ -428,6 +428,21 @@ def test_runs_are_found_by_name_or_id_and_track_status_and_publication(db, run):
     assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is not None
 
 
+def test_each_process_registers_the_servers_it_syncs_and_releases_them(db, run):
+    """Two workers share server A (a router or a fixed list); worker 2 also launched B. What each loaded is kept
+    per (server, worker); a worker that stops releases only its own rows, and one that comes back re-registers."""
+    a, b = "http://gpu-1:30000", "http://gpu-2:30000"
+    ledger.record_served(db, run.id, "w1", [a], 0)
+    ledger.record_served(db, run.id, "w2", [a, b], 0)
+    ledger.record_served(db, run.id, "w2", [a, b], 3)
+    assert ledger.serving_servers(db, run.id) == [(a, "w1", 0), (a, "w2", 3), (b, "w2", 3)]
+    ledger.release_servers(db, run.id, "w2")
+    assert ledger.serving_servers(db, run.id) == [(a, "w1", 0)]
+    ledger.record_served(db, run.id, "w2", [b], 4)
+    assert ledger.serving_servers(db, run.id) == [(a, "w1", 0), (b, "w2", 4)]
+    assert _scalar(db, "SELECT count(*) FROM engine_server WHERE run_id = :r", r=run.id) == 3  # one row per pair
+
+
 def test_a_retokenised_history_is_refused_at_commit(db, run):
     """Invariant 2: each model call's prompt extends the previous call's; a break is never stored."""
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
