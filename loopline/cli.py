@@ -202,6 +202,9 @@ def deploy(
     pool: str = typer.Option(None, "--pool", metavar="NAME", help="Register on this Prefect work pool (created if missing) instead of serving here."),
     pool_type: str = typer.Option("process", "--pool-type", help="process | docker | kubernetes (a new pool's type)."),
     base_job_template: Path = typer.Option(None, "--base-job-template", help="A new pool's job template (JSON), e.g. deploy/k8s/base-job-template.json."),
+    silent_after: float = typer.Option(
+        90.0, "--silent-after", metavar="SECONDS", help="Mark a flow run on the pool Crashed after this long without a heartbeat (its machine is gone).",
+    ),
 ) -> None:
     """Serve the train, learner, evaluate and rollout_worker deployments here (blocks), or register them on a work pool."""
     _prefect_quiet()
@@ -211,7 +214,7 @@ def deploy(
     if pool is None:
         serve_deployments(**kwargs)
         return
-    for name in deploy_to_pool(pool, pool_type, base_job_template, **kwargs):
+    for name in deploy_to_pool(pool, pool_type, base_job_template, silent_after, **kwargs):
         console.print(f"deployment {name} on work pool {pool}")
     console.print(f"start workers on any machine that reaches the ledger and this Prefect API: prefect worker start --pool {pool}")
 

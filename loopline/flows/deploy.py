@@ -102,13 +102,65 @@ def ensure_work_pool(name: str, pool_type: str = "process", base_job_template: P
         return True
 
 
-def deploy_to_pool(pool: str, pool_type: str = "process", base_job_template: Path | None = None, **kwargs) -> list[str]:
+HEARTBEAT_S = 30  # Prefect's shortest flow-run heartbeat interval (its default is 180 s)
+SILENT_AFTER_S = 90  # three missed heartbeats: the flow run's machine is taken to be gone
+
+
+def deploy_to_pool(
+    pool: str, pool_type: str = "process", base_job_template: Path | None = None, silent_after_s: float = SILENT_AFTER_S, **kwargs
+) -> list[str]:
     """Register the four deployments on work pool `pool` (created if missing); returns their names.
-    Re-running updates them in place (Prefect matches a deployment by flow and name)."""
+    Re-running updates them in place (Prefect matches a deployment by flow and name).
+
+    A machine that vanishes (power, network, eviction) leaves its flow run "Running": no process is left to
+    report the crash. The deployments' flow runs send a heartbeat every HEARTBEAT_S, and an automation marks
+    one Crashed after `silent_after_s` without one (Prefect's documented zombie detection), so that the
+    train flow resubmits a lost rollout worker as it does a crashed one."""
+    if silent_after_s < 1.2 * HEARTBEAT_S:
+        raise LooplineError(f"--silent-after {silent_after_s:g}: at least {1.2 * HEARTBEAT_S:g} s (heartbeats come every {HEARTBEAT_S} s)")
     _require_server()
     ensure_work_pool(pool, pool_type, base_job_template)
-    names = []
+    names, ids = [], []
     for deployment in deployments(entrypoint_type=EntrypointType.MODULE_PATH, **kwargs):
-        deployment.apply(work_pool_name=pool)
+        deployment.job_variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}}
+        ids.append(deployment.apply(work_pool_name=pool))
         names.append(f"{deployment.flow_name}/{deployment.name}")
+    ensure_silent_runs_crash(pool, ids, silent_after_s)
     return names
+
+
+def ensure_silent_runs_crash(pool: str, deployment_ids: list, silent_after_s: float) -> None:
+    """The automation (one per pool, replaced on every deploy) that marks a silent flow run of these deployments Crashed."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    name = f"loopline {pool}: crash silent flow runs"
+    automation = Automation(
+        name=name,
+        description=f"A flow run of loopline's deployments on {pool} that sent no heartbeat for {silent_after_s:g} s lost its machine.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed"))},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification(
+                {"prefect.resource.role": "deployment", "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids]}
+            ),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silent_after_s),
+        ),
+        actions=[ChangeFlowRunState(
+            state=StateType.CRASHED, message=f"no heartbeat for {silent_after_s:g} s: its machine is gone (loopline deploy --pool {pool})",
+        )],
+    )
+    try:
+        Automation.read(name=name).delete()
+    except ValueError:  # none yet
+        pass
+    automation.create()

@@ -107,9 +107,9 @@ class Pool:
         }
         self.processes: list[subprocess.Popen] = []
 
-    def deploy(self) -> str:
+    def deploy(self, *args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "loopline.cli", "deploy", "--pool", POOL], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "loopline.cli", "deploy", "--pool", POOL, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
@@ -215,6 +215,38 @@ def test_a_resumed_trainer_adopts_the_worker_flow_runs_still_running(pool, db):
     assert sorted(r["id"] for r in pool.worker_flow_runs()) == sorted(running)
     assert "adopting them" in (pool.tmp / "train.log").read_text()
     _consumed_once(db, _run_id(db, pool.name))
+
+
+@pytest.mark.slow
+def test_a_machine_that_vanishes_with_its_flow_run_gets_it_marked_crashed(pool, db):
+    """Power or network lost: the Prefect worker and its flow run die at once and nothing reports the crash. Once
+    the flow run's heartbeats stop, the automation `loopline deploy --pool` installs marks it Crashed (so that
+    the train flow resubmits it); meanwhile the other machine finishes the run and nothing is trained twice."""
+    pool.deploy("--silent-after", "40")
+    machine_1 = pool.machine("machine-1")
+    pool.machine("machine-2")
+    trainer = pool.train()
+    deadline, lost = time.monotonic() + 300, None
+    while lost is None:  # machine 1's flow run, once it runs
+        assert trainer.poll() is None and time.monotonic() < deadline, pool.logs()
+        pids = {str(pid) for pid in _children(machine_1.pid)}
+        lost = next((r["id"] for r in pool.worker_flow_runs() if r["state_type"] == "RUNNING" and (r["infrastructure_pid"] or "").split(":")[-1] in pids), None)
+        time.sleep(0.5)
+    for pid in [*_descendants(machine_1.pid), machine_1.pid]:
+        _kill(pid)
+    deadline = time.monotonic() + 150
+    while (state := _flow_run(pool, lost)["state"])["type"] != "CRASHED":
+        assert state["type"] == "RUNNING" and time.monotonic() < deadline, (state, pool.logs())
+        time.sleep(2)
+    assert "no heartbeat for 40 s" in state["message"]
+    assert trainer.wait(timeout=600) == 0, pool.logs()
+    _consumed_once(db, _run_id(db, pool.name))
+
+
+def _flow_run(pool: Pool, flow_run_id: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{pool.api}/flow_runs/{flow_run_id}", timeout=30).json()
 
 
 def _rows(db, sql, **params):
