@@ -313,7 +313,3 @@ async def evaluate(
              "mean_reward": sum(r.reward for r in results) / len(results)},  # partial credit (coding: tests passed)
         )
     return successes / len(results)
-
-
-def tasks_by_id(tasks: list[Task]) -> dict[str, Task]:
-    return {t.id: t for t in tasks}

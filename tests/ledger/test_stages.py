@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.tasks import loop as tasks
-from loopline.tasks.stages import LoopContext, tasks_by_id
+from loopline.tasks.stages import LoopContext
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
@@ -37,7 +37,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         run_id=run.id,
         session_factory=lambda: new_session(engine),
         engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
-        binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), tasks_by_id(train)),
+        binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), {t.id: t for t in train}),
         learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"),
         workdir=tmp_path,
         groups_per_step=3,
@@ -108,7 +108,7 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
     chat = ChatFormat.for_policy(tiny_dirs["v0"])
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=None,
-        binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), tasks_by_id(train)),
+        binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), {t.id: t for t in train}),
         learner=None, workdir=tmp_path, groups_per_step=2, group_size=2, max_attempts=7,
     )
     tasks.plan_step.fn(ctx, 1)
@@ -155,7 +155,7 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
 
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
-        binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), tasks_by_id(train)),
+        binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), {t.id: t for t in train}),
         learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4,
         export_version=lambda v: False,
         restore=restore,
