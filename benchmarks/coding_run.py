@@ -155,7 +155,7 @@ def policy(tasks_limit: int | None) -> dict:
     return out
 
 
-def train(steps: int | None, eval_every: int | None) -> dict:
+def train(steps: int | None, eval_every: int | None, lr: float | None = None) -> dict:
     from loopline.store import views
     from loopline.store.db import read_only_engine
 
@@ -163,6 +163,7 @@ def train(steps: int | None, eval_every: int | None) -> dict:
     config["name"] = f"coding-quickstart-{int(time.time())}"
     config["steps"] = steps or config["steps"]
     config["eval"]["every"] = eval_every or config["eval"]["every"]
+    config["learner"]["lr"] = lr or config["learner"]["lr"]
     config["env"] = str(ENV)
     work = Path(tempfile.mkdtemp(prefix="coding-run-"))
     (work / "run.yaml").write_text(yaml.safe_dump(config))
@@ -184,7 +185,7 @@ def train(steps: int | None, eval_every: int | None) -> dict:
         attempts[klass] = attempts.get(klass, 0) + n
     reward = {int(step): value for step, metric, value in metrics.rows if metric == "reward_mean"}
     result = {
-        "run": config["name"], "wall_s": wall, "held_out_pass_rate": {c["policy_version"]: c["success_rate"] for c in curve},
+        "run": config["name"], "lr": config["learner"]["lr"], "steps": config["steps"], "wall_s": wall, "held_out_pass_rate": {c["policy_version"]: c["success_rate"] for c in curve},
         "held_out_mean_reward": {c["policy_version"]: c["mean_reward"] for c in curve},
         "training_reward_mean": reward, "attempts": attempts,
         "infra_failure_rate": attempts.get("infra_failed", 0) / max(1, sum(attempts.values())),
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=None, help="policy: the first N held-out problems (default all 58)")
     parser.add_argument("--steps", type=int, default=None, help="train: learner steps (default the quickstart's)")
     parser.add_argument("--eval-every", type=int, default=None, help="train: evaluate every N steps (default the quickstart's)")
+    parser.add_argument("--lr", type=float, default=None, help="train: learning rate (default the quickstart's)")
     args = parser.parse_args()
     result = {}
     if args.only in (None, "sandbox"):
@@ -218,7 +220,7 @@ def main() -> None:
         result["policy"] = policy(args.tasks)
     if args.only in (None, "train"):
         print("== train: loopline train examples/coding_quickstart.yaml ==")
-        result["train"] = train(args.steps, args.eval_every)
+        result["train"] = train(args.steps, args.eval_every, args.lr)
     OUT.mkdir(parents=True, exist_ok=True)
     name = "coding_run.json" if args.only is None else f"coding_run_{args.only}.json"
     (OUT / name).write_text(json.dumps(result, indent=2, default=str))

@@ -144,6 +144,7 @@ class Workload:
     sequence_tokens: int = 1024  # a sequence's longest context: prompt + turns x (new tokens + tool output)
     engine_dtype_bytes: int = 4
     colocated: bool = True  # learner and engine share the device (CPU: one process; one GPU)
+    ranks_per_device: int = 1  # learner ranks whose memory one device holds (CPU: every rank on the host)
 
 
 @dataclass(frozen=True)
@@ -235,17 +236,20 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
         ),
     ]
     budget = int(hw.memory * HEADROOM)
-    learner_bytes, engine_bytes = sum(r.bytes for r in learner), sum(r.bytes for r in engine)
+    k = max(work.ranks_per_device, 1)
+    learner_bytes, engine_bytes = k * sum(r.bytes for r in learner), sum(r.bytes for r in engine)
     shared = work.colocated
     need = learner_bytes + engine_bytes if shared else max(learner_bytes, engine_bytes)
     # the largest concurrency and micro-batch that would fit, the rest unchanged
     engine_room = budget - (learner_bytes if shared else 0) - p * work.engine_dtype_bytes
     per_sequence = model.kv_bytes_per_token(work.engine_dtype_bytes) * work.sequence_tokens
     max_concurrency = max(engine_room // per_sequence, 0)
-    fixed = sum(r.bytes for r in learner if r.part not in ("activations", "logits, backward")) + (engine_bytes if shared else 0)
-    max_micro = _largest(lambda t: fixed + activations(t) + 2 * int(t * work.action_fraction) * model.vocab * 4 <= budget)
+    fixed = sum(r.bytes for r in learner if r.part not in ("activations", "logits, backward"))
+    beside = engine_bytes if shared else 0
+    max_micro = _largest(lambda t: k * (fixed + activations(t) + 2 * int(t * work.action_fraction) * model.vocab * 4) + beside <= budget)
     fits = need <= budget
-    where = "learner and engine together" if shared else "the larger of learner and engine"
+    learners = f"learner (x{k} ranks here)" if k > 1 else "learner"
+    where = f"{learners} and engine together" if shared else f"the larger of {learners} and engine"
     # what to change: whichever side does not fit (either one when they share the device)
     micro = f"micro_batch_tokens {max_micro}" if max_micro > 0 else None
     more = f"concurrency {max_concurrency}" if max_concurrency > 0 else None
@@ -298,6 +302,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
         sequence_tokens=sequence,
         engine_dtype_bytes=2 if hw.gpu else 4,
         colocated=not hw.gpu or hw.devices == 1,
+        ranks_per_device=learner.launch.ranks_per_node if (learner.launch is not None and not hw.gpu) else 1,
     )
 
 

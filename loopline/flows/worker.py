@@ -84,8 +84,9 @@ class DeployedWorkers:
     whichever machines run `prefect worker start --pool ...`) and kept at `count`: a flow run that ended while
     the run still trains (crashed - its process died under a live Prefect worker -, failed, cancelled) is
     submitted again, at most `max_resubmits` times in all. A slot its worker held comes back through the
-    ledger's lease. A machine lost with its Prefect worker leaves its flow run "Running" (nobody reports it):
-    that one is not replaced; the other workers take its slots. The flow runs carry the tag
+    ledger's lease. A machine lost with its Prefect worker leaves its flow run "Running" until the automation
+    `loopline deploy --pool` installs marks it Crashed (no heartbeat for --silent-after s); then it is
+    replaced like any other. The flow runs carry the tag
     `loopline-run:RUN`; a resumed train flow adopts those still scheduled or running (they outlive a
     killed trainer: a worker stops only when the run ends) instead of submitting `count` more."""
 

@@ -108,7 +108,7 @@ class Engine(Protocol):
 
     def version(self) -> int: ...
 
-    def servers(self) -> list[str]:
+    def server_urls(self) -> list[str]:
         """The URLs of the inference servers it generates on ([] in-process): registered in the ledger."""
 
     async def close(self) -> None: ...

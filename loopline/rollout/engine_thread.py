@@ -45,8 +45,8 @@ class EngineThread:
     def version(self) -> int:
         return self.inner.version()
 
-    def servers(self) -> list[str]:
-        return self.inner.servers()
+    def server_urls(self) -> list[str]:
+        return self.inner.server_urls()
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)

@@ -228,7 +228,7 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
-    def servers(self) -> list[str]:
+    def server_urls(self) -> list[str]:
         return []  # generates in this process
 
     # ------------------------------------------------------------------ API

@@ -86,7 +86,7 @@ class SGLangEngine:
     def version(self) -> int:
         return min(r.version for r in self.replicas)
 
-    def servers(self) -> list[str]:
+    def server_urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
     def label(self, version: int) -> str:

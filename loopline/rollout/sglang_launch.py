@@ -154,8 +154,8 @@ class LaunchedSGLang:
     def version(self) -> int:
         return self.client.version()
 
-    def servers(self) -> list[str]:
-        return self.client.servers()
+    def server_urls(self) -> list[str]:
+        return self.client.server_urls()
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
         try:

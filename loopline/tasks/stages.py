@@ -255,7 +255,7 @@ SERVERS_SEEN_EVERY_S = 30.0
 def _record_servers(ctx: RolloutContext) -> None:
     """Which version this process's inference servers serve, in the ledger: at each change, and every
     SERVERS_SEEN_EVERY_S as a sign of life (a worker on another machine polls every second)."""
-    urls, version = ctx.engine.servers(), ctx.engine.version()
+    urls, version = ctx.engine.server_urls(), ctx.engine.version()
     last = _recorded.get(ctx.engine)
     if not urls or (last and last[0] == version and time.monotonic() - last[1] < SERVERS_SEEN_EVERY_S):
         return
@@ -266,7 +266,7 @@ def _record_servers(ctx: RolloutContext) -> None:
 
 def release_servers(ctx: RolloutContext) -> None:
     """This process no longer generates on its servers (its engine was shut down)."""
-    if ctx.engine.servers():
+    if ctx.engine.server_urls():
         with ctx.session_factory() as s:
             ledger.release_servers(s, ctx.run_id, holder.this_process())
 

@@ -129,6 +129,9 @@ def test_train_launching_sglang_replicas_leaves_none_behind(tiny_dirs, database_
     assert [v for (v,) in _rows(db, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)] == [0, 1, 2]
     replica_logs = sorted((tmp_path / "home" / "runs" / name / "sglang").glob("sglang-*.log"))
     assert len(replica_logs) == 2 and all("starting replica" in p.read_text() for p in replica_logs)
+    # the resumed trainer's two launched replicas, registered in the ledger at v2 and released at its end
+    served = _rows(db, "SELECT served_version, released_at IS NOT NULL FROM engine_server WHERE run_id = :r AND served_version = 2", r=run_id)
+    assert served == [(2, True), (2, True)]
 
 
 def test_launched_replica_that_dies_is_restarted_on_the_last_good_version(tiny_dirs, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loopline.flows.plan import GiB, Hardware, ModelShape, Workload, estimate
+from loopline.flows.plan import GiB, Hardware, ModelShape, Workload, estimate, size, workload
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QWEN_7B = json.loads((EXAMPLES / "shapes" / "qwen2.5-7b" / "config.json").read_text())
@@ -77,6 +77,24 @@ def test_what_the_verdict_suggests_fits_and_one_more_does_not():
     fitted = dataclasses.replace(work, micro_batch_tokens=plan.max_micro_batch_tokens)
     assert estimate(shape, fitted, small).fits
     assert not estimate(shape, dataclasses.replace(fitted, micro_batch_tokens=plan.max_micro_batch_tokens + 50), small).fits
+
+
+def test_learner_ranks_on_one_cpu_host_each_need_their_own_memory():
+    """`learner.launch` on CPU: every rank holds its replica in the same host memory; the plan counts them all."""
+    from loopline.envregistry.spec import Budgets
+    from loopline.flows.config import RunConfig
+
+    shape = ModelShape.from_config(SMOLLM2)
+    host = Hardware("cpu", 64 * GiB)
+    one = estimate(shape, Workload(zero_stage=1, data_parallel=2), host)
+    two = estimate(shape, Workload(zero_stage=1, data_parallel=2, ranks_per_device=2), host)
+    engine = sum(r.bytes for r in one.engine)
+    assert two.learner_bytes == one.learner_bytes  # the table is per rank
+    assert "x2 ranks here" in two.verdict and f"need {size(2 * one.learner_bytes + engine)}" in two.verdict
+
+    config = RunConfig(name="r", env="e.yaml", learner={"launch": {"ranks_per_node": 3}})
+    assert workload(config, Budgets(), 64, host).ranks_per_device == 3
+    assert workload(config, Budgets(), 64, Hardware("h100", 80 * GiB, 8)).ranks_per_device == 1  # a GPU each
 
 
 def test_the_plan_command_on_a_7b_shaped_config():
