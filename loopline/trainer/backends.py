@@ -69,7 +69,7 @@ class Backend(Protocol):
         """Restore the model, optimizer and schedule; returns the client state saved with them."""
 
 
-def _init_distributed(backend: str) -> None:
+def init_distributed(backend: str) -> None:
     """Join the launcher's process group, or form a one-process one.
 
     Without a launcher the group rendezvouses through a file, not a TCP port: a port chosen in
@@ -105,7 +105,7 @@ class DeepSpeedBackend:
     def __init__(self, model, optimizer, scheduler, grad_clip: float, zero_stage: int | None, bf16: bool):
         import deepspeed
 
-        _init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        init_distributed("nccl" if torch.cuda.is_available() else "gloo")
         if zero_stage is None:  # one rank: ZeRO's flat fp32 copy and gradient buffers (+1.5 GB at 135M) partition nothing
             zero_stage = 0 if torch.distributed.get_world_size() == 1 else 1
         ds_config = {

@@ -11,13 +11,13 @@ rollout takes, longer than the training collectives' timeout should allow.
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from loopline.trainer.backends import init_distributed
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, StepResult
 
@@ -31,14 +31,7 @@ def join() -> int:
     """Join the launcher's process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT from its environment) and the
     command channel; returns this process's rank."""
     global _channel
-    import deepspeed
-
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    if not torch.cuda.is_available():  # as in backends._init_distributed: no JIT build of the shared-memory op
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     _channel = torch.distributed.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return torch.distributed.get_rank()
 
