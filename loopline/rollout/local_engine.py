@@ -1,11 +1,11 @@
 """LocalEngine: the embedded CPU engine, transformers in-process with dynamic batching.
 
 Requests join the running batch between decode steps and leave as they
-finish. Each request keeps its own KV cache; a decode step left-pads the
-caches into one batch (keys are cached after RoPE, so padding on the left
-changes nothing — the tests check batched against one-at-a-time), runs one
-forward, and splits the caches back. Weights change only between steps, so
-every token's version is known exactly.
+finish. The running requests' caches live in one buffer (`KVSlab`), a row
+each, left-padded to a shared column; a decode step writes each row's new
+token there in place (keys are cached after RoPE, so padding on the left
+changes nothing — the tests check batched against one-at-a-time). Weights
+change only between steps, so every token's version is known exactly.
 
 A prompt's prefill starts from the longest prefix whose keys and values the
 engine still holds (`_PrefixCache`), as SGLang's radix cache does: an
@@ -44,6 +44,7 @@ from loopline.rollout.engine import (
     spans_from_versions,
 )
 from loopline.errors import LooplineError
+from loopline.rollout.kv_slab import KV, KVSlab
 
 log = logging.getLogger(__name__)
 _COMPATIBLE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
@@ -97,7 +98,7 @@ class _Request:
     future: asyncio.Future
     generator: torch.Generator
     stop_ids: frozenset[int]
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, shape [1, heads, length, dim]
+    kv: KV | None = None  # its prompt's cache, from the prefill until the slab takes it
     kv_version: int = -1  # the weights its prompt's cache was computed with
     next_logits: torch.Tensor | None = None
     logits_version: int = -1
@@ -126,7 +127,6 @@ class _Request:
         )
 
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, heads, length, dim]
 MIN_SHARED_PREFIX = 16  # tokens a batch's prompts must share beyond the cache for one more forward to pay
 
 
@@ -212,6 +212,7 @@ class LocalEngine:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._pending: collections.deque[_Request] = collections.deque()
         self._active: list[_Request] = []
+        self._slab = KVSlab(max_batch)  # the running requests' caches
         self._update: _WeightUpdate | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -297,6 +298,7 @@ class LocalEngine:
                 request.future.set_exception(EngineError("engine closed"))
         self._pending.clear()
         self._active.clear()
+        self._slab.clear()
 
     # ------------------------------------------------------------------ scheduling loop
 
@@ -326,6 +328,7 @@ class LocalEngine:
                     if not request.future.done():
                         request.future.set_exception(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
                 self._active = []
+                self._slab.clear()
                 continue
             for request in finished:
                 if not request.future.done():
@@ -341,6 +344,7 @@ class LocalEngine:
                 if not request.future.done():
                     request.future.set_result(request.result())
             self._active = []
+            self._slab.clear()
         elif update.policy == "finish" and self._active:
             return  # keep stepping the old batch; new requests wait
         self.model, self._version, self._update = update.model, update.version, None
@@ -354,6 +358,9 @@ class LocalEngine:
     def _step(self, admit: list[_Request]) -> list[_Request]:
         if admit:
             self._prefill(admit)
+            for request in admit:
+                self._slab.place(request, request.kv)
+                request.kv = None  # the slab's row holds it now
         self._active.extend(admit)
 
         finished, running = [], []
@@ -369,8 +376,12 @@ class LocalEngine:
             elif len(request.tokens) >= request.sampling.max_new_tokens:
                 request.finish = "length"
             (finished if request.finish else running).append(request)
-            if request.finish and request.kv_version == self._version:  # the next turn's prompt starts with this
-                self._prefixes.add(request.prompt_ids + request.tokens[:-1], request.kv)
+            if not request.finish:
+                continue
+            if request.kv_version == self._version:  # the next turn's prompt starts with this
+                self._prefixes.add(request.prompt_ids + request.tokens[:-1], self._slab.take(request))
+            else:
+                self._slab.free(request)
         self._active = running
         if running:
             self.batch_sizes.append(len(running))
@@ -449,27 +460,9 @@ class LocalEngine:
         return results
 
     def _decode(self, batch: list[_Request]) -> None:
-        """One forward for every running request, on caches left-padded to a common length."""
-        from transformers import DynamicCache
-
-        lengths = [r.length - 1 for r in batch]  # cached positions (all but the token just sampled)
-        longest = max(lengths)
-        cache = DynamicCache(config=self.model.config)
-        for layer in range(len(batch[0].kv)):
-            keys = [F.pad(r.kv[layer][0], (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
-            values = [F.pad(r.kv[layer][1], (0, 0, longest - n, 0)) for r, n in zip(batch, lengths)]
-            cache.update(torch.cat(keys), torch.cat(values), layer)
-        mask = torch.tensor([[0] * (longest - n) + [1] * (n + 1) for n in lengths])
-        out = self.model(
-            torch.tensor([[r.tokens[-1]] for r in batch]),
-            cache=cache,
-            attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lengths]),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        layers = out.cache.layers
-        for i, (request, n) in enumerate(zip(batch, lengths)):
-            # n + 1 positions now: the padding on the left is dropped again
-            request.kv = [(l.keys[i : i + 1, :, longest - n :], l.values[i : i + 1, :, longest - n :]) for l in layers]
-            request.next_logits, request.logits_version = out.logits[i, -1], self._version
+        """One forward for every running request, each attending to its row of the slab."""
+        cache, ids, mask, positions, rows = self._slab.decode_inputs({r: r.tokens[-1] for r in batch})
+        out = self.model(ids, cache=cache, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self._slab.advance(batch)
+        for request, row in zip(batch, rows):
+            request.next_logits, request.logits_version = out.logits[row, -1], self._version

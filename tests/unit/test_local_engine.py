@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import loopline
+
 from loopline.rollout.engine import ContextOverflow, EngineError, SamplingParams, VersionSpan
+from loopline.rollout import local_engine
+from loopline.rollout.kv_slab import KVSlab
 from loopline.rollout.local_engine import LocalEngine, load_model
 
 PROMPTS = [[1, 87, 85, 261], [1, 67, 85, 85, 277, 86, 264, 86, 201, 40, 41], [5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [90, 91, 92], [7]]
@@ -18,24 +24,35 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def test_batched_generation_equals_one_at_a_time(tiny_dirs):
+# a trained policy: a random init's near-uniform outputs barely depend on what attention sees, so a
+# wrong mask or a misplaced cached position went unnoticed there (tried)
+TRAINED = Path(loopline.__file__).parent / "starters" / "tiny-36f6d034268a-s0"
+
+
+@pytest.mark.parametrize("headroom", [128, 1], ids=["roomy-slab", "slab-repacked-every-step"])
+def test_batched_generation_equals_one_at_a_time_and_a_plain_forward(monkeypatch, headroom):
+    # headroom 1: the running caches move to a fresh buffer at nearly every step (rows compacted,
+    # columns dropped), and whenever a longer prompt joins: none of it may change a token
+    monkeypatch.setattr(local_engine, "KVSlab", functools.partial(KVSlab, headroom=headroom))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
 
     async def concurrently():
-        engine = LocalEngine(tiny_dirs["v0"], max_batch=4)
+        engine = LocalEngine(TRAINED, max_batch=4)
         results = await asyncio.gather(*(engine.generate(p, greedy, f"r{i}") for i, p in enumerate(PROMPTS)))
         return results, engine.batch_sizes
 
     async def alone():
-        engine = LocalEngine(tiny_dirs["v0"], max_batch=1)
+        engine = LocalEngine(TRAINED, max_batch=1)
         return [await engine.generate(p, greedy, f"r{i}") for i, p in enumerate(PROMPTS)]
 
     batched, sizes = _run(concurrently())
     single = _run(alone())
     assert max(sizes) == 4 and min(sizes) < 4  # requests joined and left the running batch
-    for b, s in zip(batched, single):
+    for prompt, b, s in zip(PROMPTS, batched, single):
         assert b.token_ids == s.token_ids
         assert max(abs(x - y) for x, y in zip(b.logprobs, s.logprobs)) < 1e-4
+        plain = _recompute(TRAINED, prompt, b, 1.0)  # the whole sequence in one forward, no cache
+        assert torch.allclose(torch.tensor(b.logprobs), plain, atol=1e-4)
 
 
 def _recompute(model_dir, prompt, generation, temperature):
