@@ -4,12 +4,13 @@ Each running request owns a row of one buffer per layer, `[rows, heads, columns,
 positions right-aligned at the shared column `end`. A decode step writes every row's new key and
 value in place at column `end` and attends to columns `[0, end]`, the padding on the left masked
 out (keys are cached after RoPE, so where a row sits changes nothing). Re-padding every request's
-cache into a fresh batch each step instead copied the whole cache three times a token and, on two
-cores, left a third of the CPU in the kernel faulting in that fresh memory (measured on SmolLM2 with
-a ~300-token few-shot prompt: ~0.5 GB per decode step at batch 32).
+cache into a fresh batch each step instead copied the whole cache three times a token and faulted in
+that fresh memory (SmolLM2, 300-token prompts, batch 32: ~0.5 GB a step; `python -m
+benchmarks.kv_slab`: 2.15x the tokens/s, a tenth of the kernel time).
 
-Rows are reused as requests leave; the buffer is repacked (live rows to the front, dead columns on
-the left dropped, room on the right) only when a request does not fit or the columns run out.
+Rows are reused as requests leave and grow in number as they join; the buffer is repacked (live
+rows to the front, columns no row needs dropped, room on the right) only when a request does not
+fit, the columns run out, or most rows a step would run are free.
 """
 
 from __future__ import annotations
@@ -65,12 +66,9 @@ class KVSlab:
     def place(self, owner: Hashable, kv: KV) -> None:
         """Copy `kv` (one request's cache) into a free row."""
         length = kv[0][0].shape[2]
-        if not self.keys or length > self.end:
+        if None not in self.owners or length > self.end:  # no row free (or none yet), or too long to fit left of `end`
             self._repack(kv, length)
-        free = [i for i, held in enumerate(self.owners) if held is None]
-        if not free:
-            raise RuntimeError(f"the KV slab holds {self.capacity_rows} rows, all in use")
-        row = free[0]
+        row = self.owners.index(None)
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][row, :, self.end - length : self.end] = k[0]
             self.values[layer][row, :, self.end - length : self.end] = v[0]
@@ -120,6 +118,9 @@ class KVSlab:
     def _repack(self, incoming: KV | None, length: int) -> None:
         """Live rows to the front, columns no row needs dropped, room for `incoming` and `headroom` steps."""
         live = [i for i, owner in enumerate(self.owners) if owner is not None]
+        rows = min(self.capacity_rows, 2 * (len(live) + 1))  # grown as requests join: a long context costs only the rows in use
+        if incoming is not None and len(live) >= rows:
+            raise RuntimeError(f"the KV slab holds {self.capacity_rows} rows, all in use")
         span = max([self.cached[i] for i in live] + [length, 1])
         template = incoming[0][0] if incoming is not None else self.keys[0]
         _, heads, _, dim = template.shape
@@ -127,13 +128,13 @@ class KVSlab:
         keep = torch.tensor(live, dtype=torch.long)
         for store in (self.keys, self.values):
             for layer in range(len(incoming) if incoming is not None else len(store)):
-                fresh = torch.zeros(self.capacity_rows, heads, span + self.headroom, dim, dtype=template.dtype)
+                fresh = torch.zeros(rows, heads, span + self.headroom, dim, dtype=template.dtype)
                 if live:
                     fresh[: len(live), :, span - moved : span] = store[layer][keep, :, self.end - moved : self.end]
                 if layer < len(store):
                     store[layer] = fresh
                 else:
                     store.append(fresh)
-        self.owners = [self.owners[i] for i in live] + [None] * (self.capacity_rows - len(live))
-        self.cached = [self.cached[i] for i in live] + [0] * (self.capacity_rows - len(live))
+        self.owners = [self.owners[i] for i in live] + [None] * (rows - len(live))
+        self.cached = [self.cached[i] for i in live] + [0] * (rows - len(live))
         self.end = span

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
+import sqlalchemy.exc
 import torch
 
 from sqlmodel import Session
@@ -37,6 +38,7 @@ from loopline.rollout.engine import Engine, EngineError, InFlightPolicy, Samplin
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
+from loopline.store.errors import DatabaseUnavailable
 from loopline.store.records import LearnerCommit
 from loopline.trainer.batch import load_sequences
 from loopline.trainer.learner import Learner, RefusedUpdate
@@ -265,10 +267,16 @@ def _record_servers(ctx: RolloutContext) -> None:
 
 
 def release_servers(ctx: RolloutContext) -> None:
-    """This process no longer generates on its servers (its engine was shut down)."""
-    if ctx.engine.server_urls():
+    """This process no longer generates on its servers (its engine was shut down). Called on the way out,
+    from a `finally`: a ledger out of reach then is logged, never raised over the reason the flow stops
+    (the rows keep their last sign of life, and the train flow reports servers that fall behind)."""
+    if not ctx.engine.server_urls():
+        return
+    try:
         with ctx.session_factory() as s:
             ledger.release_servers(s, ctx.run_id, holder.this_process())
+    except (DatabaseUnavailable, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as exc:
+        log.warning("could not mark this process's servers released in the ledger: %s", exc)
 
 
 async def evaluate(

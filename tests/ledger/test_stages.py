@@ -136,6 +136,21 @@ def test_prune_keeps_the_newest_checkpoints_and_exports_and_the_ones_still_neede
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000004", "v000005", "v000006"]
 
 
+def test_releasing_servers_with_the_ledger_gone_is_logged_not_raised_over_why_the_flow_stops(caplog):
+    from types import SimpleNamespace
+
+    from loopline.store.errors import DatabaseUnavailable
+    from loopline.tasks.stages import release_servers
+
+    def unreachable():
+        raise DatabaseUnavailable("connection refused")
+
+    ctx = SimpleNamespace(run_id=None, session_factory=unreachable, engine=SimpleNamespace(server_urls=lambda: ["http://gpu-1:30000"]))
+    with caplog.at_level("WARNING"):
+        release_servers(ctx)  # raised before: in the train flow's `finally` it replaced the error being raised
+    assert "could not mark this process's servers released" in caplog.text
+
+
 def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs, engine, db, tmp_path, monkeypatch):
     """The learner_step task retries a lost database: the failed try already moved the learner's weights,
     so the retry restores them (checkpoint + replay) before training the same batch again."""

@@ -283,3 +283,19 @@ def test_prefix_cache_keeps_the_longest_sequence_and_evicts_the_least_recently_u
     cache.add((6, 6, 6), kv(3))  # 11 tokens > 10: the least recently used, (7, 8, 9), goes
     assert list(cache.entries) == [(1, 2, 3, 4, 5), (6, 6, 6)] and cache.tokens == 8
     assert cache.longest((4, 4)) == (0, None)
+
+
+def test_the_kv_slab_holds_memory_for_the_requests_it_runs_not_for_its_capacity():
+    slab = KVSlab(32, headroom=8)
+    kv = lambda n: [(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)) for _ in range(3)]  # noqa: E731
+    first = kv(1000)  # one long request: two rows, not 32
+    slab.place("a", first)
+    assert slab.keys[0].shape == (2, 2, 1000 + 8, 4)
+    for name in "bcdefghij":
+        slab.place(name, kv(10))
+    assert slab.keys[0].shape[0] == 14 and slab.rows_used == 10  # grown as they joined: 2, 6, 14 rows
+    assert all(torch.equal(got, want) for (got, _), (want, _) in zip(slab.take("a"), first))
+    for name in "bcdefghi":
+        slab.free(name)
+    slab.decode_inputs({"j": 7})  # most rows free: compacted, and the columns only the long one needed dropped
+    assert slab.rows_used == 1 and slab.keys[0].shape == (4, 2, 10 + 8, 4)
