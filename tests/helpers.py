@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from loopline import holder
 from loopline.errors import LooplineError
 from loopline.flows.config import RankLaunch
 from loopline.store import db as store_db
+from loopline.ports import free_port
 
 # what rank 0 on another host needs to reach the ledger, the Prefect API and the run's files
 _FORWARDED = ("LOOPLINE_", "PREFECT_API_", "DS_ACCELERATOR", "E2B_API_KEY")
@@ -40,12 +40,6 @@ _LAUNCHED = "LOOPLINE_LEARNER_RANK_OF"  # set in the ranks' environment: the flo
 def launched() -> bool:
     """Whether this process is one of a launched learner's ranks (then it must not launch again)."""
     return _LAUNCHED in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(settings: RankLaunch, args: list[str], port: int) -> list[str]:
@@ -74,7 +68,7 @@ def run(settings: RankLaunch, config_path: str | None, resume: str | None, fork:
         forwarded = scratch / "deepspeed_env"
         forwarded.write_text("".join(f"{k}={v}\n" for k, v in env.items() if k.startswith(_FORWARDED)))
         env["DS_ENV_FILE"] = str(forwarded)
-    cmd = command(settings, args, settings.master_port or _free_port())
+    cmd = command(settings, args, settings.master_port or free_port())
     launcher = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=holder.die_with_parent())
     try:
         code = launcher.wait()

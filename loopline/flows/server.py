@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import sqlalchemy as sa
 from loopline.holder import die_with_parent, process_alive
 from loopline.store import db as store_db
 from loopline.errors import LooplineError
+from loopline.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,7 @@ class TemporaryServer:
     """A Prefect API server for this process only: started now, waited for later, ended with the process."""
 
     def __init__(self, log_dir: Path):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"prefect-server-{os.getpid()}.log"

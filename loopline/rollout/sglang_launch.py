@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,9 @@ from loopline.holder import die_with_parent
 from loopline.rollout.engine import EngineError, Generation, InFlightPolicy, SamplingParams
 from loopline.rollout.sglang_engine import SGLangEngine
 from loopline.rollout.weights import read_layout
+from loopline.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,7 @@ class LaunchedSGLang:
     ):
         self.plan = plan
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.servers = [_Server(i, _free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
+        self.servers = [_Server(i, free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
         self.good = (version, str(weights))  # the newest version every replica loaded
         self._reviving: asyncio.Lock | None = None  # made on the engine's loop
         self.client = SGLangEngine(

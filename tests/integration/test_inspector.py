@@ -31,7 +31,8 @@ from loopline.store.db import session as new_session
 from loopline.tasks import loop as loop_tasks
 from loopline.tasks.stages import LoopContext
 from loopline.trainer.learner import Learner, LearnerConfig
-from tests.helpers import free_port, wait_healthy
+from loopline.ports import free_port
+from tests.helpers import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = str(ROOT / "loopline" / "ui" / "app.py")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 import yaml
-from tests.helpers import free_port
+from loopline.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

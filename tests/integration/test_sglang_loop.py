@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.integration.test_chaos import _checked_run, _kill_at_each_then_resume, _rows, _small_run, _train
-from tests.helpers import free_port
+from loopline.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "tests.fakes.sglang_protocol_server"

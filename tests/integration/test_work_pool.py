@@ -22,7 +22,8 @@ import sqlalchemy as sa
 import yaml
 
 from tests.conftest import create_scratch_database, drop_scratch_database
-from tests.helpers import free_port, wait_healthy
+from loopline.ports import free_port
+from tests.helpers import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "loopline-test-pool"
