@@ -378,7 +378,7 @@ class LocalEngine:
             (finished if request.finish else running).append(request)
             if not request.finish:
                 continue
-            if request.kv_version == self._version:  # the next turn's prompt starts with this
+            if request.kv_version == self._version and self._prefixes.capacity:  # the next turn's prompt starts with this
                 self._prefixes.add(request.prompt_ids + request.tokens[:-1], self._slab.take(request))
             else:
                 self._slab.free(request)
