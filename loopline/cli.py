@@ -21,8 +21,19 @@ models_app = typer.Typer(help="Starter policies.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM (docker stop, systemd, a supervisor) ends a command as an exception, not on the spot: its
+    `finally` blocks and exit handlers run, and the last process using the embedded PostgreSQL stops it.
+    (Inside a flow run Prefect turns SIGTERM into its own TerminationSignal the same way.)"""
+    raise SystemExit(128 + signum)
+
+
 @app.callback()
 def _process(ctx: typer.Context) -> None:
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # before any tensor: the learner's and the engine's peak memory depend on it. Not for `models` (the tiny
     # starter's SFT allocates many mid-size tensors and ran ~2x slower with every one of them mmap'd)
     if ctx.invoked_subcommand != "models":
@@ -87,22 +98,29 @@ def train(
     config: Path = typer.Argument(None, help="Run config YAML, e.g. examples/arithmetic_quickstart.yaml"),
     resume: str = typer.Option(None, "--resume", metavar="RUN", help="Continue RUN (with its stored config when no CONFIG is given)."),
     fork: str = typer.Option(None, "--fork", metavar="NEW_NAME", help="The config changed: start NEW_NAME from the run's newest policy."),
+    steps: int = typer.Option(None, "--steps", metavar="N", help="With --resume RUN: train RUN on to N learner steps (extends a finished run)."),
 ) -> None:
     """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
+    path = str(config) if config is not None else None
+    if steps is not None and (resume is None or path is not None):
+        raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
+    if path is not None:  # a bad config file is refused in a second, before Prefect and torch load
+        from loopline.flows.config import load_config
+
+        load_config(path)
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
     from loopline.flows.assembly import run_config
     from loopline.flows.train import ready_policy
     from loopline.flows.train import train as train_flow
 
-    path = str(config) if config is not None else None
     settings, base = run_config(path, resume)  # refuse a bad config before any flow runs
     if path is not None:  # a resumed run's policy exists already
         with step_progress(f"policy {settings.policy}") as update:
             ready_policy(settings, base, update)
     server_ready()
-    with follow_run(fork or settings.name, settings.steps):
-        summary = train_flow(path, resume=resume, fork=fork)
+    with follow_run(fork or settings.name, steps or settings.steps):
+        summary = train_flow(path, resume=resume, fork=fork, steps=steps)
     console.print(f"run {summary['run']}: policy v{summary['policy_version']}")
     for version, success in summary["eval"]:
         console.print(f"  v{version}: held-out success {success:.1%}")
@@ -115,6 +133,10 @@ def eval_(
     version: int = typer.Option(None, "--version", help="Policy version (default: the newest)."),
 ) -> None:
     """Held-out success of one policy version of a run (stored in the ledger; shown again if already measured)."""
+    from loopline.store.ledger import get_run
+
+    with store_db.session(migrate.open_ledger()) as s:  # an unknown run is one line before Prefect and torch load
+        get_run(s, run)
     server_ready = _prefect_server()
     from loopline.cli_progress import step_progress
     from loopline.flows.evaluate import evaluate
@@ -141,6 +163,42 @@ def worker(
     console.print(f"committed {stats['committed']} trajectories ({stats['infra_failed']} infra failures)")
 
 
+@app.command("export")
+@friendly_errors
+def export(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    out: Path = typer.Argument(..., metavar="DIR", help="A new directory for the model."),
+    version: int = typer.Option(None, "--version", help="Policy version (default: the newest)."),
+) -> None:
+    """Write a policy version of RUN as a plain Hugging Face model directory (safetensors and tokenizer),
+    checked against the sha256 its commit recorded."""
+    from loopline.store import ledger
+    from loopline.trainer.checkpoint import weights_sha256
+
+    with store_db.session(migrate.open_ledger()) as s:
+        found = ledger.get_run(s, run)
+        name, run_id = found.name, found.id  # (the reads below end their transactions)
+        weights = ledger.version_weights(s, run_id, version)
+        on_disk = [v for v in ledger.exported_versions(s, run_id) if Path(ledger.version_weights(s, run_id, v).uri or "").is_dir()]
+    if weights.uri is None or not Path(weights.uri).is_dir():
+        raise LooplineError(
+            f"run {name} v{weights.version} was never written to disk or was pruned (learner.export_every, keep_exports); "
+            f"versions on disk: {', '.join(f'v{v}' for v in on_disk) or 'none'}"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise LooplineError(f"{out} exists and is not empty: name a new directory")
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(weights.uri, staging)
+    if weights.sha256 is not None and weights_sha256(staging) != weights.sha256:
+        shutil.rmtree(staging)
+        raise LooplineError(f"{weights.uri}: its weights differ from those run {name} v{weights.version} recorded; the export was not written")
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    console.print(f"run {name} v{weights.version} is at {out} (a Hugging Face model directory; load it with from_pretrained)")
+
+
 @app.command("replay")
 @friendly_errors
 def replay(
@@ -156,7 +214,9 @@ def replay(
     with step_progress(f"replaying {run} step {step}"):
         result = replay_step(run, step)
     start = f"checkpoint of step {result['from_step']}" if result["from_step"] else "the initial weights"
-    verdict = "[green]reproduced[/]" if result["reproduced"] else "[red]DIFFERENT[/]"
+    verdict = "[red]DIFFERENT[/]"
+    if result["reproduced"]:
+        verdict = "[green]reproduced[/]" + (" (the rebuild a resume recorded and the run went on from)" if result["rebuilt"] else "")
     console.print(f"{run} step {step} from {start}: sha256 {result['sha256'][:16]}… vs recorded {(result['recorded_sha256'] or '-')[:16]}… {verdict}")
     if not result["reproduced"]:
         raise typer.Exit(1)
@@ -226,17 +286,31 @@ def inspect(
     port: int = typer.Option(8501),
 ) -> None:
     """The Streamlit trajectory inspector (read-only) over this ledger."""
-    import os
+    import subprocess
     import sys
 
     migrate.upgrade(store_db.make_engine())  # as `train` does: a fresh home gets its schema (the app itself only reads)
     app_path = Path(__file__).resolve().parent / "ui" / "app.py"
     query = f"?page=runs&run={run}" if run else ""
     console.print(f"inspector at http://127.0.0.1:{port}/{query}")
-    os.execv(sys.executable, [
+    # Streamlit runs as a child, not in place of this process (an exec skipped this process's exit handlers:
+    # the embedded PostgreSQL it joined was never stopped). This process waits for it, passes SIGTERM on,
+    # and exits after it, whichever ends first: the last user of the embedded server stops it.
+    app = subprocess.Popen([
         sys.executable, "-m", "streamlit", "run", str(app_path), "--server.port", str(port), "--server.address", "127.0.0.1",
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
     ])
+    try:
+        code = app.wait()
+    except BaseException:  # Ctrl-C (the terminal sends the app its own) or SIGTERM (passed on): wait for the app to stop
+        app.terminate()
+        try:
+            app.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            app.kill()
+        raise
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("plan")
@@ -280,11 +354,83 @@ def runs() -> None:
     table.add_column("started", no_wrap=True)
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     for r in found:
+        name = r.name + (f" (fork of {r.parent})" if r.parent else "")
         table.add_row(
-            r.name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed),
+            name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed),
             f"{pct(r.first_eval)} → {pct(r.last_eval)}", r.created_at.strftime("%m-%d %H:%M"),
         )
     console.print(table)
+    for r in found:  # why each run that did not complete stopped, one line each (never cut by the table)
+        if r.reason and r.status != "completed":
+            console.print(f"{r.name}: {r.status}: {r.reason}", highlight=False, soft_wrap=True)
+
+
+@app.command("cancel")
+@friendly_errors
+def cancel(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    wait_s: float = typer.Option(120.0, "--wait", help="Seconds to wait for the run's process to stop."),
+) -> None:
+    """Stop a run from any shell or machine that reaches the ledger: its process stops at its next heartbeat
+    (as on Ctrl-C: nothing committed is lost) and the run is marked cancelled. `train --resume` continues it."""
+    import time
+
+    from loopline.store.ledger import get_run, mark_abandoned, request_cancel
+    from loopline.store.queries import HEARTBEAT_S, list_runs
+
+    engine = migrate.open_ledger()
+    with store_db.session(engine) as s:
+        found = get_run(s, run)
+        run_id, holder_name = found.id, found.holder
+        shown = next(r for r in list_runs(s) if r.id == run_id)
+        if shown.status in ("completed", "cancelled"):
+            raise LooplineError(f"run {shown.name} is {shown.status}: nothing to cancel")
+        if shown.status == "stale":  # nobody will see the request: the process is gone
+            mark_abandoned(s, run_id, holder_name, "cancelled", f"cancelled (loopline cancel) after {shown.reason}")
+        else:
+            request_cancel(s, run_id, "cancelled (loopline cancel) while not running")
+    deadline = time.monotonic() + wait_s
+    with console.status(f"waiting for run {shown.name} to stop (its process checks every {HEARTBEAT_S:.0f} s) ..."):
+        while True:
+            with store_db.session(engine) as s:
+                now = get_run(s, run_id)
+                status, reason = now.status, now.status_reason
+            if status != "running" or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    if status == "running":
+        raise LooplineError(f"run {shown.name} is still running after {wait_s:.0f} s: is its process ({holder_name}) stuck? see `loopline runs`")
+    console.print(f"run {shown.name}: {status}" + (f" ({reason})" if reason else ""), highlight=False)
+
+
+@app.command("delete")
+@friendly_errors
+def delete(
+    run: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+) -> None:
+    """Delete a run: its ledger rows (trajectories, versions, metrics, ...) and its weights and checkpoints on disk."""
+    from loopline.store.ledger import delete_run, get_run
+    from loopline.store.queries import list_runs
+
+    engine = migrate.open_ledger()
+    with store_db.session(engine) as s:
+        run_id = get_run(s, run).id
+        runs = list_runs(s)
+    shown = next(r for r in runs if r.id == run_id)
+    if shown.status == "running":
+        raise LooplineError(f"run {shown.name} is running: cancel it first (loopline cancel {shown.name})")
+    forks = [r.name for r in runs if r.parent and r.parent.startswith(f"{shown.name}@")]
+    if forks:
+        raise LooplineError(f"run {shown.name}: forks start from its weights ({', '.join(forks)}); delete them first")
+    workdir = store_db.loopline_home() / "runs" / shown.name
+    what = f"run {shown.name}: {shown.consumed} trajectories trained, {shown.policy_version} versions" + (f", {workdir}" if workdir.exists() else "")
+    if not yes and not typer.confirm(f"delete {what}?"):
+        raise typer.Exit(1)
+    with store_db.session(engine) as s:
+        delete_run(s, run_id)
+    shutil.rmtree(workdir, ignore_errors=True)
+    console.print(f"deleted {what}", highlight=False)
 
 
 @app.command("check")

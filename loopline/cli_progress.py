@@ -14,6 +14,7 @@ from loopline import activity
 from loopline.cli_support import console
 from loopline.store import db as store_db
 from loopline.store import ledger, queries
+from loopline.store.errors import is_outage
 
 
 def _describe(p: queries.RunProgress, rate: float) -> str:
@@ -42,13 +43,18 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
     def poll() -> None:
         engine = store_db.make_engine()
         first: tuple[float, int] | None = None
+        unreachable_since: float | None = None
         while not stop.wait(every_s):
             try:
                 with store_db.session(engine) as s:
                     run_id = ledger.get_run(s, name).id
                     now = queries.run_progress(s, run_id)
-            except Exception:  # the run is not created yet, or the ledger is busy: the next poll will tell
+            except Exception as exc:  # the run is not created yet, or the ledger is out of reach (the run waits it out)
+                if is_outage(exc):
+                    unreachable_since = unreachable_since or time.monotonic()
+                    progress.update(bar, description=f"ledger unreachable, retrying ({time.monotonic() - unreachable_since:.0f} s)")
                 continue
+            unreachable_since = None
             first = first or (time.monotonic(), now.trajectories)
             elapsed = time.monotonic() - first[0]
             rate = (now.trajectories - first[1]) / elapsed if elapsed > 0 else 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from typing import Callable, TypeVar
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from loopline.errors import LooplineError
+from loopline.store.errors import is_database_outage
 
 F = TypeVar("F", bound=Callable)
 
@@ -23,17 +25,50 @@ def print_error(message: str) -> None:
     err_console.print(Text("error: ", style="bold red") + Text(message), highlight=False, soft_wrap=True)
 
 
+class _UserErrorsOnce(logging.Filter):
+    """Prefect logs a flow's or task's exception with its traceback, and again in the state it ended in; a
+    user error (LooplineError) is printed once, as one line, by `friendly_errors` instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], LooplineError):
+            return False
+        if record.exc_info and is_database_outage(record.exc_info[1]):  # each retry's line, without its traceback
+            record.exc_info, record.exc_text = None, None
+        message = record.getMessage()
+        return not any(f"{name}:" in message or f"{name}(" in message for name in _user_error_names())
+
+
+def _user_error_names(kind: type = LooplineError) -> set[str]:
+    return {kind.__name__}.union(*(_user_error_names(sub) for sub in kind.__subclasses__()))
+
+
 def friendly_errors(fn: F) -> F:
     """A user error is one red line and exit code 1; `LOOPLINE_DEBUG=1` shows the traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not os.environ.get("LOOPLINE_DEBUG"):
+            for name in ("prefect.flow_runs", "prefect.task_runs"):
+                logger = logging.getLogger(name)
+                if not any(isinstance(f, _UserErrorsOnce) for f in logger.filters):
+                    logger.addFilter(_UserErrorsOnce())
+            # a connection lost in an outage is dropped by the pool (a traceback each time, nothing to act on)
+            logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
         try:
             return fn(*args, **kwargs)
         except LooplineError as exc:
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             print_error(str(exc))
+            sys.exit(1)
+        except Exception as exc:
+            if os.environ.get("LOOPLINE_DEBUG") or not is_database_outage(exc):
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print_error(
+                f"the ledger could not be reached ({first}); nothing it committed is lost: once it is back, run the "
+                "command again (a run resumes with `loopline train --resume RUN`)"
+            )
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]

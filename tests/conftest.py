@@ -21,6 +21,18 @@ from loopline.store.db import HOME_ENV, embedded_url, make_engine, session as ne
 from loopline.store.migrate import upgrade
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _test_sessions_may_idle_in_a_transaction():
+    """A test's own session may sit in a transaction while the test waits on the processes it checks; the server's
+    `idle in transaction` limit is for loopline's processes (those the tests start keep the default)."""
+    import loopline.store.db as store_db
+
+    limits = dict(store_db.SESSION_LIMITS)
+    store_db.SESSION_LIMITS["idle_in_transaction_session_timeout"] = ("LOOPLINE_TEST_NO_SUCH_VARIABLE", 0.0)
+    yield
+    store_db.SESSION_LIMITS.update(limits)
+
+
 @pytest.fixture(autouse=True)
 def _main_module_restored():
     """Streamlit's AppTest runs an app as `__main__` and leaves it installed there; a process spawned by a later

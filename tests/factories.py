@@ -23,7 +23,7 @@ def segment(
         rollout_logprobs=[-rng.random() * 5 for _ in range(n_gen)],
         logprob_semantics="log_softmax(logits/T)",
         sampling_config={"temperature": 1.0, "top_p": 1.0},
-        tool_events=[{"tool": "calc", "args": "1+1", "output": "2"}],
+        tool_events=kw.pop("tool_events", [{"tool": "calc", "args": "1+1", "output": "2"}]),
         **kw,
     )
 

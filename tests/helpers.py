@@ -18,3 +18,23 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float
         except OSError:
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
+
+
+class cpu_load:
+    """`processes` busy loops beside the test, as another job on a shared machine: a guarantee that must hold
+    "under load" is tested with them running (thread scheduling then differs from an idle machine's)."""
+
+    def __init__(self, processes: int = 2):
+        self.processes = processes
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "cpu_load":
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.processes)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()

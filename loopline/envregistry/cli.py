@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -14,6 +13,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from loopline import aio
 from loopline.cli_support import console, friendly_errors
 from loopline.envregistry import images, registry
 from loopline.envregistry.smoke import run_smoke
@@ -194,7 +194,7 @@ def test(
     results = []
     for task in chosen:
         with console.status(f"playing {task.id} ({len(results) + 1}/{len(chosen)})"):
-            results.append(asyncio.run(run_smoke(spec, task)))
+            results.append(aio.run(run_smoke(spec, task)))
         if verbose:
             _print_steps(results[-1])
     expected = spec.smoke_test.expect_reward

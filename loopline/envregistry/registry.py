@@ -125,8 +125,8 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     name, _, version = ref.partition("@")
     if not version:
         return name, None
-    if not version.isdigit():
-        raise LooplineError(f"{ref!r}: expected NAME or NAME@VERSION with a number, e.g. arithmetic@2")
+    if not (version.isascii() and version.isdigit()) or len(version) > 9:  # (the ledger's versions are 32-bit)
+        raise LooplineError(f"{ref[:80]!r}: expected NAME or NAME@VERSION with a version number below 10^9, e.g. arithmetic@2")
     return name, int(version)
 
 

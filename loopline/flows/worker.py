@@ -3,12 +3,12 @@
 Start as many as you like (`loopline worker RUN`, or a deployment run by a Prefect work pool); they
 claim slots of the same run from the ledger, never the same one. Each serves the run's newest
 policy version, switching whenever the learner commits a new one, and respects the run's staleness
-bound. A worker stops when the run is completed or failed (or after `max_seconds`).
+bound. A worker stops when the run is completed, failed or cancelled (or after `max_seconds`); an
+interrupted run may be resumed, so its workers go on with the slots it planned.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -18,7 +18,7 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.annotations import quote
 
-from loopline import holder
+from loopline import aio, holder
 from loopline.errors import LooplineError
 from loopline.flows import assembly
 from loopline.store import ledger
@@ -33,10 +33,10 @@ def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float |
     while not stop.wait(poll_s):
         with ctx.session_factory() as s:
             status = ledger.get_run(s, ctx.run_id).status
-        if status in ("completed", "failed") or (deadline is not None and time.monotonic() > deadline):
+        if status in ("completed", "failed", "cancelled") or (deadline is not None and time.monotonic() > deadline):
             stop.set()
             return
-        asyncio.run(stages.sync_weights(ctx))
+        aio.run(stages.sync_weights(ctx))
 
 
 @flow(name="rollout_worker")

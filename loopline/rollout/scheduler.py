@@ -29,6 +29,7 @@ from loopline.failpoints import failpoint
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
+from loopline.store.errors import is_outage
 from loopline.store.records import Lease, Split
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class WorkerConfig:
     run_id: uuid.UUID
     worker: str = field(default_factory=holder.this_process)  # host:pid:start, see loopline.holder
     split: Split = "train"
-    concurrency: int = 8
+    concurrency: int = field(kw_only=True)  # episodes in flight (the run config's `concurrency`: one default)
     lease_seconds: float = 120.0
     max_staleness: int | None = None
     max_complete_groups: int | None = None
@@ -106,7 +107,17 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls
     finally:
         elapsed = time.monotonic() - started
         stats.busy_s += elapsed
-    outcome = await db.call(ledger.commit_trajectory, lease.attempt_id, trajectory)
+    try:
+        outcome = await db.call(ledger.commit_trajectory, lease.attempt_id, trajectory)
+    except Exception as exc:
+        if is_outage(exc):
+            raise
+        # the ledger refused this trajectory: a retry would produce one like it and fail the same way, so it
+        # counts toward max_attempts like any infra failure instead of being retried forever
+        log.exception("the ledger refused the trajectory of attempt %s", lease.attempt_id)
+        stats.infra_failed += 1
+        await db.call(ledger.fail_attempt, lease.attempt_id, "CommitRefused", f"{type(exc).__name__}: {exc}"[:2000])
+        return
     failpoint("rollout_commit")
     if outcome.committed:
         stats.committed += 1

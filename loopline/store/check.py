@@ -196,3 +196,5 @@ def _reporting(session: Session, run_id: uuid.UUID, report: CheckReport) -> None
     ):
         report.stats[f"groups_dropped_{reason}"] = n
     report.stats["eval_results"] = _rows(session, "SELECT count(*) FROM eval_result WHERE run_id = :r", r=run_id)[0][0]
+    # a resume that went on from rebuilt weights differing from the recorded ones (not bit-exact: a GPU)
+    report.stats["weight_rebuilds"] = _rows(session, "SELECT count(*) FROM weight_rebuild WHERE run_id = :r", r=run_id)[0][0]

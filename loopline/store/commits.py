@@ -10,6 +10,7 @@ from sqlalchemy.dialects import postgresql
 from sqlmodel import Session, SQLModel
 
 from loopline.errors import LooplineError
+from loopline.store.nul import storable
 from loopline.store._sql import q, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome, StoredSegment, StoredTrajectory, TrajectoryRecord
@@ -44,8 +45,10 @@ def commit_trajectories(
 
     A slot keeps the first trajectory committed for it: a later (or racing)
     attempt at a slot already done, or at a dropped group, is refused and
-    marked cancelled. Any attempt may commit while its slot is open, even
-    one whose lease expired: its trajectory is as valid as a retry's would be.
+    marked cancelled. An attempt whose lease expired may still commit while
+    nobody else took the slot (its trajectory is as valid as a retry's would
+    be), but not once another attempt holds it (fencing: a worker frozen past
+    its lease never commits over the live one).
     `method` picks the bulk path (binary COPY, or executemany for comparison).
     """
     for _, traj in items:
@@ -71,7 +74,7 @@ def commit_trajectories(
             r.id: r
             for r in q(
                 session,
-                "SELECT id, run_id, group_id, split, task_id, state FROM slot WHERE id = ANY(:s) ORDER BY id FOR UPDATE",
+                "SELECT id, run_id, group_id, split, task_id, state, lease_attempt_id FROM slot WHERE id = ANY(:s) ORDER BY id FOR UPDATE",
                 s=sorted({r.slot_id for r in refs}),
             )
         }
@@ -91,6 +94,10 @@ def commit_trajectories(
                 outcomes[attempt_id] = CommitOutcome(attempt_id, None, "its group was dropped after infra failures")
                 _end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
                 continue
+            if slot.state == "leased" and slot.lease_attempt_id != attempt_id:  # fencing: a worker frozen past its lease
+                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "another attempt holds the slot now (this one's lease expired)")
+                _end_attempt(session, attempt_id, "cancelled", "LeaseLost", outcomes[attempt_id].reason)
+                continue
             trajectory_id = uuid.uuid4()
             done_slots.add(slot.id)
             outcomes[attempt_id] = CommitOutcome(attempt_id, trajectory_id)
@@ -101,7 +108,7 @@ def commit_trajectories(
                 task_id=slot.task_id, split=slot.split, env_name=traj.env_name, env_version=traj.env_version,
                 verifier_version=traj.verifier_version, harness_version=traj.harness_version, reward=float(traj.reward),
                 terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
-                policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(traj.info),
+                policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
             )))
             for seq, seg in enumerate(traj.segments):
                 segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
@@ -110,7 +117,7 @@ def commit_trajectories(
                     tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids),
                     generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
                     rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
-                    sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(list(seg.tool_events)),
+                    sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
                     started_at=seg.started_at, ended_at=seg.ended_at,
                 )))
 

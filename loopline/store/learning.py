@@ -12,7 +12,7 @@ from sqlmodel import Session
 
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
-from loopline.store.errors import LedgerConflict
+from loopline.store.errors import LedgerConflict, LostTheRun
 from loopline.store.records import LearnerBatch, LearnerCommit, Split, TrainedSample
 
 
@@ -153,16 +153,23 @@ def commit_learner_step(
     weights_sha256: str | None = None,
     metrics: dict[str, float] | None = None,
     samples: dict[uuid.UUID, TrainedSample] | None = None,
+    driver: str | None = None,
 ) -> LearnerCommit:
     """Record a finished learner step atomically: consumption rows, checkpoint, new policy version, metrics.
 
     Either all of it is in the ledger or none of it: a learner that dies
     before this returns has consumed nothing, and its retry trains the same
     batch. Committing a step twice is a no-op that returns the first result.
+    `driver` (the committing process's holder name) fences: the commit is refused unless that process still
+    drives the run, so a learner frozen past its lease while another took the run over commits nothing.
     """
     run_id, k = batch.run_id, batch.learner_step
     with transaction(session):
         last_step, latest = _lock_run_progress(session, run_id)
+        if driver is not None:
+            now = q(session, "SELECT name, holder FROM run WHERE id = :r", r=run_id).one()
+            if now.holder != driver:
+                raise LostTheRun.of(now.name, driver, now.holder)
         if k <= last_step:
             consumed = q(
                 session, "SELECT count(*) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
@@ -251,6 +258,15 @@ def trained_batch(session: Session, run_id: uuid.UUID, learner_step: int) -> tup
     ids = _batch_trajectories(session, groups)
     session.rollback()
     return ids
+
+
+def trained_threads(session: Session, run_id: uuid.UUID, learner_step: int) -> int | None:
+    """The intra-op thread count a committed step was computed with (None: not recorded, older runs)."""
+    value = q(
+        session, "SELECT value FROM metric WHERE run_id = :r AND step = :k AND name = 'learner_threads'", r=run_id, k=learner_step
+    ).scalar_one_or_none()
+    session.rollback()
+    return int(value) if value else None
 
 
 def record_refused_step(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float]) -> None:

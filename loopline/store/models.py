@@ -40,7 +40,7 @@ SPLITS = ("train", "eval")
 SLOT_STATES = ("pending", "leased", "done", "abandoned")
 GROUP_STATES = ("open", "complete", "claimed", "consumed", "dropped")
 ATTEMPT_STATUSES = ("running", "ok", "task_failed", "infra_failed", "cancelled")
-RUN_STATUSES = ("created", "running", "completed", "failed")
+RUN_STATUSES = ("created", "running", "completed", "failed", "interrupted", "cancelled")
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -114,6 +114,10 @@ class Run(SQLModel, table=True):
     status: str = Field(default="created", sa_column=Column(Text, nullable=False, server_default="created"))
     plan: dict[str, Any] | None = _jsonb(nullable=True)  # `loopline plan`'s estimate on the hardware it started on
     created_at: datetime | None = _created_at()
+    status_reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # why it stopped, in one line
+    holder: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # host:pid:start of the process driving it
+    heartbeat_at: datetime | None = _timestamp()  # that process's last sign of life (a run with none recent is stale)
+    cancel_requested_at: datetime | None = _timestamp()  # `loopline cancel`: the driving process stops at its next beat
 
 
 class PolicyVersion(SQLModel, table=True):
@@ -156,6 +160,25 @@ class EngineServer(SQLModel, table=True):
     registered_at: datetime | None = _created_at()
     seen_at: datetime | None = _created_at()
     released_at: datetime | None = _timestamp()
+
+
+class WeightRebuild(SQLModel, table=True):
+    """A version's weights rebuilt (last checkpoint + the recorded batches replayed) that did not match the
+    sha256 its commit recorded. The run continues from the rebuilt weights: later versions descend from
+    them, and a replay that gives this sha256 reproduced the run as it went on. On CPU with a learner
+    computing exactly this does not happen; on a GPU, or with another thread count, it can."""
+
+    __tablename__ = "weight_rebuild"
+    __table_args__ = (Index("ix_weight_rebuild_run_version", "run_id", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: uuid.UUID = Field(sa_column=Column(UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False))
+    version: int
+    sha256: str = Field(sa_column=Column(Text, nullable=False))  # of the rebuilt weights
+    recorded_sha256: str = Field(sa_column=Column(Text, nullable=False))  # what the version's commit recorded
+    device: str = Field(sa_column=Column(Text, nullable=False))
+    learner_threads: int | None = None
+    created_at: datetime | None = _created_at()
 
 
 class RolloutGroup(SQLModel, table=True):

@@ -9,6 +9,8 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlmodel import Session
 
+from loopline import holder
+
 
 @dataclass(frozen=True)
 class RunProgress:
@@ -25,13 +27,30 @@ class RunProgress:
 class RunSummary:
     name: str
     id: uuid.UUID
-    status: str
+    status: str  # as stored, except 'stale': stored 'running', but its driving process is gone or silent
     created_at: datetime
     learner_step: int
     policy_version: int
     consumed: int
     first_eval: float | None
     last_eval: float | None
+    reason: str | None  # why it stopped (or why it is stale)
+    parent: str | None  # the run it was forked from, `NAME@vN`
+
+
+HEARTBEAT_S = 5.0  # how often a run's driving process says it is alive
+
+
+def shown_status(status: str, holder_name: str | None, silent_s: float | None, lease_seconds: float) -> tuple[str, str | None]:
+    """A stored 'running' whose driving process is gone (this host: its pid is dead) or has not written for
+    the lease time (any host) is shown as 'stale', with why: a SIGKILLed process cannot say it stopped."""
+    if status != "running":
+        return status, None
+    if holder.is_dead(holder_name):
+        return "stale", f"its process ({holder_name}) is gone"
+    if silent_s is None or silent_s > max(lease_seconds, 3 * HEARTBEAT_S):
+        return "stale", f"no sign of life from {holder_name or 'its process'} for {silent_s or 0:.0f} s"
+    return status, None
 
 
 def run_progress(session: Session, run_id: uuid.UUID) -> RunProgress:
@@ -66,7 +85,9 @@ def run_progress(session: Session, run_id: uuid.UUID) -> RunProgress:
 def list_runs(session: Session) -> list[RunSummary]:
     rows = session.execute(
         sa.text(
-            "SELECT r.name, r.id, r.status, r.created_at, "
+            "SELECT r.name, r.id, r.status, r.created_at, r.status_reason, r.holder, "
+            "extract(epoch FROM now() - r.heartbeat_at) AS silent_s, coalesce((r.config->>'lease_seconds')::float, 60) AS lease, "
+            "r.config->'forked_from'->>'run' AS parent, r.config->'forked_from'->>'policy_version' AS parent_version, "
             "(SELECT coalesce(max(learner_step), 0) FROM checkpoint c WHERE c.run_id = r.id) AS step, "
             "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS version, "
             "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, "
@@ -76,7 +97,15 @@ def list_runs(session: Session) -> list[RunSummary]:
         )
     ).all()
     session.rollback()
-    return [RunSummary(*r) for r in rows]
+    out = []
+    for r in rows:
+        silent = float(r.silent_s) if r.silent_s is not None else None
+        status, stale = shown_status(r.status, r.holder, silent, float(r.lease))
+        parent = f"{r.parent}@v{r.parent_version}" if r.parent else None
+        out.append(RunSummary(
+            r.name, r.id, status, r.created_at, r.step, r.version, r.consumed, r.first_eval, r.last_eval, stale or r.status_reason, parent,
+        ))
+    return out
 
 
 def eval_results(session: Session, run_id: uuid.UUID) -> list[tuple[int, int, float]]:

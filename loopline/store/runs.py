@@ -14,7 +14,7 @@ from sqlmodel import Session
 
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
-from loopline.store.errors import LedgerConflict
+from loopline.store.errors import LedgerConflict, LostTheRun
 from loopline.store.learning import _group_states, _groups_of_step
 from loopline.store.models import Run
 from loopline.store.records import CheckpointInfo, ResumeState
@@ -23,8 +23,6 @@ from loopline.store.records import CheckpointInfo, ResumeState
 def config_hash(config: dict[str, Any]) -> str:
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
 
 
 def create_run(
@@ -76,16 +74,98 @@ def get_run(session: Session, name_or_id: str | uuid.UUID) -> Run:
     return run
 
 
-def set_run_status(session: Session, run_id: uuid.UUID, status: str) -> None:
+def start_run(session: Session, run_id: uuid.UUID, holder: str) -> None:
+    """`holder` drives the run from now: running, no reason, no pending cancel, a first sign of life. Refused
+    while another process drives it and is alive (two trainers of one run overwrote each other's files);
+    the row lock makes two that start at the same moment one refusal."""
+    from loopline.store.queries import shown_status
+
     with transaction(session):
-        q(session, "UPDATE run SET status = :s WHERE id = :r", s=status, r=run_id)
+        now = q(
+            session,
+            "SELECT name, status, holder, extract(epoch FROM now() - heartbeat_at) AS silent_s, "
+            "coalesce((config->>'lease_seconds')::float, 60) AS lease, heartbeat_at FROM run WHERE id = :r FOR UPDATE",
+            r=run_id,
+        ).one()
+        silent = float(now.silent_s) if now.silent_s is not None else None
+        if now.holder != holder and shown_status(now.status, now.holder, silent, float(now.lease))[0] == "running":
+            raise LedgerConflict(
+                f"run {now.name} is being trained by {now.holder} (host:pid:start, alive {silent:.0f} s ago); "
+                f"wait for it to end, or stop it with `loopline cancel {now.name}`"
+            )
+        q(
+            session,
+            "UPDATE run SET status = 'running', status_reason = NULL, holder = :h, heartbeat_at = now(), "
+            "cancel_requested_at = NULL WHERE id = :r",
+            h=holder, r=run_id,
+        )
+
+
+def heartbeat(session: Session, run_id: uuid.UUID, holder: str) -> str | None:
+    """The driving process is alive; returns "cancel" when someone asked it to stop (`request_cancel`), "lost"
+    when another process drives the run now (this one was frozen or cut off past the lease), else None."""
+    with transaction(session):
+        cancel = q(
+            session, "UPDATE run SET heartbeat_at = now() WHERE id = :r AND holder = :h RETURNING cancel_requested_at IS NOT NULL",
+            r=run_id, h=holder,
+        ).scalar_one_or_none()
+    return "lost" if cancel is None else ("cancel" if cancel else None)
+
+
+def require_driver(session: Session, run_id: uuid.UUID, driver: str) -> None:
+    """Refuse (LostTheRun) unless `driver` still drives the run: a process that lost it must not plan or train on."""
+    with transaction(session):
+        now = q(session, "SELECT name, holder FROM run WHERE id = :r", r=run_id).one()
+    if now.holder != driver:
+        raise LostTheRun.of(now.name, driver, now.holder)
+
+
+def end_run(session: Session, run_id: uuid.UUID, holder: str, status: str, reason: str | None) -> bool:
+    """How the run's driving process ended (completed, failed, interrupted, cancelled), unless another
+    process has taken the run over since; returns whether the row was written."""
+    with transaction(session):
+        written = q(
+            session, "UPDATE run SET status = :s, status_reason = :why, heartbeat_at = now() WHERE id = :r AND holder = :h",
+            s=status, why=reason, r=run_id, h=holder,
+        ).rowcount
+    return written == 1
+
+
+def request_cancel(session: Session, run_id: uuid.UUID, reason: str) -> None:
+    """Ask the run's driving process to stop at its next heartbeat; a run nobody drives is cancelled at once."""
+    with transaction(session):
+        q(session, "UPDATE run SET cancel_requested_at = coalesce(cancel_requested_at, now()) WHERE id = :r", r=run_id)
+        q(
+            session, "UPDATE run SET status = 'cancelled', status_reason = :why WHERE id = :r AND status <> 'running'",
+            why=reason, r=run_id,
+        )
+
+
+def mark_abandoned(session: Session, run_id: uuid.UUID, holder: str | None, status: str, reason: str) -> None:
+    """A run left 'running' by a process that is gone (killed: it could not write) gets `status` and why."""
+    with transaction(session):
+        q(
+            session, "UPDATE run SET status = :s, status_reason = :why WHERE id = :r AND status = 'running' AND holder IS NOT DISTINCT FROM :h",
+            s=status, why=reason, r=run_id, h=holder,
+        )
+
+
+def extend_run(session: Session, run_id: uuid.UUID, config: dict[str, Any]) -> None:
+    """The run trains to more steps: its stored config (and hash) say so from now on."""
+    with transaction(session):
+        q(session, "UPDATE run SET config = :c, config_hash = :h WHERE id = :r", c=Jsonb(config), h=config_hash(config), r=run_id)
+
+
+def delete_run(session: Session, run_id: uuid.UUID) -> None:
+    """Every ledger row of the run (each table's run_id cascades)."""
+    with transaction(session):
+        q(session, "DELETE FROM run WHERE id = :r", r=run_id)
 
 
 def set_run_plan(session: Session, run_id: uuid.UUID, plan: dict[str, Any]) -> None:
     """The memory estimate for the hardware the run (re)started on; the inspector shows it beside the measured peak."""
     with transaction(session):
         q(session, "UPDATE run SET plan = :p WHERE id = :r", p=Jsonb(plan), r=run_id)
-
 
 
 # --------------------------------------------------------------------------- versions and evaluations
@@ -111,6 +191,42 @@ def version_weights(session: Session, run_id: uuid.UUID, version: int | None = N
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
     return VersionWeights(row.version, row.weights_uri, row.sha256)
+
+
+def record_rebuild(
+    session: Session, run_id: uuid.UUID, version: int, sha256: str, recorded_sha256: str, device: str, threads: int | None
+) -> None:
+    """`version`'s weights were rebuilt with another sha256 than its commit recorded; the run goes on from them."""
+    with transaction(session):
+        q(
+            session,
+            "INSERT INTO weight_rebuild (run_id, version, sha256, recorded_sha256, device, learner_threads) "
+            "VALUES (:r, :v, :s, :rs, :d, :t)",
+            r=run_id, v=version, s=sha256, rs=recorded_sha256, d=device, t=threads,
+        )
+
+
+def rebuilt_digests(session: Session, run_id: uuid.UUID, version: int) -> list[str]:
+    """The sha256 of each rebuild of `version` that differed from its commit's, oldest first."""
+    digests = list(
+        q(session, "SELECT sha256 FROM weight_rebuild WHERE run_id = :r AND version = :v ORDER BY id", r=run_id, v=version).scalars()
+    )
+    session.rollback()
+    return digests
+
+
+def named_files(session: Session, run_id: uuid.UUID) -> set[str]:
+    """Every checkpoint and export path the run's ledger rows name (a learner's own directories that no row
+    names were left by one whose commit never landed)."""
+    rows = q(
+        session,
+        "SELECT weights_uri FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL "
+        "UNION SELECT uri FROM checkpoint WHERE run_id = :r",
+        r=run_id,
+    )
+    named = set(rows.scalars())
+    session.rollback()
+    return named
 
 
 def exported_versions(session: Session, run_id: uuid.UUID) -> list[int]:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
+from loopline.store import nul
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
 from loopline.store.records import Lease, Split
@@ -271,7 +272,7 @@ def _end_attempt(
         a=attempt_id,
         st=status,
         ec=error_class,
-        et=error_text,
+        et=nul.text(error_text),
     )
 
 

@@ -12,6 +12,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from loopline.store.nul import restored
+from loopline.store.queries import shown_status
+
 
 @dataclass(frozen=True)
 class Table:
@@ -33,14 +36,24 @@ def _one(conn: sa.Connection, sql: str, **params: Any) -> dict | None:
 
 
 def runs(conn: sa.Connection) -> Table:
-    return _table(
+    """Every run; `status` is the one `loopline runs` shows (stale: running with no live process), `reason` why it stopped."""
+    found = _table(
         conn,
         "SELECT r.name, r.id, r.status, r.created_at, "
         "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS policy_version, "
         "(SELECT count(*) FROM trajectory t WHERE t.run_id = r.id) AS trajectories, "
-        "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed "
+        "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, r.status_reason AS reason, r.holder, "
+        "extract(epoch FROM now() - r.heartbeat_at)::float AS silent_s, coalesce((r.config->>'lease_seconds')::float, 60) AS lease "
         "FROM run r ORDER BY r.created_at DESC",
     )
+    rows = []
+    for row in found.rows:
+        record = dict(zip(found.columns, row))
+        status, stale = shown_status(record.pop("status"), record.pop("holder"), record.pop("silent_s"), record.pop("lease"))
+        record.update(status=status, reason=stale or record["reason"])
+        rows.append(record)
+    columns = ["name", "id", "status", "created_at", "policy_version", "trajectories", "consumed", "reason"]
+    return Table(columns, [tuple(r[c] for c in columns) for r in rows])
 
 
 def run_id(conn: sa.Connection, name: str) -> uuid.UUID | None:
@@ -188,18 +201,19 @@ def trajectories(conn: sa.Connection, run: uuid.UUID, limit: int = 1000) -> Tabl
 
 
 def trajectory(conn: sa.Connection, trajectory_id: uuid.UUID) -> dict | None:
-    return _one(
+    row = _one(
         conn,
         "SELECT t.*, r.name AS run_name, c.learner_step, c.version_lag, g.step, g.group_index "
         "FROM trajectory t JOIN run r ON r.id = t.run_id JOIN rollout_group g ON g.id = t.group_id "
         "LEFT JOIN consumption c ON c.trajectory_id = t.id AND c.run_id = t.run_id WHERE t.id = :t",
         t=trajectory_id,
     )
+    return {**row, "info": restored(row["info"])} if row else None
 
 
 def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
     rows = conn.execute(sa.text("SELECT * FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id})
-    return [dict(r) for r in rows.mappings().all()]
+    return [{**r, "tool_events": restored(r["tool_events"])} for r in rows.mappings().all()]
 
 
 def learner_logprobs(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[float] | None:

@@ -10,73 +10,84 @@ engine cost ~330 ms per task run (measured), a fifth of a quickstart step.
 
 from __future__ import annotations
 
-import asyncio
+import os
 import uuid
 
-import sqlalchemy.exc
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from loopline import aio
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup
 from loopline.store import queries
-from loopline.store.errors import DatabaseUnavailable
+from loopline.store.errors import is_outage
 from loopline.tasks import stages
 
 # What may succeed on a second try: the database, an inference engine, a sandbox, the network.
 # A config or contract error (LooplineError, LedgerConflict, a bug) fails at once instead.
-TRANSIENT = (
-    DatabaseUnavailable, sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, EngineError, InfraFailure,
-    ConnectionError, TimeoutError,
-)
+TRANSIENT = (EngineError, InfraFailure)
 
 
 def transient(task, task_run, state) -> bool:
     """Prefect's `retry_condition_fn`: retry a task only when it failed for a transient reason."""
-    return isinstance(state.data, TRANSIENT)
+    return isinstance(state.data, TRANSIENT) or is_outage(state.data)
 
 
-@task(name="plan_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
+def backoff(total_s: float) -> list[float]:
+    """Delays 1, 2, 4, 8, 15, 15, ... s adding up to at least `total_s`."""
+    delays: list[float] = []
+    while sum(delays) < total_s:
+        delays.append(min(2.0 ** len(delays), 15.0))
+    return delays
+
+
+# A database outage or a restarting server shorter than this is waited out (LOOPLINE_RETRY_S, default 60 s):
+# a failing task is retried with growing pauses; past it the run stops with one line and resumes later.
+RETRY_DELAYS = backoff(float(os.environ.get("LOOPLINE_RETRY_S", "60")))
+RETRY = dict(retries=len(RETRY_DELAYS), retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
+
+
+@task(name="plan_step", cache_policy=NO_CACHE, **RETRY)
 def plan_step(ctx: stages.LoopContext, step: int) -> int:
     return len(stages.plan(ctx, step))
 
 
-@task(name="rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
+@task(name="rollout_batch", cache_policy=NO_CACHE, **RETRY)
 def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
-    stats = asyncio.run(stages.rollout(ctx, step))
+    stats = aio.run(stages.rollout(ctx, step))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.concurrency)}
 
 
-@task(name="rollout_worker", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
+@task(name="rollout_worker", cache_policy=NO_CACHE, **RETRY)
 def rollout_worker(
     ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> dict:
     """The async producer: runs until `stop`, beside the learner steps or in a `rollout_worker` flow elsewhere."""
-    stats = asyncio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))
+    stats = aio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
 
 
-@task(name="learner_step", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient)
+@task(name="learner_step", cache_policy=NO_CACHE, **RETRY)
 def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
     """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
     stages.wait_for_groups(ctx, step, producing)
     return stages.learn(ctx, step, max_groups=ctx.groups_per_step, max_staleness=max_staleness) is not None
 
 
-@task(name="sync_weights", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient)
+@task(name="sync_weights", cache_policy=NO_CACHE, **RETRY)
 def sync_weights(ctx: stages.RolloutContext) -> int:
-    return asyncio.run(stages.sync_weights(ctx))
+    return aio.run(stages.sync_weights(ctx))
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient)
+@task(name="evaluate", cache_policy=NO_CACHE, **RETRY)
 def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
     temperature: float, seed: int, concurrency: int,
 ) -> float:
     """Held-out success of the version `engine` serves, stored in the ledger and shown as the run's eval table."""
-    success = asyncio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency))
+    success = aio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency))
     with session_factory() as s:
         rows = queries.eval_results(s, run_id)
     table = "\n".join(f"| {v} | {n} | {rate:.1%} |" for v, n, rate in rows)

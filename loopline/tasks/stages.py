@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import random
+import re
 import resource
 import shutil
 import threading
@@ -38,10 +40,11 @@ from loopline.rollout.engine import Engine, EngineError, InFlightPolicy, Samplin
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
-from loopline.store.errors import DatabaseUnavailable
+from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
 from loopline.trainer.batch import load_sequences
-from loopline.trainer.learner import Learner, RefusedUpdate
+from loopline.trainer.checkpoint import DiskFull
+from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
 
 @dataclass(kw_only=True)
@@ -52,7 +55,7 @@ class RolloutContext:
     session_factory: Callable[[], Session]
     engine: Engine
     binding: Binding
-    concurrency: int = 16
+    concurrency: int  # episodes in flight (the run config's)
     lease_seconds: float = 60.0
     in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
     # Set while an evaluation runs on this context's engine: the rollout worker starts no new episode meanwhile.
@@ -90,6 +93,9 @@ class LoopContext(RolloutContext):
     # with `restore(checkpoint_uri, through_step)` first: it must not train the same batch twice.
     learner_version: int | None = 0
     restore: Callable[[str, int], Learner] | None = None
+    # The process that drives the run (its holder name): a learner commit is refused once another process has
+    # taken the run over (fencing). None: not checked (a learner driven by hand, the tests of the stages).
+    driver: str | None = None
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         if self.sync_from_memory and self.learner is not None and self.learner_version == version:
@@ -111,6 +117,8 @@ def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
     train = sorted(t for t, task in ctx.binding.tasks.items() if task.split == "train")
     chosen = random.Random(f"{ctx.seed}/{step}").sample(train, ctx.groups_per_step)
     with ctx.session_factory() as s:
+        if ctx.driver is not None:
+            ledger.require_driver(s, ctx.run_id, ctx.driver)
         return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.group_size, max_attempts=ctx.max_attempts)
 
 
@@ -148,6 +156,8 @@ def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] |
 def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> LearnerCommit | None:
     """Train on the groups claimed for `step` and commit consumption + checkpoint + version atomically."""
     with ctx.session_factory() as s:
+        if ctx.driver is not None:  # (a step another process committed must not look done to one that lost the run)
+            ledger.require_driver(s, ctx.run_id, ctx.driver)
         batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
         if batch.already_committed:
             return None
@@ -182,21 +192,38 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     timings = {"learner_s": lap()}
     failpoint("learner_step")
     version = batch.policy_version + 1
+    # This process's own directories (a learner that lost the run to another never touches the files the
+    # winner's commits name); only the commit that lands names them, a refused one removes them.
+    mine = f".{os.getpid()}"
+    written: list[Path] = []
     checkpoint_uri = ctx.checkpoint_uri  # the newest committed one, until this step's commit names its own
-    if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
-        checkpoint_uri = str(ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}", version, {"learner_step": step}))
-    timings["checkpoint_s"] = lap()
-    digest = ctx.learner.weights_sha256()
-    weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}") if ctx.export_version(version) else None
-    timings["export_s"] = lap()
+    try:
+        if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
+            written.append(ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}{mine}", version, {"learner_step": step}))
+            checkpoint_uri = str(written[-1])
+        timings["checkpoint_s"] = lap()
+        digest = ctx.learner.weights_sha256()
+        weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}{mine}") if ctx.export_version(version) else None
+        written += [weights] if weights else []
+        timings["export_s"] = lap()
+    except DiskFull:  # (the room this step's checkpoint took is given back: nothing will name it)
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     failpoint("learner_commit")
     # the process's peak so far (learner, and the engine when it runs here): the inspector shows it beside the plan
     peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
     metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
-    with ctx.session_factory() as s:
-        committed = ledger.commit_learner_step(
-            s, batch, str(weights) if weights else None, checkpoint_uri, digest, metrics=metrics, samples=result.samples
-        )
+    try:
+        with ctx.session_factory() as s:
+            committed = ledger.commit_learner_step(
+                s, batch, str(weights) if weights else None, checkpoint_uri, digest, metrics=metrics, samples=result.samples,
+                driver=ctx.driver,
+            )
+    except LostTheRun:
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     ctx.checkpoint_uri, ctx.learner_version = checkpoint_uri, committed.policy_version
     prune(ctx)
     return committed
@@ -212,20 +239,24 @@ def prune(ctx: LoopContext) -> None:
             shutil.rmtree(old, ignore_errors=True)
     exports = sorted((ctx.workdir / "weights").glob("v*"))
     for old in exports[: -ctx.keep_exports or None]:
-        version = int(old.name[1:]) if old.name[1:].isdigit() else None
+        number = re.match(r"v(\d+)", old.name)  # v000006 or v000006.PID
+        version = int(number.group(1)) if number else None
         if version is not None and not (ctx.keep_version and ctx.keep_version(version)):
             shutil.rmtree(old, ignore_errors=True)
 
 
 def replay(learner: Learner, session_factory: Callable[[], Session], run_id: uuid.UUID, steps: range) -> None:
     """Bring a learner restored from an older checkpoint (or from the initial weights) up to the last
-    committed step: retrain each step's recorded batch, in the order it was trained. On CPU this gives
-    the same weights bit for bit (the chaos test compares them)."""
+    committed step: retrain each step's recorded batch, in the order it was trained, with the thread count
+    it was trained with. On CPU this gives the same weights bit for bit, under any load (the chaos tests
+    compare them)."""
     for step in steps:
         with session_factory() as s:
             sequences = load_sequences(s, ledger.trained_batch(s, run_id, step))
+            threads = ledger.trained_threads(s, run_id, step)
         log.info("replaying learner step %d (%d trajectories) since the last full checkpoint", step, len(sequences))
-        learner.rl_step(sequences, trained_version=step - 1)
+        with computing_threads(threads):
+            learner.rl_step(sequences, trained_version=step - 1)
 
 
 async def sync_weights(ctx: RolloutContext) -> int:

@@ -9,22 +9,12 @@ signal: it is flagged, and either dropped or kept with zero advantage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
-StdKind = Literal["population", "sample"]
-DegenerateHandling = Literal["drop", "zero"]
+from loopline.trainer.config import AdvantageConfig, DegenerateHandling, Estimator, StdKind  # noqa: F401 (re-exported)
 
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    estimator: Estimator = "grpo"
-    # GRPO's divisor: the sample (1/(n-1)) standard deviation, as verl (torch.std) and TRL; population: 1/n
-    std: StdKind = "sample"
-    eps: float = 1e-6
-    degenerate: DegenerateHandling = "zero"
 
 
 @dataclass(frozen=True)

@@ -182,17 +182,26 @@ class DeepSpeedBackend:
         return client["loopline"]
 
 
-class TorchBackend:
-    def __init__(self, model, optimizer, scheduler, grad_clip: float, device: torch.device):
-        self.model, self.optimizer, self.scheduler = model.to(device), optimizer, scheduler
-        self.grad_clip = grad_clip
-        self.last_grad_norm = 0.0
+class Frozen:
+    """A model that is only read, as the learner reads its policy (`forward`, `call`): the KL reference."""
+
+    def __init__(self, model, device: torch.device):
+        self.model = model.to(device).eval().requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep), use_cache=False).logits
 
     def call(self, **kwargs) -> Any:
         return self.model(**kwargs)
+
+
+class TorchBackend(Frozen):
+    """The plain torch loop: the model read as `Frozen` reads it, trained by its optimizer."""
+
+    def __init__(self, model, optimizer, scheduler, grad_clip: float, device: torch.device):
+        self.model, self.optimizer, self.scheduler = model.to(device), optimizer, scheduler
+        self.grad_clip = grad_clip
+        self.last_grad_norm = 0.0
 
     def world(self) -> tuple[int, int]:
         return 1, 0

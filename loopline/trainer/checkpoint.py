@@ -3,6 +3,7 @@ so a reader never sees half a directory, and the half-written ones of dead write
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from loopline.errors import LooplineError
 from loopline.holder import process_alive
 
 COMPLETE_MARKER = "loopline_checkpoint.json"
@@ -23,13 +25,62 @@ def partial_name(target: Path) -> Path:
     return target.with_name(f".{target.name}.tmp-{os.getpid()}")
 
 
-def write_complete(target: str | Path, fill: Callable[[Path], None]) -> Path:
-    """Let `fill` write a fresh directory beside `target`, then move it into place in one rename."""
+class DiskFull(LooplineError):
+    """A checkpoint or an export that does not fit on its disk. Nothing is committed for that step, so the run
+    resumes from the ledger once there is room."""
+
+    @classmethod
+    def of(cls, target: Path, need: int, free: int) -> "DiskFull":
+        return cls(
+            f"no space left on the disk of {target.parent} for {target.name.split('.')[0]}: it needs about {_size(need)}, "
+            f"{_size(free)} are free there; free some (or set LOOPLINE_HOME to a larger disk) and resume the run "
+            "(loopline train --resume RUN)"
+        )
+
+
+# Below this much room a failed write is taken for a full disk: torch.save reports ENOSPC as a RuntimeError
+# ("unexpected pos ..."), and root writes into the blocks reserved for it past what statvfs calls available.
+_FULL_BELOW = 16 * 2**20
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _free(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _out_of_space(exc: BaseException, where: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left" in str(exc) or _free(where) < _FULL_BELOW
+
+
+def parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def write_complete(target: str | Path, fill: Callable[[Path], None], need_bytes: int = 0) -> Path:
+    """Let `fill` write a fresh directory beside `target`, then move it into place in one rename. `need_bytes`
+    (an estimate of what `fill` writes) is checked against the free space first, so that a full disk is one
+    line naming the place and the size rather than a library's error half-way through a file."""
     target = Path(target)
     tmp = partial_name(target)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    fill(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if need_bytes > (free := _free(tmp.parent)):
+        raise DiskFull.of(target, need_bytes, free)
+    try:
+        tmp.mkdir()
+        fill(tmp)
+    except Exception as exc:
+        full = _out_of_space(exc, tmp.parent)
+        free = _free(tmp.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise DiskFull.of(target, max(need_bytes, free + 1), free) from exc
+        raise
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
@@ -42,6 +93,20 @@ def clean_partial_writes(root: Path) -> list[Path]:
     for path in root.glob("*/.*.tmp-*"):
         pid = path.name.rsplit("-", 1)[1]
         if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def clean_unnamed_writes(root: Path, named: set[str]) -> list[Path]:
+    """Remove a learner's own checkpoint and export directories (`NAME.PID`, see tasks/stages.learn) that no
+    ledger row names and whose writer is gone: what a learner that lost the run, or died between writing
+    and committing, left behind."""
+    kept = {Path(uri).name for uri in named}  # by name: the same directory may be reached by another path
+    removed = []
+    for path in root.glob("*/*.*"):
+        pid = path.name.rsplit(".", 1)[1]
+        if path.is_dir() and pid.isdigit() and path.name not in kept and not process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -85,7 +150,7 @@ def export_weights(model, model_dir: Path, target: str | Path) -> Path:
             if name.startswith(_TOKENIZER_FILES) and not (tmp / name).exists():
                 shutil.copy(model_dir / name, tmp / name)
 
-    return write_complete(target, fill)
+    return write_complete(target, fill, need_bytes=parameter_bytes(model))
 
 
 def tensors_sha256(model) -> str:

@@ -10,21 +10,23 @@ Checkpoints and exports are written by `trainer/checkpoint.py`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
 from loopline.store.records import TrainedSample
 from loopline.trainer import checkpoint, prefix
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
-from loopline.trainer.backends import BackendName, NonFiniteGradient, build_backend
+from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
 from loopline.trainer.losses import Correction, LossConfig, aggregate, logprob_gap, off_policy_correction, policy_loss
+from loopline.trainer.config import LearnerConfig  # noqa: F401 (re-exported: a run config needs no torch)
 from loopline.trainer.schedule import lr_factor
 
 class LearnerError(ValueError):
@@ -39,25 +41,6 @@ class RefusedUpdate(LearnerError):
     def __init__(self, message: str, metrics: dict[str, float]):
         super().__init__(message)
         self.metrics = metrics
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    lr: float = 1e-5
-    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
-    decay_steps: int | None = None  # cosine decay to 10% of lr by this step (None: constant after warm-up)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
-    micro_batch_tokens: int = 8192
-    minibatches: int = 1  # optimizer steps per learner step (π_old anchors all of them)
-    share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
-    gradient_checkpointing: bool = True  # keep each layer's input only, recompute the rest in backward (TRL's default)
-    zero_stage: int | None = None  # DeepSpeed ZeRO stage; None: 0 on one rank (nothing to partition), 1 on several
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    seed: int = 0
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
 
 
 @dataclass(frozen=True)
@@ -83,7 +66,21 @@ def _checkpoint_activations(model) -> None:
             layer._can_checkpoint_with_cache = True
 
 
-def _bf16_supported() -> bool:
+@contextlib.contextmanager
+def computing_threads(threads: int | None):
+    """Compute with `threads` intra-op threads (None: as set). CPU reductions split their work by the thread
+    count, so a step replayed with another count than it was trained with differs in the last bits."""
+    before = torch.get_num_threads()
+    if threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def bf16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
@@ -91,7 +88,7 @@ class Learner:
     def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), backend: BackendName = "deepspeed"):
         from transformers import AutoModelForCausalLM
 
-        if config.dtype == "bf16" and not _bf16_supported():
+        if config.dtype == "bf16" and not bf16_supported():
             raise LearnerError("bf16 was asked for, but this machine has no bf16-capable GPU; use dtype fp32")
         self.config, self.backend_name, self.model_dir = config, backend, Path(model_dir)
         torch.manual_seed(config.seed)
@@ -102,27 +99,36 @@ class Learner:
         if config.gradient_checkpointing:
             _checkpoint_activations(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        schedule = functools.partial(lr_factor, warmup_steps=config.warmup_steps, decay_steps=config.decay_steps)
+        schedule = functools.partial(
+            lr_factor, warmup_steps=config.warmup_steps, schedule=config.lr_schedule, decay_steps=config.decay_steps, min_ratio=config.min_lr_ratio
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         self.backend = build_backend(backend, model, optimizer, scheduler, config, self.device)
         self.model = self.backend.model
         self.steps_done = 0
+        # KL's reference: the run's initial weights (the learner is always built from them), frozen
+        reference_dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+        self.reference = (
+            Frozen(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=reference_dtype), self.device) if config.loss.kl_coef > 0 else None
+        )
 
     # ------------------------------------------------------------------ forward
 
-    def _logprobs(self, batch: Padded) -> torch.Tensor:
+    def _logprobs(self, batch: Padded, model: Frozen | None = None) -> torch.Tensor:
         """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
-        0 elsewhere). Only those positions go through the LM head (`logits_to_keep`): the prompt's and the
-        tool outputs' logits over the whole vocabulary are never made, which dominated time and memory."""
+        0 elsewhere), of the policy (or of `model`, the reference). Only those positions go through the LM
+        head (`logits_to_keep`): the prompt's and the tool outputs' logits over the whole vocabulary are never
+        made, which dominated time and memory."""
+        via = model or self.backend
         shared = prefix.plan(batch) if self.config.share_prefix else None
         if shared is not None:
             layers = self.model.config.get_text_config().num_hidden_layers
-            return prefix.shared_prefix_logprobs(self.backend.call, layers, batch, shared, self.config.temperature, self.device)
+            return prefix.shared_prefix_logprobs(via.call, layers, batch, shared, self.config.temperature, self.device)
         out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
         positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
         if positions.numel() == 0:
             return out
-        logits = self.backend.forward(
+        logits = via.forward(
             batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device)
         ).float() / self.config.temperature
         targets = batch.input_ids[:, 1:][:, positions].to(self.device)
@@ -239,9 +245,13 @@ class Learner:
                 logp = self._logprobs(batch)
                 if reuse:
                     anchor(batch, logp.detach())
+                reference = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        reference = self._logprobs(batch, self.reference)
                 out = policy_loss(
                     logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
-                    batch.target_mask.to(self.device), loss_config, total_tokens=max(tokens, 1.0),
+                    batch.target_mask.to(self.device), loss_config, ref_logp=reference, total_tokens=max(tokens, 1.0),
                     total_sequences=max(seq_count, 1.0), correction=corrections[id(batch)],
                 )
                 if not torch.isfinite(out.loss):
@@ -270,6 +280,7 @@ class Learner:
             "sequences_trained": float(len(seqs)),
             "reward_mean": float(sum(s.reward for s in sequences) / len(sequences)),
             "learner_ranks": float(self.backend.world()[0]),
+            "learner_threads": float(torch.get_num_threads()),  # a replay computes with the same count
         }
         return StepResult(None, metrics, samples)
 
@@ -331,7 +342,8 @@ class Learner:
             self.model.config.to_json_file(tmp / "model_config.json")
             checkpoint.mark_complete(tmp, {**state, "backend": self.backend_name, "learner": learner})
 
-        return checkpoint.write_complete(directory, fill)
+        # the weights and AdamW's two moments, in fp32 (DeepSpeed's ZeRO shards add up to about the same)
+        return checkpoint.write_complete(directory, fill, need_bytes=3 * checkpoint.parameter_bytes(self.model))
 
     def _save_state(self, directory: Path, state: dict) -> None:
         """The backend's part of a checkpoint (with several ranks, each writes its own shards here)."""

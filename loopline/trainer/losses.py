@@ -17,47 +17,17 @@ Every tensor here is [batch, tokens] with a 0/1 `mask` marking action tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "rejection"]
-CorrectionLevel = Literal["token", "sequence"]
-CorrectionBounds = Literal["upper", "two_sided"]
-KLEstimator = Literal["k1", "k3"]
+from loopline.trainer.config import (  # noqa: F401 (re-exported)
+    Aggregation, CorrectionBounds, CorrectionLevel, KLEstimator, LossConfig, OffPolicyCorrection,
+)
+
 
 # Log-ratios are clamped to ±20 before exp (verl's bound): in float32 exp(88.8) is inf, and an inf ratio
 # gives a NaN gradient even where the loss is finite.
 LOG_RATIO_BOUND = 20.0
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    clip_low: float = 0.2  # ratio floor 1 - clip_low
-    clip_high: float = 0.28  # ratio ceiling 1 + clip_high (asymmetric, "clip-higher")
-    # dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A| (no gradient beyond); None: off
-    clip_ratio_c: float | None = 3.0
-    # π_old/μ correction of the off-policy rollout (verl's rollout correction):
-    #   tis: weight min(ρ, cap); mis: weight ρ, tokens (or sequences) outside the bounds rejected;
-    #   rejection: weight 1, outside the bounds rejected (verl: rollout_rs alone); none: weight 1.
-    # Rejected tokens leave the loss entirely (its denominators and the KL term too).
-    correction: OffPolicyCorrection = "tis"
-    correction_level: CorrectionLevel = "token"  # sequence: ρ = the product of the sequence's token ratios
-    correction_cap: float = 2.0  # C: the truncation (tis) or the upper rejection bound (mis, rejection)
-    correction_bounds: CorrectionBounds = "upper"  # two_sided also rejects ρ < 1/C
-    aggregation: Aggregation = "token_mean"
-    norm_length: int | None = None  # seq_mean_token_sum_norm's constant length L (Dr. GRPO; the run config fills it)
-    kl_coef: float = 0.0  # > 0 adds a KL penalty to the frozen reference policy
-    kl_estimator: KLEstimator = "k3"
-
-    def __post_init__(self) -> None:
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3), got {self.clip_ratio_c}")
-        if self.correction_cap <= 1.0 and self.correction in ("mis", "rejection") and self.correction_bounds == "two_sided":
-            raise ValueError("a two-sided rejection needs correction_cap > 1 (the bounds are [1/C, C])")
-        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is not None and self.norm_length < 1:
-            raise ValueError("norm_length must be a positive number of tokens")
 
 
 def aggregate(
@@ -92,12 +62,17 @@ def aggregate(
     raise ValueError(f"unknown aggregation {how!r}")
 
 
+# k3 per token is capped at 10, as verl's `low_var_kl` (kl_penalty in core_algos.py): unbounded it reaches e^20
+# where the policy has left the reference far behind, and one such token would outweigh the whole batch.
+K3_BOUND = 10.0
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ (Schulman's k1 and k3)."""
     log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k1":
         return -log_ratio
-    return torch.exp(log_ratio) - log_ratio - 1
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_BOUND)
 
 
 @dataclass(frozen=True)

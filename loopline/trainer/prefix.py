@@ -109,8 +109,12 @@ def shared_prefix_logprobs(
     if longest > 0:
         filled = Cache(layers=[_FillLayer() for _ in range(layers)])
         call(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), cache=filled, use_cache=True, logits_to_keep=1)
-        index = prefix.group.to(device)  # one copy per row that shares it (differentiable)
-        cache = Cache(layers=[_PrefixedLayer(f.keys[index], f.values[index]) for f in filled.layers])
+        # one copy per row that shares it. index_select, not `keys[index]`: the rows' gradients are summed back
+        # into their shared prefix by its backward (index_add_, in row order) where advanced indexing's backward
+        # adds them with atomic float adds from several threads, in an order that changes with the machine's load
+        # (a replay or a resume could then not rebuild the weights a step recorded)
+        index = prefix.group.to(device)
+        cache = Cache(layers=[_PrefixedLayer(f.keys.index_select(0, index), f.values.index_select(0, index)) for f in filled.layers])
         attention = torch.cat([prefix_mask[prefix.group], suffix_mask], dim=1)
     else:
         cache, attention = None, suffix_mask

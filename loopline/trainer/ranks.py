@@ -19,7 +19,7 @@ import torch
 
 from loopline.trainer.backends import init_distributed
 from loopline.trainer.batch import TrainSequence
-from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, StepResult
+from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, StepResult, computing_threads
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class LeadingLearner(Learner):
         super().__init__(model_dir, config, backend)
 
     def rl_step(self, sequences: Sequence[TrainSequence], trained_version: int | None = None) -> StepResult:
-        _announce("rl_step", list(sequences), trained_version)
+        # with rank 0's thread count: a replay sets the one the step was trained with, for every rank
+        _announce("rl_step", list(sequences), trained_version, torch.get_num_threads())
         return super().rl_step(sequences, trained_version)
 
     def _save_state(self, directory: Path, state: dict) -> None:
@@ -79,8 +80,10 @@ def follow() -> None:
             learner = None  # the old replica goes before the new one is built, as on rank 0
             learner = Learner(*args)
         elif kind == "rl_step":
+            *step, threads = args
             try:
-                learner.rl_step(*args)
+                with computing_threads(threads):
+                    learner.rl_step(*step)
             except LearnerError as refused:
                 log.warning("rank %d: the step was refused: %s", torch.distributed.get_rank(), refused)
         elif kind == "save":

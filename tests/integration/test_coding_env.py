@@ -62,6 +62,7 @@ def test_the_generated_task_file_is_what_the_generator_writes(tmp_path):
     assert module.OUT.read_bytes() == (EXAMPLES / "coding_tasks.jsonl").read_bytes()
 
 
+@pytest.mark.timeout(15 * 60)  # (CI's other tests load the machine: measured up to 300 s, the default limit)
 def test_every_reference_solution_passes_its_hidden_tests(coding):
     """All 290 references, four sandboxes at a time, through the verifier the runs use."""
     spec, tasks = coding

@@ -59,6 +59,7 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
         workdir=tmp_path_factory.mktemp("inspect"),
         groups_per_step=3,
         group_size=4,
+        concurrency=16,
     )
 
     try:

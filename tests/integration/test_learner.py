@@ -323,3 +323,70 @@ def test_a_stale_extension_build_lock_cannot_hang_the_learner(tiny_dirs, tmp_pat
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok None"), done.stdout[-1000:] + done.stderr[-2000:]
     assert not list(extensions.rglob("*.so"))  # nothing was compiled
+
+
+def _groups_sharing_prompts(groups=8, size=4, seed=0) -> list[TrainSequence]:
+    """GRPO's shape: every group's samples share their prompt (so the learner runs each prompt once)."""
+    import random
+    import uuid
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(20, 60))]
+        for k in range(size):
+            gen = [rng.randrange(3, 200) for _ in range(rng.randrange(5, 30))]
+            mu = [-3 * rng.random() for _ in gen]
+            out.append(TrainSequence(
+                uuid.UUID(int=g * size + k), g, float(rng.random() > 0.5), tuple(prompt + gen),
+                (0,) * len(prompt) + (1,) * len(gen), (0.0,) * len(prompt) + tuple(mu),
+            ))
+    return out
+
+
+def test_a_step_gives_the_same_weights_every_time_while_other_processes_load_the_cpus():
+    """Issue 29: a resume rebuilds unexported versions by replaying steps and compares digests, so a CPU step
+    must be bit-exact under load with the default thread count. The shared-prompt gradient was summed with
+    atomic float adds in a thread-dependent order: 2-3 different digests in 3 runs under load (3 here)."""
+    from loopline.flows.starter import SHIPPED_STARTERS
+    from tests.helpers import cpu_load
+
+    starter = next(SHIPPED_STARTERS.glob("tiny-*"))  # trained: real, non-trivial gradients
+
+    batch = _groups_sharing_prompts()
+    digests = set()
+    with cpu_load(2):
+        for _ in range(4):
+            learner = Learner(starter, LearnerConfig(lr=1e-3), backend="deepspeed")
+            for _ in range(2):
+                learner.rl_step(batch)
+            digests.add(learner.weights_sha256())
+    assert len(digests) == 1, digests
+
+
+def test_kl_to_the_reference_is_zero_at_first_then_the_hand_computed_k3_of_the_moved_policy(tiny_dirs):
+    """Issue 32: `loss: {kl_coef: β}` reads the run's initial weights as the reference (frozen, shared-prefix
+    aware like the policy). Its metric equals k3 over the action tokens computed here from two full forwards."""
+    from transformers import AutoModelForCausalLM
+
+    from loopline.trainer.batch import pad
+    from loopline.trainer.losses import LossConfig
+
+    seqs = shared_prompt_batch()
+    learner = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.05)), backend="torch")
+    assert learner.rl_step(seqs).metrics["kl_ref"] == 0.0  # π_θ = π_ref until the first update
+
+    b = pad(seqs, list(range(len(seqs))))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dirs["v0"], dtype=torch.float32)
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, b.input_ids[:, 1:, None])[..., 0]
+
+    m = b.target_mask.bool()
+    log_ratio = (logprobs(reference) - logprobs(learner.model))[m].double()
+    expected = float((log_ratio.exp() - log_ratio - 1).mean())
+    assert expected > 1e-5  # the first update moved the policy
+    assert learner.rl_step(seqs).metrics["kl_ref"] == pytest.approx(expected, rel=1e-3)
+    assert not any(p.requires_grad for p in learner.reference.model.parameters())

@@ -1,18 +1,18 @@
-"""The shipped starter is reproducible: `loopline models build-tiny` rebuilds it into the same held-out band.
+"""The shipped starter is reproducible: the recipe in the code still trains as the shipped build was trained.
 
-The quickstart uses the starter shipped in the package (loopline/starters), so this is the test that
-the recipe in the code still makes that policy: same tokenizer, same architecture, and held-out success
-close to the shipped build's (T=1: calls its calculator sometimes; greedy: almost never), which is
-what gives RL something to learn. The build takes ~5 min on an idle 2-core machine.
+The quickstart uses the starter shipped in the package (loopline/starters). A whole rebuild takes 5-13 min
+on 2 cores, so this test runs the recipe's first LOSS_WINDOW * 3 SFT steps (~1.5 min) and compares what a
+change to the tokenizer, the transcripts, the initialisation, the learner or its schedule would move: the
+tokenizer and architecture (equal) and the SFT loss curve (within 3% of the shipped build's, which was
+measured on another machine: floats differ a little between CPUs). A changed recipe fails here too: rebuild
+and ship it with `loopline models build-tiny --ship`, whose report this compares with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,34 +20,30 @@ import pytest
 from loopline.envregistry.registry import content_hash
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.flows.starter import SHIPPED_STARTERS, success_rate, tiny_policy_name
+from loopline.flows.starter import LOSS_WINDOW, SHIPPED_STARTERS, TinyRecipe, success_rate, tiny_policy_name, warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = ROOT / "examples" / "arithmetic_env.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(25 * 60)
-def test_rebuilt_starter_lands_in_the_shipped_starters_band(tmp_path):
+def test_the_recipe_trains_as_the_shipped_starter_was_trained(tmp_path):
     shipped = SHIPPED_STARTERS / tiny_policy_name(content_hash(ENV), 0)
     assert (shipped / "model.safetensors").is_file(), f"no shipped starter for the quickstart's environment at {shipped}"
-    out = tmp_path / "rebuilt"
-    built = subprocess.run(
-        [sys.executable, "-m", "loopline.cli", "models", "build-tiny", "--env", str(ENV), "--out", str(out)],
-        env={**os.environ, "LOOPLINE_HOME": str(tmp_path / "home")}, cwd=ROOT, capture_output=True, text=True, timeout=22 * 60,
-    )
-    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
-
-    assert (out / "tokenizer.json").read_text() == (shipped / "tokenizer.json").read_text()
-    assert json.loads((out / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
-    rebuilt_report = json.loads((out / "loopline_starter.json").read_text())
-    shipped_report = json.loads((shipped / "loopline_starter.json").read_text())
-    assert rebuilt_report["recipe"] == shipped_report["recipe"]
-    # T=1 on the build's 100 eval tasks (sd of one measurement ~4 points): the same behaviour mix
-    assert abs(rebuilt_report["eval_success"] - shipped_report["eval_success"]) <= 0.10, (rebuilt_report, shipped_report)
+    report = json.loads((shipped / "loopline_starter.json").read_text())
+    assert report["recipe"] == asdict(TinyRecipe()), "the recipe changed: ship a rebuild (loopline models build-tiny --ship)"
 
     spec = load_spec(ENV)
-    evals = [t for t in load_tasks(spec, ENV.parent) if t.split == "eval"][:200]
-    greedy = {name: asyncio.run(success_rate(path, spec, evals, temperature=0.0)) for name, path in (("rebuilt", out), ("shipped", shipped))}
-    # greedy, the starter answers by "mental arithmetic" and almost always fails: RL's room (quickstart: v0 ~0.5%)
-    assert greedy["rebuilt"] <= 0.05 and greedy["shipped"] <= 0.05, greedy
+    tasks = load_tasks(spec, ENV.parent)
+    out = tmp_path / "rebuilt"
+    curve = warm_start(out, spec, tasks, TinyRecipe(), steps=3 * LOSS_WINDOW)
+    assert (out / "tokenizer.json").read_text() == (shipped / "tokenizer.json").read_text()
+    assert json.loads((out / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+    expected = {int(step): loss for step, loss in report["loss_curve"].items() if int(step) in curve}
+    assert sorted(expected) == [LOSS_WINDOW, 2 * LOSS_WINDOW, 3 * LOSS_WINDOW]
+    assert all(abs(curve[step] - loss) <= 0.03 * loss for step, loss in expected.items()), (curve, expected)
+
+    # what the quickstart relies on: at T=1 it calls its calculator sometimes, greedy it almost never does (RL's room)
+    assert 0.08 <= report["eval_success"] <= 0.30, report
+    evals = [t for t in tasks if t.split == "eval"][:200]
+    assert asyncio.run(success_rate(shipped, spec, evals, temperature=0.0)) <= 0.05

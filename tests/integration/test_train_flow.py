@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 import yaml
 
-from loopline.flows.config import load_config
+from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
+from loopline.flows.config import load_config
+from loopline.flows.starter import SHIPPED_STARTERS, tiny_policy_name
+from loopline.trainer.checkpoint import weights_sha256
+
+ENV = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
+STARTER = SHIPPED_STARTERS / tiny_policy_name(content_hash(ENV), 0)
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +27,14 @@ def prefect_server():
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=120):  # (a busy machine: see loopline/__init__.py)
         yield
+
+
+def digests_of(db, run_id) -> dict[int, str | None]:
+    rows = db.execute(sa.text("SELECT version, sha256 FROM policy_version WHERE run_id = :r"), {"r": run_id}).all()
+    db.rollback()
+    return dict(rows)
 
 
 def _config(tmp_path, policy, **overrides):
@@ -47,9 +62,18 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
-    path = _config(tmp_path, tiny_dirs["v0"])
+    # the shipped starter (it earns rewards, so the policy moves), with KL to the reference (issue 32: it crashed
+    # at step 1), which the replay below must reproduce as well
+    path = _config(tmp_path, STARTER, learner={"lr": 1e-3, "backend": "torch", "loss": {"kl_coef": 0.05}})
     first = train(str(path))
     assert first["policy_version"] == 2 and [v for v, _ in first["eval"]] == [0, 1, 2]
+    kl = dict(db.execute(sa.text("SELECT step, value FROM metric WHERE run_id = :r AND name = 'kl_ref'"), {"r": first["run_id"]}).all())
+    db.rollback()
+    moved = db.execute(sa.text("SELECT sha256 FROM policy_version WHERE run_id = :r AND version = 1"), {"r": first["run_id"]}).scalar() != weights_sha256(STARTER)
+    db.rollback()
+    # KL is 0 at step 1 (the policy is its reference), and after only where step 1 moved the weights (where
+    # every group earned the same reward, every advantage is 0 and nothing moves)
+    assert kl[1] == 0.0 and (kl[2] > 0) == moved, (kl, moved)
     again = train(str(path))  # a finished run: nothing is planned, rolled out, trained or evaluated again
     assert again["policy_version"] == 2 and again["eval"] == first["eval"]  # both read from the ledger
     run_id = first["run_id"]
@@ -86,6 +110,16 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     at.button(key="replay").click().run()
     assert not at.exception, at.exception
     assert [m.value for m in at.success if f"{name} step 1 from the initial weights" in m.value and m.value.endswith("reproduced")], at.error
+    # the run's final model as a plain Hugging Face directory, checked against the ledger's sha256
+    exported = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "export", name, str(tmp_path / "final")], capture_output=True, text=True, timeout=300,
+    )
+    assert exported.returncode == 0 and f"run {name} v2 is at {tmp_path / 'final'}" in exported.stdout, exported.stdout + exported.stderr
+    assert weights_sha256(tmp_path / "final") == digests_of(db, run_id)[2]
+    again = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "export", name, str(tmp_path / "final"), "--version", "9"], capture_output=True, text=True, timeout=300,
+    )
+    assert again.returncode == 1 and "has no policy version 9" in again.stdout + again.stderr, again.stdout + again.stderr
     db.execute(
         sa.text(
             "UPDATE trajectory SET reward = 1 - reward WHERE id = (SELECT c.trajectory_id FROM consumption c "
@@ -174,6 +208,11 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
         a=name, b=f"{name}-b",
     )
     assert parent_v2 == fork_v0  # the fork starts from the parent's newest policy
+    from loopline.store.queries import list_runs
+
+    listed = {r.name: r for r in list_runs(db)}
+    assert (listed[f"{name}-b"].parent, listed[name].parent) == (f"{name}@v2", None)  # `loopline runs`: "(fork of NAME@v2)"
+    assert listed[name].status == listed[f"{name}-b"].status == "completed"
     again = evaluate(name)  # v2 was evaluated by the run: read back, not re-run
     assert (again["policy_version"], again["recorded"]) == (2, False)
     with pytest.raises(LooplineError, match="v1 was never written to disk .* versions on disk: 0, 2"):
@@ -234,3 +273,68 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(engine_kind, pr
     workers = _scalar_rows(db, "SELECT DISTINCT a.worker FROM attempt a JOIN run r ON r.id = a.run_id WHERE r.name = :n", n=name)
     # every rollout came from the other process (holders are host:pid:start-time)
     assert [w.rsplit(":", 1)[0] for (w,) in workers] == [f"{socket.gethostname()}:{worker.pid}"]
+
+
+def test_the_run_configs_knobs_reach_the_optimizer_and_the_sampler(tiny_dirs, tmp_path):
+    """Issue 32: warm-up, schedule, weight decay and top-p/top-k, read on the objects a run builds from its config."""
+    from loopline.envregistry.spec import load_spec
+    from loopline.flows.assembly import build_setup
+    from loopline.trainer.learner import Learner
+
+    path = _config(
+        tmp_path, tiny_dirs["v0"], steps=4, sampling={"max_new_tokens": 16, "top_p": 0.9, "top_k": 20},
+        learner={"lr": 1e-3, "backend": "torch", "minibatches": 2, "warmup_steps": 1, "lr_schedule": "linear", "weight_decay": 0.01},
+    )
+    config, _ = load_config(path)
+    learner = Learner(tiny_dirs["v0"], config.learner_config(), backend="torch")
+    optimizer, scheduler = learner.backend.optimizer, learner.backend.scheduler
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+    rates = []
+    for _ in range(9):
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    # 4 steps x 2 minibatches = 8 optimizer steps: 1 of warm-up, then linear to 0 at the 8th
+    assert rates == pytest.approx([1e-3 * f for f in (1, 1, 6 / 7, 5 / 7, 4 / 7, 3 / 7, 2 / 7, 1 / 7, 0)], abs=1e-12)
+    setup = build_setup(config, load_spec(ENV), 1, tiny_dirs["v0"])
+    assert (setup.sampling.top_p, setup.sampling.top_k, setup.sampling.temperature) == (0.9, 20, 1.0)
+
+
+def test_a_run_whose_learning_rate_decays_over_its_steps_is_not_extended(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    from loopline.flows.assembly import extend_run
+    from loopline.flows.train import train
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    path = _config(tmp_path, tiny_dirs["v0"], steps=1, learner={"lr": 1e-3, "backend": "torch", "lr_schedule": "cosine"}, eval={"every": 1, "tasks": 2})
+    name = train(str(path))["run"]
+    with pytest.raises(LooplineError, match=f"run {name} decays its learning rate over its 1 steps .* Fork it instead"):
+        extend_run(None, name, 3)
+
+
+def test_a_hugging_face_id_is_read_from_the_local_cache_and_a_missing_one_is_one_line(tiny_dirs, tmp_path):
+    """Issue 32: `policy: OWNER/NAME` is looked up in the Hugging Face cache as the hub library lays it out
+    (offline here: HF_HUB_OFFLINE); one that is not there says where it looked and what to run."""
+    snapshot = tmp_path / "hf" / "models--someone--tiny-calc" / "snapshots" / ("ab" * 20)
+    shutil.copytree(tiny_dirs["v0"], snapshot)
+    (tmp_path / "hf" / "models--someone--tiny-calc" / "refs").mkdir()
+    (tmp_path / "hf" / "models--someone--tiny-calc" / "refs" / "main").write_text("ab" * 20)
+    env_file = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+    def plan(policy: str) -> subprocess.CompletedProcess:
+        config = tmp_path / "run.yaml"
+        config.write_text(f"name: hub\nenv: {env_file}\npolicy: {policy}\n")
+        return subprocess.run([sys.executable, "-m", "loopline.cli", "plan", str(config)], env=env, capture_output=True, text=True, timeout=120)
+
+    found = plan("someone/tiny-calc")
+    assert found.returncode == 0 and "fits" in found.stdout, found.stdout + found.stderr
+    probe = (  # what the train flow starts from
+        "import sys\nfrom loopline.flows.config import parse_config\nfrom loopline.flows.train import resolve_policy\n"
+        "print(resolve_policy(parse_config({'name': 'hub', 'env': 'e.yaml', 'policy': sys.argv[1]}, 'run.yaml'), None, [], ''))"
+    )
+    resolved = subprocess.run([sys.executable, "-c", probe, "someone/tiny-calc"], env=env, capture_output=True, text=True, timeout=120)
+    assert resolved.stdout.strip() == str(snapshot), resolved.stdout + resolved.stderr
+    missing = plan("someone/not-downloaded")
+    lines = [line for line in (missing.stdout + missing.stderr).splitlines() if line.strip()]
+    assert missing.returncode == 1 and len(lines) == 1, lines
+    assert f"not in the Hugging Face cache ({tmp_path / 'hf'}) and HF_HUB_OFFLINE is set" in lines[0] and "hf download someone/not-downloaded" in lines[0]

@@ -97,3 +97,14 @@ def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     groups = {str(g) for g in db.execute(sa.text("SELECT group_id FROM trajectory WHERE run_id = :r"), {"r": trained_run.id}).scalars()}
     db.rollback()
     assert any(f"    {g}" in bad.stdout for g in groups)  # the offending group is named
+
+
+def test_eval_of_an_unknown_run_is_one_line_before_torch_or_prefect_load(database_url):
+    probe = (
+        "import sys\nfrom loopline.cli import app\ntry:\n    app(['eval', 'no-such-run'])\nexcept SystemExit as exit:\n"
+        "    print('exit', exit.code, 'torch' in sys.modules, 'prefect' in sys.modules)"
+    )
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stderr.strip() == "error: no run named 'no-such-run'; `loopline runs` lists them", done.stderr
+    assert done.stdout.split() == ["exit", "1", "False", "False"], done.stdout

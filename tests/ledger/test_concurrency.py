@@ -83,3 +83,42 @@ def test_learner_killed_before_commit_consumes_nothing_and_its_retry_the_same_se
     assert ledger.consumed_trajectory_ids(db, run.id) == set(doomed.trajectory_ids)
     # the two groups it did not take are still there for step 2
     assert len(ledger.claim_learner_batch(db, run.id, 2, max_groups=10).group_ids) == 2
+
+
+LOCKER = """
+import os, signal, sys, uuid
+import sqlalchemy as sa
+from loopline.store.db import make_engine
+engine = make_engine(sys.argv[1])
+with engine.connect() as conn:  # a worker frozen inside its commit: row locks held, transaction open
+    conn.execute(sa.text("SELECT id FROM rollout_group WHERE run_id = :r FOR UPDATE"), {"r": uuid.UUID(sys.argv[2])})
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_process_frozen_inside_a_transaction_does_not_stall_the_run(database_url, db, run):
+    """Its locks are released by the server after `LOOPLINE_DB_IDLE_IN_TRANSACTION_S` (here 2 s), while it is still
+    frozen; before, every other worker waited for as long as it stayed frozen."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    db.commit()
+    env = {**os.environ, "LOOPLINE_DB_IDLE_IN_TRANSACTION_S": "2"}
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, database_url, str(run.id)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        outcome = []
+        committer = threading.Thread(target=lambda: outcome.append(ledger.commit_trajectory(db, lease.attempt_id, trajectory())))
+        committer.start()
+        committer.join(timeout=90)  # (a hang guard: without the server's limit it waits until the locker is killed)
+        state = open(f"/proc/{locker.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        assert outcome and outcome[0].committed and state == "T", f"commit done: {bool(outcome)}, locker state {state}"
+    finally:
+        locker.send_signal(signal.SIGKILL)
+        locker.wait()

@@ -164,6 +164,22 @@ def test_commit_stores_segments_token_exact(db, run):
 
 
 @pytest.mark.parametrize("method", ["copy", "executemany"])
+def test_nul_characters_from_tools_are_stored_and_read_back_exactly(db, run, method):
+    """PostgreSQL holds no NUL in text or jsonb; `cat` of a binary file and some tokenizers produce one."""
+    from loopline.store import views
+
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    events = [{"tool": "run", "args": {"cmd": "cat /bin/true"}, "output": "\x7fELF\x02\x01\x01\x00\x00"}, {"\u2400": ["looks", "encoded"]}]
+    seg = segment(seed=1, tool_events=events)
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory(0.0, segments=[seg], info={"answer": "a\x00b"}), method=method)
+    assert outcome.committed
+    with db.connection() as conn:
+        assert [s["tool_events"] for s in views.segments(conn, outcome.trajectory_id)] == [events]
+        assert views.trajectory(conn, outcome.trajectory_id)["info"] == {"answer": "a\x00b"}
+
+
+@pytest.mark.parametrize("method", ["copy", "executemany"])
 def test_both_bulk_paths_write_the_same_rows(db, run, method):
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
@@ -205,6 +221,21 @@ def test_second_attempt_at_a_committed_slot_is_refused(db, run):
     assert not late.committed and "already" in late.reason
     assert _scalar(db, "SELECT count(*) FROM trajectory WHERE slot_id = :s", s=slow.slot_id) == 1
     assert _scalar(db, "SELECT reward FROM trajectory WHERE slot_id = :s", s=slow.slot_id) == 1.0
+
+
+def test_an_attempt_whose_slot_another_holds_now_cannot_commit(db, run):
+    """A worker frozen past its lease wakes and commits: refused while the retry holds the slot; with nobody
+    holding it, the expired attempt's trajectory is still taken."""
+    ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=1)
+    frozen = ledger.claim_slots(db, run.id, "frozen", 2, split="train", lease_seconds=0.2)
+    time.sleep(0.4)
+    (retry,) = ledger.claim_slots(db, run.id, "live", 1, split="train")
+    stale = next(l for l in frozen if l.slot_id == retry.slot_id)
+    refused = ledger.commit_trajectory(db, stale.attempt_id, trajectory(1.0))
+    assert not refused.committed and "another attempt holds the slot" in refused.reason
+    assert ledger.commit_trajectory(db, retry.attempt_id, trajectory(0.0)).committed
+    untaken = next(l for l in frozen if l.slot_id != retry.slot_id)  # expired, but nobody took it
+    assert ledger.commit_trajectory(db, untaken.attempt_id, trajectory(1.0)).committed
 
 
 def test_racing_commits_of_one_slot_leave_one_trajectory(engine, db, run):
@@ -416,16 +447,43 @@ def test_runs_are_found_by_name_or_id_and_track_status_and_publication(db, run):
     assert ledger.get_run(db, run.name).id == run.id == ledger.get_run(db, str(run.id)).id
     with pytest.raises(LooplineError, match="no run named 'nope'"):
         ledger.get_run(db, "nope")
-    ledger.set_run_status(db, run.id, "running")
+    ledger.start_run(db, run.id, "host:1:1")
     assert ledger.get_run(db, run.name).status == "running"
+    assert ledger.heartbeat(db, run.id, "host:1:1") is None and ledger.heartbeat(db, run.id, "host:2:2") == "lost"
+    assert not ledger.end_run(db, run.id, "host:2:2", "completed", None)  # only the process driving it ends it
+    ledger.request_cancel(db, run.id, "cancelled while not running")
+    assert ledger.heartbeat(db, run.id, "host:1:1") == "cancel" and ledger.get_run(db, run.name).status == "running"
+    assert ledger.end_run(db, run.id, "host:1:1", "cancelled", "cancelled (loopline cancel)")
+    found = ledger.get_run(db, run.name)
+    assert (found.status, found.status_reason) == ("cancelled", "cancelled (loopline cancel)")
     with pytest.raises(IntegrityError, match="ck_run_status"):
-        ledger.set_run_status(db, run.id, "exploded")
+        ledger.end_run(db, run.id, "host:1:1", "exploded", None)
     _complete_step(db, run, tasks=("a",))
     batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
     ledger.commit_learner_step(db, batch, "file:///w/v1", "file:///ckpt/1")
     assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is None
     ledger.mark_published(db, run.id, 1)
     assert _scalar(db, "SELECT published_at FROM policy_version WHERE run_id = :r AND version = 1", r=run.id) is not None
+
+
+def test_a_run_driven_by_a_live_process_cannot_be_started_by_another(db, run):
+    """Two `loopline train` of one run overwrote each other's files; the second is now refused, saying who holds it,
+    until the holder ends, goes silent for the lease time, or is known dead (its pid gone on this host)."""
+    ledger.start_run(db, run.id, "gpu-7:4242:99")  # another host, alive: it just wrote its first heartbeat
+    with pytest.raises(LedgerConflict, match=f"run {run.name} is being trained by gpu-7:4242:99 .*loopline cancel {run.name}"):
+        ledger.start_run(db, run.id, holder.this_process())
+    ledger.start_run(db, run.id, "gpu-7:4242:99")  # the holder itself may (a retried start)
+    assert ledger.end_run(db, run.id, "gpu-7:4242:99", "interrupted", "interrupted (Ctrl-C)")
+    ledger.start_run(db, run.id, holder.this_process())  # it ended: the run is free
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    db.execute(sa.text("UPDATE run SET holder = :h WHERE id = :r"), {"h": f"{holder.this_process().split(':')[0]}:{gone.pid}:1", "r": run.id})
+    db.commit()
+    ledger.start_run(db, run.id, holder.this_process())  # its holder's process is gone on this host
+    db.execute(sa.text("UPDATE run SET holder = 'gpu-7:1:1', heartbeat_at = now() - interval '1 hour' WHERE id = :r"), {"r": run.id})
+    db.commit()
+    ledger.start_run(db, run.id, holder.this_process())  # silent for longer than the lease: stale
+    assert ledger.get_run(db, run.name).holder == holder.this_process()
 
 
 def test_each_process_registers_the_servers_it_syncs_and_releases_them(db, run):

@@ -142,3 +142,19 @@ def test_no_episode_starts_while_an_evaluation_shares_the_engine(tiny_dirs, bind
     held, stats = asyncio.run(go())
     assert held == 0 and stats.gate_waits["evaluation"] > 0
     assert stats.committed == 2
+
+
+def test_a_trajectory_the_ledger_refuses_counts_toward_max_attempts(tiny_dirs, binding, engine, db, run, monkeypatch):
+    """Data the ledger cannot hold used to leave the attempt running: its slot came back at every lease expiry, forever."""
+    import psycopg
+
+    def refuse(session, attempt_id, trajectory):
+        raise psycopg.errors.UntranslatableCharacter('unsupported Unicode escape sequence: \\u0000 cannot be converted to text')
+
+    monkeypatch.setattr(ledger, "commit_trajectory", refuse)
+    ledger.plan_step(db, run.id, 1, ["t0"], group_size=2, max_attempts=2)
+    cfg = WorkerConfig(run.id, "w", concurrency=2, lease_seconds=2)
+    stats = asyncio.run(asyncio.wait_for(run_barrier(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg), 120))
+    assert stats.committed == 0 and stats.infra_failed >= 2
+    assert ledger.group_states(db, run.id) == {"dropped": 1}
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'CommitRefused'", r=run.id) >= 2

@@ -5,6 +5,7 @@ learner_step, sync_weights: the task functions themselves, called without a Pref
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         workdir=tmp_path,
         groups_per_step=3,
         group_size=4,
+        concurrency=16,
     )
 
     def sync_step(step: int) -> dict:  # the train flow's sync loop, step by step
@@ -95,10 +97,16 @@ def test_tasks_retry_only_transient_failures():
     from loopline.rollout.engine import EngineError
     from loopline.store.errors import DatabaseUnavailable, LedgerConflict
 
-    for exc in (InfraFailure("sandbox died"), EngineError("server gone"), DatabaseUnavailable("down"), ConnectionError()):
+    import psycopg
+
+    lost = psycopg.OperationalError("server closed the connection unexpectedly")  # (the bulk writes' raw connection)
+    for exc in (InfraFailure("sandbox died"), EngineError("server gone"), DatabaseUnavailable("down"), ConnectionError(), lost):
         assert tasks.transient(None, None, Failed(data=exc)), exc
-    for exc in (LooplineError("bad config"), LedgerConflict("would train twice"), RuntimeError("a bug"), ValueError()):
+    refused = psycopg.errors.UntranslatableCharacter("\\u0000 cannot be converted to text")
+    for exc in (LooplineError("bad config"), LedgerConflict("would train twice"), RuntimeError("a bug"), ValueError(), refused):
         assert not tasks.transient(None, None, Failed(data=exc)), exc
+    # an outage up to a minute is waited out, with growing pauses
+    assert tasks.backoff(60) == [1, 2, 4, 8, 15, 15, 15] and tasks.RETRY["retries"] == len(tasks.RETRY_DELAYS)
 
 
 def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tmp_path):
@@ -109,7 +117,7 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=None,
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), {t.id: t for t in train}),
-        learner=None, workdir=tmp_path, groups_per_step=2, group_size=2, max_attempts=7,
+        learner=None, workdir=tmp_path, groups_per_step=2, group_size=2, max_attempts=7, concurrency=16,
     )
     tasks.plan_step.fn(ctx, 1)
     attempts = db.execute(sa.text("SELECT DISTINCT max_attempts FROM rollout_group WHERE run_id = :r"), {"r": run.id}).scalars().all()
@@ -171,7 +179,7 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), {t.id: t for t in train}),
-        learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4,
+        learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4, concurrency=16,
         export_version=lambda v: False,
         restore=restore,
     )
@@ -195,3 +203,20 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     recorded = ledger.version_weights(db, run.id, 1)
     assert recorded.uri is None  # not exported: the engine took it from memory
     assert ctx.learner.weights_sha256() == once.weights_sha256() == recorded.sha256
+
+
+def test_directories_no_commit_names_are_removed_once_their_writer_is_gone(tmp_path):
+    import subprocess
+    import sys
+
+    from loopline.trainer.checkpoint import clean_unnamed_writes
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for name in (f"weights/v000003.{gone.pid}", f"weights/v000004.{gone.pid}", f"checkpoints/step-000004.{gone.pid}",
+                 f"weights/v000005.{os.getpid()}", "weights/v000002"):
+        (tmp_path / name).mkdir(parents=True)
+    named = {f"/elsewhere/runs/r/weights/v000003.{gone.pid}"}  # (named by another path to the same directory)
+    removed = sorted(p.name for p in clean_unnamed_writes(tmp_path, named))
+    assert removed == [f"step-000004.{gone.pid}", f"v000004.{gone.pid}"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", f"v000003.{gone.pid}", f"v000005.{os.getpid()}"]

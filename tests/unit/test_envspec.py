@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from loopline.envregistry.calculator import CalculatorError, calculate
 from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.envregistry.sandbox.local import LocalSandbox
+from loopline.envregistry.sandbox.local import AGENT_UID, LocalSandbox
 from loopline.envregistry.sandbox.local import cleanup_orphans as local_cleanup_orphans
 from loopline.envregistry.spec import Sandbox, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
@@ -227,7 +228,7 @@ def test_local_sandbox_memory_limit():
     async def go():
         box = _local(memory_mb=64)
         try:
-            return await box.exec(f"{sys.executable} -c 'x = bytearray(512 * 1024 * 1024)'", timeout_s=30)
+            return await box.exec("python3 -c 'x = bytearray(512 * 1024 * 1024)'", timeout_s=30)
         finally:
             await box.close()
 
@@ -237,7 +238,7 @@ def test_local_sandbox_memory_limit():
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (.ci/run installs it)")
 def test_local_sandbox_has_no_network_and_cleans_up():
-    probe = f"{sys.executable} -c \"import socket; socket.create_connection(('127.0.0.1', 5432), timeout=2); print('connected')\""
+    probe = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 5432), timeout=2); print('connected')\""
     assert "connected" in subprocess.run(probe, shell=True, capture_output=True, text=True).stdout  # reachable outside
 
     async def go():
@@ -250,7 +251,67 @@ def test_local_sandbox_has_no_network_and_cleans_up():
 
     box, result = asyncio.run(go())
     assert result.stdout.startswith("hello") and "connected" not in result.stdout and not result.ok
+    assert "ConnectionRefusedError" in result.stderr  # python3 ran (the sandbox has one); its loopback reaches nothing
     assert not box.root.exists()
+
+
+NEEDS_BWRAP = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (.ci/run installs it)")
+# what an agent must not see of the host; prints each thing it finds
+HOST_PROBE = (
+    f"for p in /root/. /home/*/. /work/. {Path(__file__).resolve()} /var/run/postgresql/.s.PGSQL.5432 /var/run/docker.sock "
+    "/run/docker.sock /tmp/.X11-unix /run/dbus; do [ -e \"$p\" ] && echo \"found $p\"; done; "
+    "[ $(ls -d /proc/[0-9]* | wc -l) -gt 10 ] && echo 'found other processes'; "
+    "grep -q '^CapEff:[[:space:]]*0*$' /proc/self/status || echo 'found capabilities'; id -u; touch mine; echo probed"
+)
+
+
+@NEEDS_BWRAP
+@pytest.mark.parametrize("loopline_as", ["root", "user"])
+def test_local_sandbox_shows_the_agent_nothing_of_the_host(loopline_as):
+    """As root the agent is the unprivileged AGENT_UID; as a user (here: the prefix run under uid 4242 with the
+    workdir its own, as when loopline runs as that user) it is that user. Either way: no host files, sockets,
+    processes or capabilities."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to run as root, and to become another user)")
+
+    async def go():
+        box = _local()
+        try:
+            if loopline_as == "root":
+                result, uid = await box.exec(HOST_PROBE, timeout_s=30), AGENT_UID
+            else:
+                box.as_root = False
+                os.chown(box.root, 4242, 4242)
+                argv = ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--", *box.agent_prefix(), "/bin/sh", "-c", HOST_PROBE]
+                result, uid = await box._run(argv, box.root, 30, None, {"HOME": str(box.root)}), 4242
+            return result, uid, (box.root / "mine").stat().st_uid
+        finally:
+            await box.close()
+
+    result, uid, owner = asyncio.run(go())
+    assert result.stdout.endswith("probed\n") and "found" not in result.stdout, result.stdout + result.stderr
+    assert f"\n{uid}\n" in f"\n{result.stdout}" and owner == uid  # inside and on the host
+
+
+@NEEDS_BWRAP
+def test_local_sandbox_enforces_pids_per_command():
+    """`pids: 8` holds for the command's whole process tree (205 processes ran before), whatever else runs as its uid."""
+    fork = (
+        "python3 -c \"import os, time\nn = 0\nfor _ in range(300):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+        "        break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n    n += 1\nprint('forked', n)\""
+    )
+
+    async def go():
+        boxes = [_local(pids=8), _local(pids=8)]  # two at once: each has its own count
+        try:
+            return await asyncio.gather(*(b.exec(fork, timeout_s=30) for b in boxes))
+        finally:
+            for b in boxes:
+                await b.close()
+
+    for result in asyncio.run(go()):
+        forked = int(result.stdout.split()[-1])
+        assert 3 <= forked <= 6, result.stdout + result.stderr  # 8 with bwrap's init and python itself
 
 
 def _hold_local_sandbox(out) -> None:
@@ -301,3 +362,12 @@ def test_local_backend_refuses_unisolated_commands_unless_unsafe_host(monkeypatc
     with pytest.raises(InfraFailure, match="needs bubblewrap"):
         asyncio.run(run(Sandbox(backend="local")))
     assert asyncio.run(run(Sandbox(backend="local", unsafe_host=True))).stdout == "42\n"
+
+
+def test_an_environment_version_beyond_the_ledgers_integers_is_one_line():
+    from loopline.envregistry.registry import parse_ref
+
+    assert parse_ref("arithmetic@2") == ("arithmetic", 2) and parse_ref("arithmetic") == ("arithmetic", None)
+    for ref in ("arithmetic@2147483648", "arithmetic@" + "9" * 5000, "arithmetic@x", "arithmetic@\u0661"):
+        with pytest.raises(LooplineError, match="below 10\\^9"):
+            parse_ref(ref)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
-NEUTRAL = {"errors", "holder", "failpoints", "ports"}  # importable from every layer
+NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio"}  # importable from every layer
 # layer -> the layers it may import (besides itself and the neutral modules)
 ALLOWED = {
     "store": set(),

@@ -79,6 +79,18 @@ def test_what_the_verdict_suggests_fits_and_one_more_does_not():
     assert not estimate(shape, dataclasses.replace(fitted, micro_batch_tokens=plan.max_micro_batch_tokens + 50), small).fits
 
 
+def test_a_step_of_trajectories_the_learner_cannot_hold_is_refused_with_what_to_change():
+    from loopline.envregistry.spec import Budgets
+    from loopline.flows.config import RunConfig
+
+    shape, host = ModelShape.from_config(SMOLLM2), Hardware("cpu", 24 * GiB)
+    rows = {r.part: r.bytes for r in estimate(shape, Workload(step_tokens=10_000), host).learner}
+    assert rows["step batch"] == 10_000 * 80
+    config = RunConfig(name="r", env="e.yaml", groups_per_step=8, group_size=1_000_000_000)
+    huge = estimate(shape, workload(config, Budgets(), 512, host), host)
+    assert not huge.fits and "a smaller group_size" in huge.verdict
+
+
 def test_learner_ranks_on_one_cpu_host_each_need_their_own_memory():
     """`learner.launch` on CPU: every rank holds its replica in the same host memory; the plan counts them all."""
     from loopline.envregistry.spec import Budgets

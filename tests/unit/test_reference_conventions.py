@@ -119,8 +119,14 @@ def test_seq_mean_token_sum_norm_equals_trl_dr_grpo_loss(seed):
     assert float(aggregate(per_token, mask, "seq_mean_token_sum_norm", norm_length=32)) == pytest.approx(float(trl), abs=1e-12)
 
 
-def test_k3_kl_equals_trl_per_token_kl():
-    """= TRL's `per_token_kl = exp(ref - logp) - (ref - logp) - 1` (beta > 0); tolerance 1e-12."""
+def test_k3_kl_equals_verl_low_var_kl_and_trl_per_token_kl():
+    """= verl's `low_var_kl`: clamp(exp(clamp(ref - logp, ±20)) - (ref - logp) - 1, -10, 10), and TRL's
+    `per_token_kl = exp(ref - logp) - (ref - logp) - 1` (beta > 0), which has no cap: equal below it. 1e-12."""
     logp, old, _, _, _ = _inputs(0)
+    log_ratio = (old - logp).clamp(-20, 20)
+    verl = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
     trl = torch.exp(old - logp) - (old - logp) - 1
-    assert torch.allclose(kl_penalty(logp, old, "k3"), trl, atol=1e-12)
+    assert torch.allclose(kl_penalty(logp, old, "k3"), verl, atol=1e-12)
+    assert torch.allclose(kl_penalty(logp, old, "k3"), trl, atol=1e-12) and float(trl.max()) < 10
+    far = torch.tensor([-30.0], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64)
+    assert float(kl_penalty(*far, "k3")) == 10.0  # verl's cap

@@ -77,3 +77,105 @@ def test_the_example_run_configs_load(name):
 
     config, _ = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
     assert config.name
+
+
+def test_how_a_run_ended_is_told_in_its_status_and_one_line():
+    from prefect.exceptions import TerminationSignal
+
+    from loopline.flows.lifecycle import how_it_ended
+
+    assert how_it_ended(None, False) == ("completed", None)
+    assert how_it_ended(KeyboardInterrupt(), False)[0] == "interrupted"
+    assert how_it_ended(KeyboardInterrupt(), True) == ("cancelled", "cancelled (loopline cancel)")
+    assert how_it_ended(TerminationSignal(signal=15), False)[1].startswith("terminated (SIGTERM)")
+    assert how_it_ended(MemoryError(), False) == ("failed", "MemoryError: ")
+    status, reason = how_it_ended(RuntimeError("the ledger is out of reach\n  at line 2"), False)
+    assert (status, reason) == ("failed", "RuntimeError: the ledger is out of reach")
+
+
+def test_a_running_run_whose_process_is_gone_or_silent_shows_as_stale():
+    from loopline.store.queries import HEARTBEAT_S, shown_status
+
+    assert shown_status("running", "nosuchhost:1:1", 5.0, 60.0) == ("running", None)
+    assert shown_status("running", "nosuchhost:1:1", 61.0, 60.0)[0] == "stale"  # silent past the lease
+    assert shown_status("running", "nosuchhost:1:1", 2.5 * HEARTBEAT_S, 3.0) == ("running", None)  # never before 3 missed beats
+    assert shown_status("running", "nosuchhost:1:1", 3.5 * HEARTBEAT_S, 3.0)[0] == "stale"
+    import socket
+
+    assert shown_status("running", f"{socket.gethostname()}:999999999:1", 1.0, 60.0)[0] == "stale"  # its pid is gone here
+    assert shown_status("completed", None, None, 60.0) == ("completed", None)
+
+
+def test_a_user_error_inside_a_flow_reaches_the_terminal_once_as_one_line(capsys):
+    """Prefect logs a flow's exception with a traceback and again in its final state; `friendly_errors` prints
+    a LooplineError once, as one line, and Prefect's copies of it are dropped (other errors keep theirs)."""
+    import logging
+
+    from loopline.cli_support import friendly_errors
+
+    logger = logging.getLogger("prefect.flow_runs")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+
+    @friendly_errors
+    def command(exc: Exception) -> None:
+        try:
+            raise exc
+        except Exception:
+            logger.error("Encountered exception during execution", exc_info=True)
+            logger.info(f"Finished in state Failed('Flow run encountered an exception: {type(exc).__name__}: {exc}')")
+            raise
+
+    try:
+        with pytest.raises(SystemExit):
+            command(LooplineError("v3 was never exported; set learner.export_every: 1"))
+        assert seen == [] and capsys.readouterr().err.strip().splitlines() == ["error: v3 was never exported; set learner.export_every: 1"]
+        with pytest.raises(RuntimeError):
+            command(RuntimeError("a bug"))
+        assert len(seen) == 2
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_bad_run_config_is_refused_before_torch_or_prefect_load(tmp_path):
+    """Refused in a second or two, not after ~10 s of imports (what the user waits for on a typo)."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "run.yaml"
+    bad.write_text("name: x\nenv: e.yaml\ngroup_size: 1\n")
+    probe = (
+        "import sys\nfrom loopline.cli import app\ntry:\n    app(['train', sys.argv[1]])\nexcept SystemExit as exit:\n"
+        "    print('exit', exit.code, 'torch' in sys.modules, 'prefect' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120)
+    assert "group_size" in done.stderr and done.stdout.split() == ["exit", "1", "False", "False"], done.stdout + done.stderr
+
+
+def test_a_ledger_outage_reaches_the_terminal_as_one_line_and_prefects_retries_without_tracebacks(capsys):
+    import logging
+
+    import psycopg
+    import sqlalchemy.exc
+
+    from loopline.cli_support import _UserErrorsOnce, friendly_errors
+
+    lost = sqlalchemy.exc.OperationalError("SELECT 1", {}, psycopg.OperationalError("server closed the connection unexpectedly"))
+
+    @friendly_errors
+    def command() -> None:
+        raise lost
+
+    with pytest.raises(SystemExit) as exit:
+        command()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: the ledger could not be reached (")
+    assert "loopline train --resume RUN" in lines[0]
+
+    retry = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed; retry 1/8 in 2 s", None, (type(lost), lost, None))
+    assert _UserErrorsOnce().filter(retry) and retry.exc_info is None  # the line stays, its traceback goes
+

@@ -93,6 +93,9 @@ def test_kl_estimators():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     assert float(kl_penalty(logp, ref, "k1")) == pytest.approx(math.log(2))
     assert float(kl_penalty(logp, ref, "k3")) == pytest.approx(0.5 + math.log(2) - 1)
+    # the reference 15 nats likelier than the policy: k3 = e^15 - 15 - 1 ~ 3.3e6, capped at 10 as verl's low_var_kl
+    far = kl_penalty(torch.tensor([-16.0]), torch.tensor([-1.0]), "k3")
+    assert float(far) == 10.0
 
 
 def test_masked_tokens_do_not_count_and_gradients_reach_only_the_policy():
@@ -127,15 +130,21 @@ def test_micro_batch_shares_add_up_to_the_whole_batch_loss(how):
 
 
 def test_learning_rate_schedule_by_hand():
+    from functools import partial
+
     from loopline.trainer.schedule import lr_factor
 
     assert [lr_factor(s, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    # cosine from 1.0 to 0.1 over 10 steps: halfway 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
-    assert lr_factor(0, decay_steps=10) == 1.0
-    assert abs(lr_factor(5, decay_steps=10) - 0.55) < 1e-12
-    assert abs(lr_factor(10, decay_steps=10) - 0.1) < 1e-12 and abs(lr_factor(30, decay_steps=10) - 0.1) < 1e-12
-    # warm-up then decay: the decay starts where warm-up ends
-    assert lr_factor(1, warmup_steps=2, decay_steps=12) == 1.0 and lr_factor(2, warmup_steps=2, decay_steps=12) == 1.0
+    # cosine from 1.0 to 0.1 over 10 steps (the starter's recipe): halfway 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
+    cosine = partial(lr_factor, schedule="cosine", decay_steps=10, min_ratio=0.1)
+    assert cosine(0) == 1.0 and abs(cosine(5) - 0.55) < 1e-12
+    assert abs(cosine(10) - 0.1) < 1e-12 and abs(cosine(30) - 0.1) < 1e-12
+    # verl's and TRL's cosine ends at 0: a quarter of the way cos(pi/4): 0.5 * (1 + 0.70711) = 0.85355
+    assert abs(lr_factor(2, schedule="cosine", decay_steps=8) - 0.5 * (1 + math.cos(math.pi / 4))) < 1e-12
+    # linear to 0 over 8 steps: 1, 7/8, ..., 0 (TRL's default "linear")
+    assert [lr_factor(s, schedule="linear", decay_steps=8) for s in (0, 1, 4, 8, 9)] == [1.0, 0.875, 0.5, 0.0, 0.0]
+    # warm-up then decay: the decay starts where warm-up ends (warm-up 2, then 10 steps of linear decay)
+    assert [lr_factor(s, warmup_steps=2, schedule="linear", decay_steps=12) for s in (0, 1, 2, 7, 12)] == [0.5, 1.0, 1.0, 0.5, 0.0]
 
 
 # --------------------------------------------------------------------------- issue 15: off-policy correction,

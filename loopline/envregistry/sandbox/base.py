@@ -42,9 +42,14 @@ UTF8 = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # the same text semantics on ev
 
 
 def verifier_env(verify_dir: str, workdir: str, agent_exec: list[str]) -> dict[str, str]:
-    """The environment of a command verifier: the contract documented on `spec.Verifier`."""
+    """The environment of a command verifier: the contract documented on `spec.Verifier`. Its HOME and temp
+    dir are its private directory and Python's user site is off, so nothing the agent wrote (a
+    usercustomize.py or .pth under a HOME it could write) is on the verifier's import path."""
     return {
         **UTF8,
+        "HOME": verify_dir,
+        "TMPDIR": verify_dir,
+        "PYTHONNOUSERSITE": "1",
         "LOOPLINE_VERIFY_DIR": verify_dir,
         "LOOPLINE_WORKDIR": workdir,
         "LOOPLINE_AGENT_EXEC": json.dumps(agent_exec),

@@ -35,6 +35,11 @@ OUTPUT_LIMIT = 64 * 1024
 _WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel's per-argument limit
 
 
+def _shm_mb(res: env_spec.Resources) -> int:
+    """Shared memory the agent may hold (SysV and /dev/shm each): a quarter of the sandbox's memory."""
+    return max(res.memory_mb // 4, 1)
+
+
 def _client():
     import docker
     from docker.errors import DockerException
@@ -84,6 +89,17 @@ class DockerSandbox:
                     # Its own filesystem: an agent that fills the disk cannot starve the verifier.
                     VERIFY_DIR: f"rw,exec,size={res.disk_mb}m,mode=0700",
                     PLUMBING_DIR: f"rw,size={res.disk_mb}m,mode=0755",
+                },
+                # Shared memory outlives the processes that made it and counts toward the container's memory,
+                # which the verifier shares: a policy that pinned it got its verifier OOM-killed (an infra
+                # failure, so never a 0). SysV segments go with their last process (shm_rmid_forced) and,
+                # like /dev/shm, are capped at a quarter of the memory; /dev/shm is emptied before verifying.
+                ipc_mode="private",
+                shm_size=f"{_shm_mb(res)}m",
+                sysctls={
+                    "kernel.shm_rmid_forced": "1",
+                    "kernel.shmmax": str(_shm_mb(res) << 20),
+                    "kernel.shmall": str((_shm_mb(res) << 20) // 4096),
                 },
                 mem_limit=f"{res.memory_mb}m",
                 memswap_limit=f"{res.memory_mb}m",
@@ -190,7 +206,9 @@ class DockerSandbox:
 
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
         await self.end_agent()
-        cleared = await asyncio.to_thread(self._exec, f"find {VERIFY_DIR} -mindepth 1 -delete", 30, OUTPUT_LIMIT, VERIFIER)
+        cleared = await asyncio.to_thread(
+            self._exec, f"find {VERIFY_DIR} /dev/shm -mindepth 1 -delete", 30, OUTPUT_LIMIT, VERIFIER
+        )
         if not cleared.ok:
             raise InfraFailure(f"could not prepare {VERIFY_DIR}: {cleared.stderr.strip()}")
         for path, text in files.items():

@@ -1,14 +1,19 @@
 """The local backend: a private temporary directory and subprocesses.
 
-Commands run inside `bwrap` with every namespace unshared (no network, private
-/tmp, read-only host, their own pid namespace: nothing an agent starts outlives
-the command that started it). Without bubblewrap, or with network on, commands
-would run unisolated on the host: that needs `sandbox.unsafe_host: true`.
-Memory is capped with RLIMIT_AS; a timeout kills the whole process group.
+Commands run inside `bwrap` with every namespace unshared (no network, its own pid and IPC namespaces:
+nothing an agent starts outlives the command that started it) and no capabilities, seeing a read-only
+minimal system (/usr, /etc) and their workdir, nothing else of the host: no home directories, no task
+files, no sockets (Docker's, PostgreSQL's, X11, D-Bus), no other process in /proc. When loopline runs as
+root the agent runs as the unprivileged host uid `AGENT_UID` (bwrap alone would map it to host root);
+otherwise as loopline's own uid. Limits hold per command: `pids` (RLIMIT_NPROC inside the command's own
+user namespace, so it counts the sandbox's processes only) and `memory_mb` (RLIMIT_AS of each process).
+`cpus` and `disk_mb` cannot be enforced here: a spec that sets them (to other than the default) is refused.
+Without bubblewrap, or with network on, commands would run unisolated on the host: that needs
+`sandbox.unsafe_host: true`.
 
-The verifier runs on the host in a private directory outside the sandbox
-(hidden from bwrap'd commands by their private /tmp); the agent's code runs
-only through the same bwrap prefix.
+The verifier runs on the host in a private directory outside the sandbox (hidden from bwrap'd commands
+by their private /tmp), with a HOME and TMPDIR there and no user site-packages, so nothing the agent
+wrote is on its import path; the agent's code runs only through the same bwrap prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, Ve
 from loopline.holder import process_alive
 
 OUTPUT_LIMIT = 64 * 1024
+AGENT_UID = 65534  # nobody: the agent's host uid (and gid) when loopline runs as root
 PREFIX = "loopline-sandbox-"
 VERIFY_PREFIX = "loopline-verify-"
 
@@ -39,6 +45,9 @@ class LocalSandbox:
         self.isolated = not spec.network and shutil.which("bwrap") is not None
         # The owner's pid in the name lets `cleanup_orphans` find directories of processes that crashed.
         self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        self.as_root = self.isolated and os.geteuid() == 0  # then the agent is AGENT_UID, and owns its workdir
+        if self.as_root:
+            os.chown(self.root, AGENT_UID, AGENT_UID)
         self._groups: set[int] = set()  # unsafe_host: process groups of commands, killed by end_agent
 
     def _resolve(self, path: str) -> Path:
@@ -48,7 +57,7 @@ class LocalSandbox:
         return target
 
     def agent_prefix(self) -> list[str]:
-        """argv that runs a command as the agent: in bwrap, seeing the host read-only and its workdir."""
+        """argv that runs a command as the agent: unprivileged, in bwrap, seeing /usr, /etc and its workdir."""
         if not self.isolated:
             if not self.spec.unsafe_host:  # built-in tools need no process: only commands need bubblewrap
                 raise InfraFailure(
@@ -56,20 +65,27 @@ class LocalSandbox:
                     "set `sandbox.unsafe_host: true` to run them unisolated on this host"
                 )
             return []
-        prefix = [
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+        limits = self.spec.resources
+        prefix = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"] if self.as_root else []
+        prefix += [
+            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            *_minimal_system(), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
         ]
         if Path(tempfile.gettempdir()).resolve() != Path("/tmp"):  # verifier directories live there: hide them
             prefix += ["--tmpfs", str(Path(tempfile.gettempdir()).resolve())]
-        return prefix + ["--bind", str(self.root), str(self.root), "--chdir", str(self.root)]
+        memory = limits.memory_mb * 1024 * 1024
+        return prefix + [
+            "--bind", str(self.root), str(self.root), "--chdir", str(self.root),
+            "prlimit", f"--nproc={limits.pids}:{limits.pids}", f"--as={memory}:{memory}", "--",
+        ]
 
     def _limits(self) -> None:
+        """unsafe_host only (no bwrap, so no prlimit inside it): the memory cap on the command itself."""
         memory = self.spec.resources.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     async def _run(
-        self, argv: list[str], cwd: Path, timeout_s: float, stdin: str | None, env: dict[str, str] | None = None
+        self, argv: list[str], cwd: Path, timeout_s: float, stdin: str | None, env: dict[str, str], limited: bool = False
     ) -> ExecResult:
         start = time.monotonic()
         try:
@@ -80,8 +96,8 @@ class LocalSandbox:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=self._limits,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root), **UTF8, **(env or {})},
+                preexec_fn=self._limits if limited else None,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **UTF8, **env},
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise InfraFailure(f"could not start a local sandbox process: {exc}") from exc
@@ -108,7 +124,8 @@ class LocalSandbox:
         )
 
     async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
-        return await self._run([*self.agent_prefix(), "/bin/sh", "-c", command], self.root, timeout_s, stdin)
+        argv = [*self.agent_prefix(), "/bin/sh", "-c", command]  # (isolated: the limits are in the prefix)
+        return await self._run(argv, self.root, timeout_s, stdin, {"HOME": str(self.root)}, limited=not self.isolated)
 
     async def end_agent(self) -> None:
         # In bwrap every command has its own pid namespace, gone when the command ends. Unisolated
@@ -131,6 +148,7 @@ class LocalSandbox:
                     raise InfraFailure(f"verifier file {path!r} leaves the verifier's directory")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text)
+            # (none of the agent's limits: what the agent's processes use cannot starve the verifier)
             env = verifier_env(str(private), str(self.root), prefix)
             result = await self._run(["/bin/sh", "-c", command], private, timeout_s, None, env)
             await self.end_agent()
@@ -142,14 +160,30 @@ class LocalSandbox:
 
     async def write_file(self, path: str, content: str) -> None:
         target = self._resolve(path)
+        missing = [p for p in [target.parent, *target.parent.parents] if p.is_relative_to(self.root) and not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content)
+        if self.as_root:  # the agent's own files, as if it had written them
+            for written in [target, *missing]:
+                os.chown(written, AGENT_UID, AGENT_UID)
 
     async def read_file(self, path: str) -> str:
         return self._resolve(path).read_text()
 
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _minimal_system() -> list[str]:
+    """bwrap arguments for a read-only /usr and /etc, and the top-level directories that are links into /usr
+    (merged /usr) or, on older layouts, directories of their own."""
+    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    return args
 
 
 def cleanup_orphans() -> list[str]:

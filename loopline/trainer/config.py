@@ -1,0 +1,81 @@
+"""The trainer's settings as plain dataclasses, without torch: a run config is validated (and refused, in one
+line) before the CLI imports torch or Prefect. The modules that use them re-export them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Estimator = Literal["grpo", "dr_grpo", "rloo"]
+StdKind = Literal["population", "sample"]
+DegenerateHandling = Literal["drop", "zero"]
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "rejection"]
+CorrectionLevel = Literal["token", "sequence"]
+CorrectionBounds = Literal["upper", "two_sided"]
+KLEstimator = Literal["k1", "k3"]
+LRSchedule = Literal["constant", "cosine", "linear"]
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: Estimator = "grpo"
+    # GRPO's divisor: the sample (1/(n-1)) standard deviation, as verl (torch.std) and TRL; population: 1/n
+    std: StdKind = "sample"
+    eps: float = 1e-6
+    degenerate: DegenerateHandling = "zero"
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.28  # ratio ceiling 1 + clip_high (asymmetric, "clip-higher")
+    # dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A| (no gradient beyond); None: off
+    clip_ratio_c: float | None = 3.0
+    # π_old/μ correction of the off-policy rollout (verl's rollout correction):
+    #   tis: weight min(ρ, cap); mis: weight ρ, tokens (or sequences) outside the bounds rejected;
+    #   rejection: weight 1, outside the bounds rejected (verl: rollout_rs alone); none: weight 1.
+    # Rejected tokens leave the loss entirely (its denominators and the KL term too).
+    correction: OffPolicyCorrection = "tis"
+    correction_level: CorrectionLevel = "token"  # sequence: ρ = the product of the sequence's token ratios
+    correction_cap: float = 2.0  # C: the truncation (tis) or the upper rejection bound (mis, rejection)
+    correction_bounds: CorrectionBounds = "upper"  # two_sided also rejects ρ < 1/C
+    aggregation: Aggregation = "token_mean"
+    norm_length: int | None = None  # seq_mean_token_sum_norm's constant length L (Dr. GRPO; the run config fills it)
+    kl_coef: float = 0.0  # > 0 adds a KL penalty to the frozen reference policy
+    kl_estimator: KLEstimator = "k3"
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3), got {self.clip_ratio_c}")
+        if self.correction_cap <= 1.0 and self.correction in ("mis", "rejection") and self.correction_bounds == "two_sided":
+            raise ValueError("a two-sided rejection needs correction_cap > 1 (the bounds are [1/C, C])")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is not None and self.norm_length < 1:
+            raise ValueError("norm_length must be a positive number of tokens")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
+    # after warm-up: constant (verl's default), or a cosine or linear decay reaching min_lr_ratio * lr at
+    # optimizer step decay_steps (a run's: its steps x minibatches, as verl's total_training_steps, TRL's max_steps)
+    lr_schedule: LRSchedule = "constant"
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.0  # verl's min_lr_ratio; TRL's linear and cosine schedules end at 0 too
+    weight_decay: float = 0.0  # AdamW's (TRL's default 0; verl's actor uses 0.01)
+    grad_clip: float = 1.0
+    temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
+    micro_batch_tokens: int = 8192
+    minibatches: int = 1  # optimizer steps per learner step (π_old anchors all of them)
+    share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
+    gradient_checkpointing: bool = True  # keep each layer's input only, recompute the rest in backward (TRL's default)
+    zero_stage: int | None = None  # DeepSpeed ZeRO stage; None: 0 on one rank (nothing to partition), 1 on several
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if (self.lr_schedule == "constant") != (self.decay_steps is None):
+            raise ValueError(f"lr_schedule {self.lr_schedule} with decay_steps {self.decay_steps}: a decay (cosine, linear) ends at decay_steps, constant has none")
