@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
-from loopline.trainer.config import AdvantageConfig, LearnerConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+from loopline.trainer.config import AdvantageConfig, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
 class _Strict(BaseModel):
@@ -79,6 +79,10 @@ class LearnerSettings(_Strict):
     keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
+        "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
+    )
     launch: RankLaunch | None = Field(
         None, description="train on several data-parallel ranks (DeepSpeed's launcher; rank 0 runs the flow); unset: this process alone",
     )
@@ -219,7 +223,7 @@ class RunConfig(_Strict):
             temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
             minibatches=learner.minibatches, share_prefix=learner.share_prefix,
             gradient_checkpointing=learner.gradient_checkpointing, dtype=learner.dtype, zero_stage=learner.zero_stage, seed=self.seed,
-            advantage=learner.advantage, loss=loss,
+            advantage=learner.advantage, loss=loss, lora=learner.lora,
         )
 
     @property

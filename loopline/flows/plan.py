@@ -76,6 +76,18 @@ class ModelShape:
         head = 0 if self.tied else self.vocab * self.hidden
         return self.vocab * self.hidden + self.layers * layer + self.hidden + head
 
+    def linear_layers(self) -> dict[str, tuple[int, int]]:
+        """A decoder layer's linear layers by their usual (Llama-style) names: (in, out) features."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, rank: int, targets: str | tuple[str, ...]) -> int:
+        """Adapter parameters: rank x (in + out) per adapted linear layer (all-linear: every one but the head)."""
+        layers = self.linear_layers()
+        chosen = layers if targets == "all-linear" else {k: v for k, v in layers.items() if k in set((targets,) if isinstance(targets, str) else targets)}
+        return self.layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in chosen.values())
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
@@ -140,6 +152,7 @@ class Workload:
     step_tokens: int = 16384  # tokens of one learner step (all sequences, padded)
     action_fraction: float = 0.5  # of a sequence's tokens, those the policy generated
     reference_model: bool = False  # KL to a reference: a frozen copy of the weights
+    lora: tuple[int, str | tuple[str, ...]] | None = None  # (rank, target modules): only adapters are trained
     concurrency: int = 32  # sequences the engine holds at once
     sequence_tokens: int = 1024  # a sequence's longest context: prompt + turns x (new tokens + tool output)
     engine_dtype_bytes: int = 4
@@ -210,9 +223,10 @@ STEP_BYTES_PER_TOKEN = 80
 
 def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     p, b = model.params, work.dtype_bytes
+    trained = model.lora_params(*work.lora) if work.lora else p  # with LoRA, only the adapters have gradients and Adam states
     dp = max(work.data_parallel, 1)
     mixed = b < 4  # bf16 weights and gradients, fp32 master weights and Adam states
-    optimizer_bytes = p * (8 + (4 if mixed else 0))
+    optimizer_bytes = trained * (8 + (4 if mixed else 0))
     shard = lambda n, stage: n // dp if work.zero_stage >= stage else n  # noqa: E731
     tokens = min(work.micro_batch_tokens, work.step_tokens)
 
@@ -221,9 +235,13 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
         return kept + (model.layer_activation_bytes(t, b) if work.gradient_checkpointing else 0)
 
     sharded = lambda stage: work.zero_stage >= stage and dp > 1  # noqa: E731
+    adapters = f", LoRA rank {work.lora[0]}: {count(trained)} trained" if work.lora else ""
     learner = [
-        Row("weights", shard(p * b, 3), f"{count(p)} parameters x {b} B" + (f", ZeRO-3: / {dp} ranks" if sharded(3) else "")),
-        Row("gradients", shard(p * b, 2), f"ZeRO-2: / {dp} ranks" if sharded(2) else ""),
+        Row(
+            "weights", shard((p + (trained if work.lora else 0)) * b, 3),
+            f"{count(p)} parameters x {b} B{adapters}" + (f", ZeRO-3: / {dp} ranks" if sharded(3) else ""),
+        ),
+        Row("gradients", shard(trained * b, 2), ("adapters only" if work.lora else "") + (f" ZeRO-2: / {dp} ranks" if sharded(2) else "")),
         Row("optimizer states", shard(optimizer_bytes, 1), "Adam m, v" + (" + fp32 master" if mixed else "") + (f", ZeRO-1: / {dp} ranks" if sharded(1) else "")),
         Row(
             "activations", activations(tokens),
@@ -232,7 +250,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
         Row("logits, backward", 2 * int(tokens * work.action_fraction) * model.vocab * 4, "softmax and its gradient, fp32, action positions"),
         Row("step batch", work.step_tokens * STEP_BYTES_PER_TOKEN, f"{work.step_tokens} tokens of trajectories held for the step"),
     ]
-    if work.reference_model:
+    if work.reference_model and not work.lora:  # (with LoRA the reference is the base, adapters off: no copy)
         learner.append(Row("reference model", p * b, "KL on"))
     engine = [
         Row("weights", p * work.engine_dtype_bytes),
@@ -309,6 +327,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
         step_tokens=config.groups_per_step * config.group_size * sequence // dp,
         action_fraction=new_tokens / sequence,
         reference_model=learner.loss.kl_coef > 0,
+        lora=(learner.lora.rank, learner.lora.target_modules) if learner.lora is not None else None,
         concurrency=config.concurrency,
         sequence_tokens=sequence,
         engine_dtype_bytes=2 if hw.gpu else 4,

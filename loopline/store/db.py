@@ -6,6 +6,7 @@ LOCKED`, bulk writes on COPY, and invariants on Postgres constraints.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -87,6 +88,9 @@ def embedded_url() -> URL:
             f"could not start the embedded PostgreSQL in {pgdata} ({type(exc).__name__}: {exc}); "
             f"see {pgdata / 'log'}, or set {DATABASE_URL_ENV} to use another server"
         ) from exc
+    # Exit handlers run last-registered first: this one runs just before the library's, so a user that was
+    # SIGKILLed while this process held the server does not keep it running after this process leaves.
+    atexit.register(_forget_dead_holders, pgdata)
     admin = make_url(server.get_uri("postgres")).set(drivername="postgresql+psycopg", password=None)
     _create_database_if_missing(admin, EMBEDDED_DATABASE)
     return admin.set(database=EMBEDDED_DATABASE)

@@ -37,6 +37,19 @@ def _keep(positions: torch.Tensor | None):
     return 0 if positions is None else positions
 
 
+def _frozen(model) -> set[str]:
+    """Names of the weights no optimizer trains (LoRA's base): a checkpoint leaves them out, since every
+    learner is built from the run's initial weights first."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _load_trained(model, state: dict) -> None:
+    frozen = _frozen(model)
+    missing, unexpected = model.load_state_dict(state, strict=not frozen)
+    if unexpected or set(missing) - frozen:
+        raise ValueError(f"the checkpoint does not hold this model's trained weights (missing {sorted(set(missing) - frozen)[:3]}, unexpected {unexpected[:3]})")
+
+
 def _grad_norm(parameters) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -175,10 +188,13 @@ class DeepSpeedBackend:
         return metrics
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(directory), tag="state", client_state={"loopline": client_state})
+        self.engine.save_checkpoint(
+            str(directory), tag="state", client_state={"loopline": client_state}, exclude_frozen_parameters=bool(_frozen(self.model))
+        )
 
     def load(self, directory: Path) -> dict[str, Any]:
-        _, client = self.engine.load_checkpoint(str(directory), tag="state")
+        frozen = _frozen(self.model)
+        _, client = self.engine.load_checkpoint(str(directory), tag="state", load_module_strict=not frozen)
         return client["loopline"]
 
 
@@ -222,12 +238,14 @@ class TorchBackend(Frozen):
         return metrics
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        frozen = _frozen(self.model)
+        model = {k: v for k, v in self.model.state_dict().items() if k not in frozen}
+        state = {"model": model, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         torch.save({**state, "loopline": client_state}, directory / "state.pt")
 
     def load(self, directory: Path) -> dict[str, Any]:
         blob = torch.load(directory / "state.pt", weights_only=False)
-        self.model.load_state_dict(blob["model"])
+        _load_trained(self.model, blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
         return blob["loopline"]

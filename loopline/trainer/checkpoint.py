@@ -10,7 +10,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -57,8 +57,8 @@ def _out_of_space(exc: BaseException, where: Path) -> bool:
     return "No space left" in str(exc) or _free(where) < _FULL_BELOW
 
 
-def parameter_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def parameter_bytes(model, trained_only: bool = False) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trained_only)
 
 
 def write_complete(target: str | Path, fill: Callable[[Path], None], need_bytes: int = 0) -> Path:
@@ -141,11 +141,12 @@ def mismatched_model(directory: Path, current: dict[str, Any]) -> str | None:
     return None
 
 
-def export_weights(model, model_dir: Path, target: str | Path) -> Path:
-    """HF-format safetensors plus the policy's tokenizer files, for the engines."""
+def export_weights(model, model_dir: Path, target: str | Path, state_dict: dict | None = None) -> Path:
+    """HF-format safetensors plus the policy's tokenizer files, for the engines; `state_dict` (the model's
+    keys) instead of the model's own tensors, e.g. LoRA merged."""
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         for name in os.listdir(model_dir):
             if name.startswith(_TOKENIZER_FILES) and not (tmp / name).exists():
                 shutil.copy(model_dir / name, tmp / name)
@@ -153,12 +154,12 @@ def export_weights(model, model_dir: Path, target: str | Path) -> Path:
     return write_complete(target, fill, need_bytes=parameter_bytes(model))
 
 
-def tensors_sha256(model) -> str:
-    """A policy version's identity: sha256 over the model's parameters (name, dtype, shape, bytes), in
-    their order. Computed in memory (~0.3 s for 135M fp32), so a version has one whether it was exported
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A policy version's identity: sha256 over a model's `named_parameters()` (name, dtype, shape, bytes),
+    in their order. Computed in memory (~0.3 s for 135M fp32), so a version has one whether it was exported
     or not, and a replay or a later export can be compared with it."""
     digest = hashlib.sha256()
-    for name, param in model.named_parameters():
+    for name, param in named:
         tensor = param.detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor  # numpy has no bfloat16
@@ -170,4 +171,4 @@ def weights_sha256(directory: str | Path) -> str:
     """`tensors_sha256` of an export on disk (loaded as the engines load it)."""
     from transformers import AutoModelForCausalLM
 
-    return tensors_sha256(AutoModelForCausalLM.from_pretrained(directory, dtype="auto"))
+    return tensors_sha256(AutoModelForCausalLM.from_pretrained(directory, dtype="auto").named_parameters())

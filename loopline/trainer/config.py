@@ -55,6 +55,29 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (peft) on a frozen base. Defaults are verl's (`lora_alpha` 16, `target_modules`
+    all-linear: every linear layer but the output head); rank has none there (0: off), so it must be given."""
+
+    rank: int
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    # Only 0 for now: dropout draws from the process's random stream, which rollouts and evaluations in the same
+    # process also draw from, so a replay or a resume's rebuild could not reproduce a step bit for bit.
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"  # or module names, e.g. (q_proj, v_proj)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if self.dropout != 0:
+            raise ValueError("dropout: only 0 is supported (a step with dropout could not be replayed bit for bit)")
+        if not self.target_modules:
+            raise ValueError("target_modules: name at least one module, or all-linear")
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     lr: float = 3e-4
     warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
@@ -75,6 +98,7 @@ class LearnerConfig:
     seed: int = 0
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig | None = None  # train adapters only (trainer/lora.py); None: every weight
 
     def __post_init__(self) -> None:
         if (self.lr_schedule == "constant") != (self.decay_steps is None):

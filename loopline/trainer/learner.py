@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from typing import Sequence
 import torch
 
 from loopline.store.records import TrainedSample
-from loopline.trainer import checkpoint, prefix
+from loopline.trainer import checkpoint, lora, prefix
 from loopline.trainer.advantages import AdvantageConfig, compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
@@ -98,7 +99,13 @@ class Learner:
         model.train()
         if config.gradient_checkpointing:
             _checkpoint_activations(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        if config.lora is not None:
+            try:
+                lora.apply(model, config.lora)
+            except ValueError as exc:
+                raise LearnerError(str(exc)) from None
+        trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+        optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         schedule = functools.partial(
             lr_factor, warmup_steps=config.warmup_steps, schedule=config.lr_schedule, decay_steps=config.decay_steps, min_ratio=config.min_lr_ratio
         )
@@ -106,11 +113,14 @@ class Learner:
         self.backend = build_backend(backend, model, optimizer, scheduler, config, self.device)
         self.model = self.backend.model
         self.steps_done = 0
-        # KL's reference: the run's initial weights (the learner is always built from them), frozen
-        reference_dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
-        self.reference = (
-            Frozen(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=reference_dtype), self.device) if config.loss.kl_coef > 0 else None
-        )
+        # KL's reference: the run's initial weights (the learner is always built from them), frozen; with LoRA
+        # the base under the adapters is exactly that, read with the adapters off
+        self.reference: Frozen | lora.BaseOf | None = None
+        if config.loss.kl_coef > 0 and config.lora is not None:
+            self.reference = lora.BaseOf(self.model)
+        elif config.loss.kl_coef > 0:
+            reference_dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+            self.reference = Frozen(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=reference_dtype), self.device)
 
     # ------------------------------------------------------------------ forward
 
@@ -242,13 +252,13 @@ class Learner:
                 seq_count = float(sum(int((k.sum(-1) > 0).sum()) for k in kept))
 
             def loss_of(batch: Padded):
+                reference = None
+                if self.reference is not None:  # (before the policy's forward: see lora.adapters_off)
+                    with torch.no_grad():
+                        reference = self._logprobs(batch, self.reference)
                 logp = self._logprobs(batch)
                 if reuse:
                     anchor(batch, logp.detach())
-                reference = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        reference = self._logprobs(batch, self.reference)
                 out = policy_loss(
                     logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
                     batch.target_mask.to(self.device), loss_config, ref_logp=reference, total_tokens=max(tokens, 1.0),
@@ -342,8 +352,8 @@ class Learner:
             self.model.config.to_json_file(tmp / "model_config.json")
             checkpoint.mark_complete(tmp, {**state, "backend": self.backend_name, "learner": learner})
 
-        # the weights and AdamW's two moments, in fp32 (DeepSpeed's ZeRO shards add up to about the same)
-        return checkpoint.write_complete(directory, fill, need_bytes=3 * checkpoint.parameter_bytes(self.model))
+        # the trained weights and AdamW's two moments, in fp32 (DeepSpeed's ZeRO shards add up to about the same)
+        return checkpoint.write_complete(directory, fill, need_bytes=3 * checkpoint.parameter_bytes(self.model, trained_only=True))
 
     def _save_state(self, directory: Path, state: dict) -> None:
         """The backend's part of a checkpoint (with several ranks, each writes its own shards here)."""
@@ -357,6 +367,8 @@ class Learner:
         mismatch = checkpoint.mismatched_model(path, self.model.config.to_dict())
         if mismatch:
             raise LearnerError(f"{path} holds a checkpoint of another model ({mismatch})")
+        if (marker.get("learner") or {}).get("lora") != json.loads(json.dumps(asdict(self.config)["lora"])):
+            raise LearnerError(f"{path} was written by a learner with lora {marker['learner'].get('lora')}, this one has {self.config.lora}")
         if marker["backend"] != self.backend_name:
             raise LearnerError(f"{path} was written by the {marker['backend']} backend, this learner uses {self.backend_name}")
         state = self.backend.load(path)
@@ -365,15 +377,20 @@ class Learner:
         return state
 
     def export_weights(self, directory: str | Path) -> Path:
-        """HF-format safetensors (plus the tokenizer) for the engines and evaluations of other processes."""
-        return checkpoint.export_weights(self.model, self.model_dir, directory)
+        """HF-format safetensors (plus the tokenizer) for the engines and evaluations of other processes;
+        with LoRA, the merged model (a plain model directory)."""
+        merged = lora.merged_state_dict(self.model) if self.config.lora is not None else None
+        return checkpoint.export_weights(self.model, self.model_dir, directory, state_dict=merged)
 
     def weights_sha256(self) -> str:
-        return checkpoint.tensors_sha256(self.model)
+        if self.config.lora is not None:
+            return checkpoint.tensors_sha256(lora.merged_parameters(self.model))
+        return checkpoint.tensors_sha256(self.model.named_parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights by name, as an in-process engine loads them (live tensors: copy before the next step)."""
-        return self.model.state_dict()
+        """The policy's weights by the base model's names, as an in-process engine loads them (live tensors:
+        copy before the next step); with LoRA, merged."""
+        return lora.merged_state_dict(self.model) if self.config.lora is not None else self.model.state_dict()
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])

@@ -1,9 +1,10 @@
-"""Issue 36: every command that starts or joins the embedded PostgreSQL leaves it as the README promises,
-whichever way it ends (normal exit, Ctrl-C, SIGTERM): the last process using it stops it, a process still
-using it keeps it alive, and a SIGKILLed user's server is stopped by the next command when it exits."""
+"""Every command that starts or joins the embedded PostgreSQL leaves it as the README promises, whichever
+way it ends (normal exit, Ctrl-C, SIGTERM): the last process using it stops it, a process still using it
+keeps it alive, and a SIGKILLed user's server is stopped by the next process to leave."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loopline.ports import free_port
 
@@ -50,6 +52,14 @@ def _gone_within(home: Path, seconds: float = 10) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def _joined(home: Path, pid: int) -> bool:
+    """Whether process `pid` is listed as a user of the home's embedded server (the library's own list)."""
+    try:
+        return pid in json.loads((home / "pgdata" / ".handle_pids.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _holder(home: Path) -> subprocess.Popen:
@@ -94,3 +104,63 @@ def test_a_sigkilled_users_server_is_stopped_by_the_next_command(command, tmp_pa
     out = subprocess.run([sys.executable, "-m", "loopline.cli", *command], env=_env(home), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert _gone_within(home), f"`loopline {' '.join(command)}` left the server a SIGKILLed process had started running"
+
+
+def test_a_user_sigkilled_beside_the_last_one_does_not_keep_the_server_running(tmp_path):
+    home = tmp_path / "home"
+    killed, last = _holder(home), _holder(home)
+    killed.kill()
+    killed.wait()
+    last.send_signal(signal.SIGINT)
+    last.wait(timeout=30)
+    assert _gone_within(home), "the server outlived its last live user because a SIGKILLed one was still listed"
+
+
+@pytest.fixture(scope="module")
+def trained_home(tiny_dirs, tmp_path_factory):
+    """A loopline home whose embedded ledger holds a finished 2-step run (every version on disk), trained by
+    `loopline train`; its normal exit must have stopped the server."""
+    home = tmp_path_factory.mktemp("embedded") / "home"
+    config = home.parent / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "held", "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
+        "steps": 2, "groups_per_step": 2, "group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 8},
+        "learner": {"backend": "torch", "export_every": 1}, "eval": {"every": 10, "tasks": 4},
+    }))
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=_env(home), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert _gone_within(home), "`loopline train` ended normally and left the embedded server running"
+    return home
+
+
+COMMANDS = {
+    "train": ["train", "--resume", "held", "--steps", "50"],
+    "eval": ["eval", "held", "--version", "1"],
+    "worker": ["worker", "held"],
+    "replay": ["replay", "held", "--step", "2"],
+    "runs": ["runs"],
+    "db-status": ["db", "status"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(15 * 60)
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("command", list(COMMANDS), ids=list(COMMANDS))
+def test_a_command_stopped_by_a_signal_once_it_joined_leaves_no_server_behind(command, stop, trained_home, tmp_path):
+    log = tmp_path / "command.log"
+    proc = subprocess.Popen([sys.executable, "-m", "loopline.cli", *COMMANDS[command]], env=_env(trained_home), cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not _joined(trained_home, proc.pid) and proc.poll() is None:  # (a quick command may be done first)
+        assert time.monotonic() < deadline, f"`loopline {command}` did not join the server within 120 s"
+        time.sleep(0.05)
+    proc.send_signal(stop)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"`loopline {command}` did not stop within 60 s of {stop.name}")
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    assert _gone_within(trained_home), f"`loopline {command}` stopped by {stop.name} left the embedded server running"

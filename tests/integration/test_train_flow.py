@@ -338,3 +338,37 @@ def test_a_hugging_face_id_is_read_from_the_local_cache_and_a_missing_one_is_one
     lines = [line for line in (missing.stdout + missing.stderr).splitlines() if line.strip()]
     assert missing.returncode == 1 and len(lines) == 1, lines
     assert f"not in the Hugging Face cache ({tmp_path / 'hf'}) and HF_HUB_OFFLINE is set" in lines[0] and "hf download someone/not-downloaded" in lines[0]
+
+
+def test_a_lora_run_checkpoints_adapters_replays_from_them_and_exports_the_merged_model(prefect_server, database_url, db, tmp_path, monkeypatch):
+    """`learner.lora` from the run config: the run trains (on DeepSpeed, with KL to the base), its checkpoints
+    hold the adapters only, a replay restores one and reproduces the next version's sha256, and an exported
+    version is a plain model directory whose sha256 is the ledger's."""
+    from loopline.flows.replay import replay_step
+    from loopline.flows.train import train
+    from loopline.store.check import check_run
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    learner = {"lr": 1e-2, "backend": "deepspeed", "checkpoint_every": 1, "lora": {"rank": 4}, "loss": {"kl_coef": 0.05}}
+    path = _config(tmp_path, STARTER, learner=learner, eval={"every": 2, "tasks": 4}, groups_per_step=4, sampling={"max_new_tokens": 48})
+    done = train(str(path))
+    run_id, name = done["run_id"], done["run"]
+    assert done["policy_version"] == 2 and check_run(db, run_id).ok
+    digests = digests_of(db, run_id)
+    digests[0] = weights_sha256(STARTER)
+    signal = dict(db.execute(sa.text(
+        "SELECT step, bool_or(name = 'degenerate_groups' AND value < 4) FROM metric WHERE run_id = :r GROUP BY step"), {"r": run_id}).all())
+    db.rollback()
+    # a step moved the merged model exactly where some group's rewards differed (else every advantage is 0)
+    assert [digests[v] != digests[v - 1] for v in (1, 2)] == [signal[1], signal[2]], (digests, signal)
+    assert signal[1] and signal[2], signal  # (seeded sampling: both steps have signal)
+    checkpoints = sorted((tmp_path / "home" / "runs" / name / "checkpoints").iterdir())
+    assert checkpoints
+    for ckpt in checkpoints:  # the adapters and their Adam moments, well under the base's weights alone
+        assert sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) < (STARTER / "model.safetensors").stat().st_size / 3
+    replayed = replay_step(name, 2)
+    assert replayed["reproduced"] and replayed["from_step"] == 1, replayed
+    uri = db.execute(sa.text("SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 2"), {"r": run_id}).scalar()
+    db.rollback()
+    assert weights_sha256(uri) == digests[2]

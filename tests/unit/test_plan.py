@@ -53,6 +53,23 @@ def test_zero_stages_shard_weights_gradients_and_optimizer_states():
     assert (three["weights"], three["gradients"]) == (2 * p // 4, 2 * p // 4)
 
 
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "v_proj")], ids=["all-linear", "q-v"])
+def test_lora_trains_and_keeps_optimizer_states_for_the_adapters_peft_makes_and_no_reference_copy(targets):
+    import peft
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model("llama", **{k: v for k, v in SMOLLM2.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = peft.inject_adapter_in_model(peft.LoraConfig(r=16, target_modules=targets), AutoModelForCausalLM.from_config(hf))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = ModelShape.from_config(SMOLLM2)
+    assert shape.lora_params(16, targets) == adapters  # all-linear: 30 x 16 x (576+576 + 2 x (576+192) + 576+576 + 3 x (576+1536)) = 4.9M
+    rows = {r.part: r.bytes for r in estimate(shape, Workload(lora=(16, targets), reference_model=True), Hardware("l4", 24 * GiB, 1)).learner}
+    assert (rows["weights"], rows["gradients"], rows["optimizer states"]) == (4 * (shape.params + adapters), 4 * adapters, 8 * adapters)
+    assert "reference model" not in rows  # the base with the adapters off
+
+
 def test_activation_checkpointing_keeps_a_hidden_vector_per_token_and_layer():
     shape = ModelShape.from_config(SMOLLM2)
     per_layer = (5 * 1536 + 4 * 576 + 4 * 9 * 64) * 4 * 1000
