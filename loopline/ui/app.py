@@ -23,6 +23,7 @@ from loopline.store.check import LOGPROB_GAP_TOLERANCE
 from loopline.ui.data import (
     LedgerView,
     Token,
+    displayable,
     first_divergence,
     first_retokenisation_difference,
     segment_tokens,
@@ -192,7 +193,7 @@ def page_runs(db: LedgerView) -> None:
             st.caption(f"worst trajectories (tolerance {LOGPROB_GAP_TOLERANCE:g} per token)")
             worst = gaps.nlargest(10, "max_abs_diff").assign(open=lambda f: "?page=trajectory&id=" + f["id"].astype(str))
             st.dataframe(
-                worst, hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
+                displayable(worst), hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
             )
 
 
@@ -319,12 +320,14 @@ def page_trajectory(db: LedgerView) -> None:
         for event in segment.get("tool_events") or []:
             st.markdown(f"**tool** `{html.escape(str(event.get('tool')))}` · {event.get('seconds', 0):.3f} s")
             st.code(json.dumps(event.get("args"), ensure_ascii=False), language=None)  # st.code shows text, never markup
-            st.code(str(event.get("output")) if event.get("error") is None else f"error: {event.get('error')}", language=None)
+            if event.get("error"):  # (True, or an older ledger's message): the agent saw the output below all the same
+                st.caption("the call failed; what the agent was shown:")
+            st.code(str(event.get("output")), language=None)
     st.subheader("Verifier")
     st.json(dict(t["info"] or {}))
     st.json(dict(t["timings"] or {}))
     st.subheader("Attempts at this slot")
-    st.dataframe(db.attempts(t["slot_id"]), hide_index=True)
+    st.dataframe(displayable(db.attempts(t["slot_id"])), hide_index=True)
 
 
 def page_group(db: LedgerView) -> None:
@@ -346,7 +349,7 @@ def page_group(db: LedgerView) -> None:
         )
     else:
         st.caption("not trained yet: advantages exist once a learner step consumes the group")
-    st.dataframe(samples, hide_index=True)
+    st.dataframe(displayable(samples), hide_index=True)
     decode = decoder(db.initial_weights(first["run_id"]))
     st.markdown(STYLE, unsafe_allow_html=True)
     columns = st.columns(min(len(samples), 4))

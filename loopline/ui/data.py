@@ -113,6 +113,13 @@ class LedgerView:
         return self._read(views.environment_spec, name, version)
 
 
+def displayable(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with its ids as text: Streamlit's table turned uuid.UUID values into their bytes
+    (`{"0": 24, "1": 16, ...}`)."""
+    ids = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, uuid.UUID)).any()]
+    return frame.assign(**{c: frame[c].map(lambda v: str(v) if isinstance(v, uuid.UUID) else v) for c in ids}) if ids else frame
+
+
 @dataclass(frozen=True)
 class Token:
     """One token as the inspector shows it."""

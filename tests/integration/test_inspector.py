@@ -7,6 +7,7 @@ write; and (slow) a headless Chromium opens a run, clicks into a trajectory and 
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import shutil
@@ -156,6 +157,29 @@ def test_trajectory_page_shows_tokens_masks_and_escapes_untrusted_text(app, seed
     assert not at.dataframe[0].value.empty  # the attempts at this slot
 
 
+def test_tool_calls_show_their_output_also_when_they_failed_and_ids_read_as_text(app, seeded):
+    """A tool call's output is what the agent was shown, failed or not (the page showed `error: False`
+    instead of it), and the attempts table shows ids as text (Streamlit showed a UUID's bytes)."""
+    engine = sa.create_engine(seeded["url"])
+    events = [
+        {"tool": "calc", "args": {"expression": "1 + 1"}, "output": "<result>2</result>", "error": False, "seconds": 0.01},
+        {"tool": None, "args": None, "output": "unknown tool <bogus>", "error": True, "seconds": 0.0},
+    ]
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE segment SET tool_events = CAST(:e AS jsonb) WHERE trajectory_id = :t AND seq = 0"),
+            {"e": json.dumps(events), "t": seeded["xss"]},
+        )
+    engine.dispose()
+    at = app("trajectory", id=seeded["xss"])
+    shown = [c.value for c in at.code]
+    assert "<result>2</result>" in shown and "unknown tool <bogus>" in shown
+    assert not [c for c in shown if c.startswith("error:")]
+    assert [c.value for c in at.caption].count("the call failed; what the agent was shown:") == 1
+    attempts = at.dataframe[0].value
+    assert attempts["id"].map(type).eq(str).all() and len(attempts["id"].iloc[0]) == 36, attempts
+
+
 def test_trajectory_page_shows_the_learners_logprobs_beside_the_rollouts(app, seeded):
     """π_old per action token, stored by the learner step; the same weights generated and trained: they agree."""
     at = app("trajectory", id=seeded["xss"])
@@ -231,6 +255,7 @@ def test_group_page_shows_samples_with_advantages(app, seeded):
     at = app("group", id=seeded["xss_group"])
     table = at.dataframe[0].value
     assert len(table) == 4 and "advantage" in table
+    assert seeded["xss"] in set(table["id"])  # the ids as text (a uuid.UUID is not its text)
     assert abs(table["advantage"].sum()) < 1e-6  # GRPO advantages of a group are centred
 
 
