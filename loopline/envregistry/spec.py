@@ -452,6 +452,8 @@ def _check_tree(file: Path, root: yaml.Node) -> None:
             children = node.value
         else:
             children = []
+            if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 30:  # (Python refuses > 4300 digits, mid-parse)
+                raise LooplineError(f"{file}:{node.start_mark.line + 1}: a number of {len(node.value):,} digits; numbers here fit in 64 bits")
         for child in children:
             child_size, child_depth = walk(child)
             size, depth = size + child_size, max(depth, child_depth + 1)

@@ -72,6 +72,7 @@ CASES: dict[str, tuple[str | bytes, str | bytes | None, str]] = {
     "mapping_nesting_60_deep": (GEN + "description: " + "{a: " * 60 + "1" + "}" * 60 + "\n", None, "nested deeper than"),
     "long_flat_list": (GEN + "description: [" + ", ".join(["1"] * 30000) + "]\n", None, "more than 10,000 values"),
     "train_size_a_billion": (GEN.replace("train_size: 50", "train_size: 1000000000"), None, "less than or equal to 100000"),
+    "seed_of_5000_digits": (GEN.replace("eval_size: 10", "eval_size: 10, seed: " + "9" * 5000), None, "a number of 5,000 digits"),
     "train_size_1e9": (GEN.replace("train_size: 50", "train_size: 1e9"), None, "tasks.train_size"),
     "max_operand_1_cannot_hold_out": (GEN.replace("eval_size: 10", "eval_size: 10, params: {max_operand: 1, split: problems}"), None, "held-out problems could be drawn"),
     "unknown_generator_param": (GEN.replace("eval_size: 10", "eval_size: 10, params: {colour: red}"), None, "tasks.params.colour"),
