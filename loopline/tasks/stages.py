@@ -213,6 +213,8 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     failpoint("learner_commit")
     # the process's peak so far (learner, and the engine when it runs here): the inspector shows it beside the plan
     peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    if torch.cuda.is_available():  # the learner's device memory (the plan's estimate is beside it in the inspector)
+        peak["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
     metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
     try:
         with ctx.session_factory() as s:
