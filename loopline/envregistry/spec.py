@@ -344,6 +344,11 @@ class EnvSpec(_Strict):
     sandbox: Sandbox
     tasks: TaskSource
     tools: tuple[Tool, ...] = ()
+    tool_calls: Literal["tags", "hermes"] = Field(
+        "tags", description="how the model calls a tool: tags (<NAME>ARG</NAME>, the starters' format) or hermes (the "
+        "chat template renders the tools, the model writes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+        "and tool outputs come back as the template's tool messages: Qwen2.5/3, Hermes and other instruction-tuned models)",
+    )
     reset: Reset = Reset()
     verifier: Verifier
     budgets: Budgets = Budgets()

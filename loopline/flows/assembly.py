@@ -24,6 +24,7 @@ from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.flows.config import EngineSettings, RunConfig, load_config, parse_config
+from loopline.rollout.actions import tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
@@ -141,6 +142,11 @@ def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Pat
     chat = ChatFormat.for_policy(initial)
     if config.few_shot is not None:
         chat = replace(chat, few_shot=tuple(turn.model_dump() for turn in config.few_shot))
+    if spec.tool_calls == "hermes":
+        try:
+            chat = chat.with_tools(tool_schemas(spec.tools))
+        except ValueError as exc:
+            raise LooplineError(f"policy {config.policy} with env {spec.name} (tool_calls: hermes): {exc}") from None
     return EpisodeSetup(spec, env_version, chat, sampling)
 
 

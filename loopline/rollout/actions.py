@@ -1,9 +1,13 @@
 """Reading the model's turn: a tool call, a final answer, or neither.
 
-A tool is called as `<NAME>ARGUMENT</NAME>` when it takes one string
-argument (`<calc>12 * 7</calc>`), or `<NAME>{"json": "object"}</NAME>`
-otherwise. `<answer>...</answer>` ends the episode. What does not parse is
-told back to the model as an observation; it never crashes the episode.
+`tool_calls: tags` (the default): a tool is called as `<NAME>ARGUMENT</NAME>`
+when it takes one string argument (`<calc>12 * 7</calc>`), or
+`<NAME>{"json": "object"}</NAME>` otherwise; `<answer>...</answer>` ends the
+episode. `tool_calls: hermes`: the convention instruction-tuned models are
+trained on (Hermes, Qwen2.5/3): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`,
+the tools described to the model by its own chat template (`tool_schemas`);
+a turn without a call is the answer. Either way what does not parse is told
+back to the model as an observation; it never crashes the episode.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class NoAction:
 Action = Answer | Call | Unparsable | NoAction
 
 
-def parse_action(text: str, tools: tuple[Tool, ...]) -> Action:
+def parse_action(text: str, tools: tuple[Tool, ...], tool_calls: str = "tags") -> Action:
+    if tool_calls == "hermes":
+        return _parse_hermes(text, tools)
     names = [t.name for t in tools] + ["answer"]
     opening = re.search(r"<(" + "|".join(map(re.escape, names)) + r")>", text)
     if opening is None:
@@ -64,3 +70,55 @@ def parse_action(text: str, tools: tuple[Tool, ...]) -> Action:
     if not isinstance(args, dict):
         return Unparsable(f"error: arguments of <{name}> must be a JSON object, got {type(args).__name__}")
     return Call(ToolCall(name, args))
+
+
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+def _parse_hermes(text: str, tools: tuple[Tool, ...]) -> Action:
+    """The first `<tool_call>` of the turn (one call per turn: the harness runs it and shows its output)."""
+    found = _HERMES_CALL.search(text)
+    if found is None:
+        return NoAction()
+    if not found.group(2):
+        return Unparsable("error: <tool_call> was opened but never closed with </tool_call>")
+    try:
+        call = json.loads(found.group(1))
+    except json.JSONDecodeError as exc:
+        return Unparsable(f'error: a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}} ({exc.msg})')
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return Unparsable('error: a tool call must be a JSON object {"name": ..., "arguments": {...}}')
+    tool = next((t for t in tools if t.name == call["name"]), None)
+    if tool is None:
+        return Unparsable(f"error: no tool named {call['name'][:80]!r}; the tools are: {', '.join(t.name for t in tools) or 'none'}")
+    args = call.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI's API returns them
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        return Unparsable(f"error: the arguments of {tool.name} must be a JSON object; expected keys: {', '.join(tool.args) or 'none'}")
+    return Call(ToolCall(tool.name, args))
+
+
+_JSON_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean"}
+
+
+def tool_schemas(tools: tuple[Tool, ...]) -> tuple[dict, ...]:
+    """The tools as chat templates take them (`apply_chat_template(tools=...)`: OpenAI's function format)."""
+    return tuple(
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {name: {"type": _JSON_TYPES[a.type], "description": a.description} for name, a in t.args.items()},
+                    "required": [name for name, a in t.args.items() if a.required],
+                },
+            },
+        }
+        for t in tools
+    )

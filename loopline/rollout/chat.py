@@ -28,6 +28,8 @@ class ChatFormat:
     version: str
     # Demonstration turns placed before every task (a policy's few-shot prompt), as chat messages.
     few_shot: tuple[dict, ...] = ()
+    # Tools the chat template describes to the model itself (`tool_calls: hermes`), in OpenAI's function format.
+    tools: tuple[dict, ...] = ()
 
     @classmethod
     def for_policy(cls, model_dir) -> "ChatFormat":
@@ -60,6 +62,21 @@ class ChatFormat:
         ).hexdigest()[:16]
         return cls(tokenizer, turn_close, prefix, suffix, observation_role, f"{type(tokenizer).__name__}:{digest}")
 
+    def with_tools(self, tools: tuple[dict, ...]) -> "ChatFormat":
+        """The template's own tool calling: it renders `tools` into the first prompt, and a tool's output comes
+        back as its `tool` message. A template that ignores `tools` cannot be used so (one line says so)."""
+        plain = [{"role": "user", "content": "q"}]
+        render = lambda **kw: self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
+        if not tools or render(tools=list(tools)) == render():
+            raise ValueError(
+                "the policy's chat template does not render tools (no tool calling of its own); use the env's tool_calls: tags"
+            )
+        try:
+            again = ChatFormat.from_tokenizer(self.tokenizer, observation_role="tool")
+        except Exception as exc:  # the template's own error for a role it does not know
+            raise ValueError(f"the policy's chat template cannot show a tool's output as a tool message ({exc})") from None
+        return dataclasses.replace(again, few_shot=self.few_shot, tools=tuple(tools))
+
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
@@ -69,7 +86,8 @@ class ChatFormat:
 
     def initial_ids(self, system: str, user: str) -> list[int]:
         messages = ([{"role": "system", "content": system}] if system else []) + list(self.few_shot) + [{"role": "user", "content": user}]
-        return self._encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        tools = {"tools": list(self.tools)} if self.tools else {}
+        return self._encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools))
 
     def observation_ids(self, text: str, generated_ids: list[int]) -> list[int]:
         """Ids to append after an assistant turn: the rest of its closing, the observation turn, the next opening."""

@@ -98,7 +98,7 @@ async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id,
         generated = list(gen.token_ids)
         state["generated"] += len(generated)
         text = setup.chat.decode(generated)
-        action = parse_action(text, setup.spec.tools)
+        action = parse_action(text, setup.spec.tools, setup.spec.tool_calls)
         events: list[dict] = []
         segment = SegmentRecord(
             request_id=rid,
