@@ -394,8 +394,17 @@ class EnvSpec(_Strict):
         return used
 
     def canonical(self) -> dict[str, Any]:
-        """Every field with defaults filled in: two files that mean the same thing hash the same."""
-        return self.model_dump(mode="json")
+        """Every field with defaults filled in: two files that mean the same thing hash the same. A field added
+        after specs were first registered is left out while at its default, so a spec that does not use it keeps
+        its hash: its registered version, and the starter policy built for it."""
+        data = self.model_dump(mode="json")
+        for key, default in _ADDED_LATER.items():
+            if data.get(key) == default:
+                del data[key]
+        return data
+
+
+_ADDED_LATER = {"tool_calls": "tags"}  # field -> its default
 
 
 def spec_hash(canonical: dict[str, Any]) -> str:

@@ -371,3 +371,16 @@ def test_an_environment_version_beyond_the_ledgers_integers_is_one_line():
     for ref in ("arithmetic@2147483648", "arithmetic@" + "9" * 5000, "arithmetic@x", "arithmetic@\u0661"):
         with pytest.raises(LooplineError, match="below 10\\^9"):
             parse_ref(ref)
+
+
+def test_a_field_added_later_at_its_default_leaves_a_specs_hash_as_it_was(tmp_path):
+    """`tool_calls: tags` (the default) is not in the canonical form: the examples keep the hash they were
+    registered under, and the shipped starter its name; another value is part of it."""
+    from loopline.envregistry.registry import content_hash
+    from loopline.flows.starter import SHIPPED_STARTERS, tiny_policy_name
+
+    assert (SHIPPED_STARTERS / tiny_policy_name(content_hash(ARITHMETIC), 0) / "config.json").is_file()
+    text = ARITHMETIC.read_text()
+    for value, same in (("tags", True), ("hermes", False)):
+        (tmp_path / "env.yaml").write_text(text + f"tool_calls: {value}\n")
+        assert (content_hash(tmp_path / "env.yaml") == content_hash(ARITHMETIC)) == same

@@ -16,15 +16,14 @@ from transformers import AutoTokenizer
 from loopline.envregistry.episode import ToolCall
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import Task
-from loopline.flows.starter import SHIPPED_STARTERS
 from loopline.rollout.actions import Call, NoAction, Unparsable, parse_action, tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
+from tests.integration.test_train_flow import STARTER
 from tests.ledger.test_harness import ScriptedEngine
 
 ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
-STARTER = next(SHIPPED_STARTERS.iterdir())
 HERMES_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
