@@ -74,7 +74,7 @@ def extend_run(config_path: str | None, resume: str | None, steps: int) -> None:
                 f"run {run.name} decays its learning rate over its {run.config['steps']} steps (lr_schedule: {schedule}); more steps "
                 "would change the rate of those it trained. Fork it instead: loopline train NEW.yaml --fork " + run.name
             )
-        ledger.extend_run(s, run.id, {**run.config, "steps": steps})
+        ledger.restate_config(s, run.id, {**run.config, "steps": steps})
 
 
 @dataclass

@@ -25,7 +25,7 @@ from loopline.failpoints import failpoint
 from loopline.flows import assembly, learner_launch, plan
 from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
-from loopline.flows.config import RunConfig
+from loopline.flows.config import RunConfig, parse_config
 from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
@@ -105,11 +105,24 @@ def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
         raise LooplineError(f"run {config.name}: learner.dtype: bf16 needs a GPU with bf16, and this machine has none; use fp32")
 
 
+def _same_config(stored: dict, config: RunConfig) -> bool:
+    """Whether a stored config means `config`, read with today's defaults."""
+    try:
+        return parse_config({k: v for k, v in stored.items() if k != FORKED_FROM}, "stored") == config
+    except LooplineError:  # a field it has that this loopline no longer knows: another config
+        return False
+
+
 def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
     """Create or continue the run; a changed config is refused unless `fork` names a new run."""
     try:
         return ledger.create_run(s, config.name, pinned, str(policy)), config
     except LedgerConflict:
+        run = ledger.get_run(s, config.name)
+        if _same_config(run.config, config):  # stored by an older loopline (without the fields added since), or a fork's
+            restated = {**pinned, **{k: v for k, v in run.config.items() if k == FORKED_FROM}}
+            ledger.restate_config(s, run.id, restated)
+            return ledger.create_run(s, config.name, restated, str(policy)), config
         if fork is None:
             raise LedgerConflict(
                 f"run {config.name!r} was started with another config (or another version of its environment); "

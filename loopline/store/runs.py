@@ -44,7 +44,7 @@ def create_run(
             config=Jsonb(config),
             hash=digest,
         )
-        run = session.execute(sa.select(Run).where(Run.name == name)).scalar_one()
+        run = session.execute(sa.select(Run).where(Run.name == name).execution_options(populate_existing=True)).scalar_one()
         if run.config_hash != digest:
             raise LedgerConflict(
                 f"run {name!r} already exists with a different config; resume it with its own config "
@@ -150,8 +150,9 @@ def mark_abandoned(session: Session, run_id: uuid.UUID, holder: str | None, stat
         )
 
 
-def extend_run(session: Session, run_id: uuid.UUID, config: dict[str, Any]) -> None:
-    """The run trains to more steps: its stored config (and hash) say so from now on."""
+def restate_config(session: Session, run_id: uuid.UUID, config: dict[str, Any]) -> None:
+    """The run's stored config (and hash) from now on: more steps (an extended run), or the same config as a
+    newer loopline writes it out (with the fields it added, at their defaults)."""
     with transaction(session):
         q(session, "UPDATE run SET config = :c, config_hash = :h WHERE id = :r", c=Jsonb(config), h=config_hash(config), r=run_id)
 

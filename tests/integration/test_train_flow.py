@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -191,6 +192,8 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
     path = _config(tmp_path, tiny_dirs["v0"], steps=2, eval={"every": 2, "tasks": 4})
+    original = tmp_path / "original.yaml"
+    original.write_text(path.read_text())  # (`_config` writes run.yaml again below)
     first = train(str(path))
     name = first["run"]
     assert [v for v, _ in train(resume=name)["eval"]] == [0, 2]  # the stored config resumes a finished run: nothing to do
@@ -201,6 +204,16 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
         train(str(changed))
     forked = train(str(changed), fork=f"{name}-b")
     assert forked["run"] == f"{name}-b" and forked["policy_version"] == 3
+    assert train(resume=f"{name}-b")["policy_version"] == 3  # a fork resumes with its stored config (it has its parent's name beside it)
+    # a run stored by an older loopline, before a field it does not set existed (here: learner.lora), resumes
+    from loopline.store.runs import config_hash
+
+    row = _scalar_rows(db, "SELECT id, config FROM run WHERE name = :n", n=name)[0]
+    older = {**row[1], "learner": {k: v for k, v in row[1]["learner"].items() if k != "lora"}}
+    db.execute(sa.text("UPDATE run SET config = CAST(:c AS jsonb), config_hash = :h WHERE id = :r"),
+               {"c": json.dumps(older), "h": config_hash(older), "r": row[0]})
+    db.commit()
+    assert train(str(original))["policy_version"] == 2  # the same config, not "another config"
     parent_v2, fork_v0 = _scalar_rows(
         db,
         "SELECT p.weights_uri FROM policy_version p JOIN run r ON r.id = p.run_id "
