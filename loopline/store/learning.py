@@ -198,16 +198,24 @@ def commit_learner_step(
             v=latest,
             g=list(claimed),
         ).rowcount
+        # (One statement each, never executemany: psycopg pipelines that, and a process frozen mid-pipeline
+        # leaves its backend waiting for the rest with no timeout that applies, holding this run's lock.)
         if samples:  # what each trajectory contributed: the advantage and correction the learner used
-            session.execute(
-                sa.text("UPDATE consumption SET advantage = :a, training = :d WHERE run_id = :r AND trajectory_id = :t"),
-                [dict(a=x.advantage, d=Jsonb(x.details()), r=run_id, t=t) for t, x in samples.items()],
+            q(
+                session,
+                "UPDATE consumption c SET advantage = v.a, training = v.d "
+                "FROM unnest(CAST(:t AS uuid[]), CAST(:a AS float8[]), CAST(:d AS jsonb[])) AS v(t, a, d) "
+                "WHERE c.run_id = :r AND c.trajectory_id = v.t",
+                r=run_id, t=list(samples), a=[x.advantage for x in samples.values()], d=[Jsonb(x.details()) for x in samples.values()],
             )
-            recomputed = [dict(r=run_id, t=t, lp=list(x.learner_logprobs)) for t, x in samples.items() if x.learner_logprobs is not None]
+            recomputed = [{"t": str(t), "lp": list(x.learner_logprobs)} for t, x in samples.items() if x.learner_logprobs is not None]
             if recomputed:  # π_old per action token, beside the rollout's μ (the inspector's mismatch view)
-                session.execute(
-                    sa.text("INSERT INTO learner_logprob (run_id, trajectory_id, logprobs) VALUES (:r, :t, CAST(:lp AS real[]))"),
-                    recomputed,
+                q(
+                    session,
+                    "INSERT INTO learner_logprob (run_id, trajectory_id, logprobs) "
+                    "SELECT :r, (x->>'t')::uuid, ARRAY(SELECT e.v::float8::real FROM jsonb_array_elements_text(x->'lp') "
+                    "WITH ORDINALITY AS e(v, i) ORDER BY e.i) FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS x",
+                    r=run_id, rows=Jsonb(recomputed),
                 )
         q(session, "UPDATE rollout_group SET state = 'consumed' WHERE id = ANY(:g)", g=list(claimed))
         new_version = latest + 1
@@ -242,13 +250,13 @@ def commit_learner_step(
 
 
 def _upsert_metrics(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float], version: int | None) -> None:
-    if metrics:
-        session.execute(
-            sa.text(
-                "INSERT INTO metric (run_id, step, name, value, policy_version) VALUES (:r, :k, :name, :value, :v) "
-                "ON CONFLICT (run_id, name, step) DO UPDATE SET value = EXCLUDED.value, policy_version = EXCLUDED.policy_version"
-            ),
-            [dict(r=run_id, k=step, name=name, value=float(value), v=version) for name, value in metrics.items()],
+    if metrics:  # (one statement: see commit_learner_step)
+        q(
+            session,
+            "INSERT INTO metric (run_id, step, name, value, policy_version) "
+            "SELECT :r, :k, m.name, m.value, :v FROM unnest(CAST(:names AS text[]), CAST(:values AS float8[])) AS m(name, value) "
+            "ON CONFLICT (run_id, name, step) DO UPDATE SET value = EXCLUDED.value, policy_version = EXCLUDED.policy_version",
+            r=run_id, k=step, v=version, names=list(metrics), values=[float(v) for v in metrics.values()],
         )
 
 

@@ -32,16 +32,17 @@ class CuttableProxy:
     def _accept(self) -> None:
         while True:
             client, _ = self.server.accept()
-            if time.monotonic() < self.down_until:
-                client.close()  # connection refused, as from a server that is down
-                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=10)
                 upstream.settimeout(None)
             except OSError:
                 client.close()
                 continue
-            with self.lock:
+            with self.lock:  # (checked under the lock `cut` takes: a connection set up while it cut is cut too)
+                if time.monotonic() < self.down_until:
+                    for sock in (client, upstream):  # refused, as by a server that is down
+                        sock.close()
+                    continue
                 self.open.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
