@@ -360,9 +360,9 @@ def runs() -> None:
             f"{pct(r.first_eval)} → {pct(r.last_eval)}", r.created_at.strftime("%m-%d %H:%M"),
         )
     console.print(table)
-    for r in found:  # why each run that did not complete stopped, one line each (never cut by the table)
+    for r in found:  # why each run that did not complete stopped, each in full (wrapped to the terminal, never cut)
         if r.reason and r.status != "completed":
-            console.print(f"{r.name}: {r.status}: {r.reason}", highlight=False, soft_wrap=True)
+            console.print(f"{r.name}: {r.status}: {r.reason}", highlight=False, markup=False, soft_wrap=False, overflow="fold")
 
 
 @app.command("cancel")

@@ -89,8 +89,14 @@ def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     listed = subprocess.run([sys.executable, "-m", "loopline.cli", "runs"], env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=120)
     row = next(line for line in listed.stdout.splitlines() if line.strip().startswith(trained_run.name))
     assert row.split()[1:5] == ["created", "1", "1", "4"], listed.stdout  # status, learner step, version, consumed
+    why = "OperationalError: (psycopg.errors.LockNotAvailable) canceling statement due to lock timeout; resume with loopline train --resume RUN"
+    db.execute(sa.text("UPDATE run SET status = 'failed', status_reason = :w WHERE id = :r"), {"w": why, "r": trained_run.id})
+    db.commit()
     narrow = subprocess.run([sys.executable, "-m", "loopline.cli", "runs"], env={**env, "COLUMNS": "80"}, capture_output=True, text=True, timeout=120)
+    db.execute(sa.text("UPDATE run SET status = 'created', status_reason = NULL WHERE id = :r"), {"r": trained_run.id})
+    db.commit()
     assert "…" not in narrow.stdout and max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout  # nothing cut
+    assert f"{trained_run.name}: failed: {why}" in " ".join(narrow.stdout.split()), narrow.stdout  # the reason in full, wrapped
     _corrupt(db, CORRUPTIONS[5][1], r=trained_run.id)
     bad = subprocess.run([sys.executable, "-m", "loopline.cli", "check", str(trained_run.id)], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "only partly trained" in bad.stdout
