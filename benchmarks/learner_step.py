@@ -65,14 +65,19 @@ def child(model: str, variant: str, steps: int, backend: str) -> None:
         _before(learner_module)
         loss = dataclasses.replace(loss, correction="mis", correction_cap=1e30)  # keeps the separate π_old pass, rejects nothing
     learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_tokens=16384, loss=loss), backend=backend)
+    times, peak_gb = timed_steps(learner, steps)
+    print(json.dumps({"variant": variant, "times": times, "peak_gb": peak_gb}))
+
+
+def timed_steps(learner, steps: int) -> tuple[list[float], float]:
+    """Seconds of each of `steps` RL steps on the benchmark's batch, and the process's peak RSS after them (GB)."""
     batch = _batch(learner.model.config.vocab_size)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         learner.rl_step(batch)
         times.append(time.perf_counter() - started)
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-    print(json.dumps({"variant": variant, "times": times, "peak_gb": peak_gb}))
+    return times, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,18 +32,12 @@ def _bytes(directory: Path) -> int:
 
 def child(model: str, variant: str, rank: int, steps: int, backend: str) -> None:
     from loopline.trainer.config import LoraConfig
+    from benchmarks.learner_step import timed_steps
     from loopline.trainer.learner import Learner, LearnerConfig
-    from benchmarks.learner_step import _batch
 
     lora = LoraConfig(rank=rank) if variant == "lora" else None
     learner = Learner(model, LearnerConfig(lr=1e-5, micro_batch_tokens=16384, lora=lora), backend=backend)
-    batch = _batch(learner.model.config.vocab_size)
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        learner.rl_step(batch)
-        times.append(time.perf_counter() - started)
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    times, peak_gb = timed_steps(learner, steps)
     started = time.perf_counter()
     learner.state_dict()
     sync_s = time.perf_counter() - started
