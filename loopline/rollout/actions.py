@@ -102,9 +102,6 @@ def _parse_hermes(text: str, tools: tuple[Tool, ...]) -> Action:
     return Call(ToolCall(tool.name, args))
 
 
-_JSON_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean"}
-
-
 def tool_schemas(tools: tuple[Tool, ...]) -> tuple[dict, ...]:
     """The tools as chat templates take them (`apply_chat_template(tools=...)`: OpenAI's function format)."""
     return tuple(
@@ -115,7 +112,7 @@ def tool_schemas(tools: tuple[Tool, ...]) -> tuple[dict, ...]:
                 "description": t.description,
                 "parameters": {
                     "type": "object",
-                    "properties": {name: {"type": _JSON_TYPES[a.type], "description": a.description} for name, a in t.args.items()},
+                    "properties": {name: {"type": a.type, "description": a.description} for name, a in t.args.items()},  # (JSON Schema's names)
                     "required": [name for name, a in t.args.items() if a.required],
                 },
             },
