@@ -9,7 +9,8 @@ The run is the quickstart's shape (shipped tiny starter, 8 groups x 8 samples, 4
 memory alone), on a throwaway database (LOOPLINE_DATABASE_URL's server or the embedded one). Each round
 starts `loopline train`, waits until its flow has begun and then a random 0-30 s (so a round's window
 is not spent starting Python and torch), and sends SIGINT or SIGKILL (alternating); after a
-SIGINT it also records how long the process took to leave and the run's status. Prints, per round, the
+SIGINT it also records how long the process took to leave and the run's status; a run that finishes before
+its signal is extended by 10 steps (`train --resume RUN --steps N`) and the round tried again. Prints, per round, the
 signal, the version reached and the status the run was left in, then the totals: finished, `check`,
 replays matching, weight rebuilds recorded, and runs left `running` without a process.
 """
@@ -76,17 +77,21 @@ def main() -> None:
             config = _config(home, name, args.steps)
             env = {**os.environ, "LOOPLINE_DATABASE_URL": url, "LOOPLINE_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
             env.pop("PREFECT_API_URL", None)
-            left_running, rounds = 0, 0
+            left_running, rounds, steps, extend = 0, 0, args.steps, False
             while rounds < args.interrupts:
                 kind = signal.SIGINT if rounds % 2 == 0 else signal.SIGKILL
+                # the first round starts the run from its file; later ones resume it (and extend it when it finished)
+                how = [str(config)] if rounds == 0 and not extend else ["--resume", name] + (["--steps", str(steps)] if extend else [])
                 with (home / f"round-{rounds}.log").open("w") as log:
-                    proc = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT,
+                    proc = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", *how], env=env, cwd=ROOT,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                     _until_flow_started(home / f"round-{rounds}.log", proc)  # under load, a start alone can take 30 s
                     time.sleep(rng.uniform(0, 30))
-                    if proc.poll() is not None:  # finished before the signal: the run is done
-                        print(f"round {rounds}: the run finished before the signal (exit {proc.returncode})")
-                        break
+                    if proc.poll() is not None:  # it finished before the signal: train it on to 10 steps more, and try again
+                        print(f"round {rounds}: the run finished at {steps} steps before the signal (exit {proc.returncode}); extending it")
+                        steps, extend = steps + 10, True
+                        continue
+                    extend = False
                     os.kill(proc.pid, kind)
                     sent = time.monotonic()
                     try:
@@ -102,7 +107,7 @@ def main() -> None:
                     left_running += 1
                 print(f"round {rounds}: {signal.Signals(kind).name:7s} at v{version:<3d} left in {took:4.1f} s, run shown as {status}")
                 rounds += 1
-            final = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT,
+            final = subprocess.run([sys.executable, "-m", "loopline.cli", "train", "--resume", name], env=env, cwd=ROOT,
                                    capture_output=True, text=True)
             status, version, rebuilds = _state(engine, name)
             check = subprocess.run([sys.executable, "-m", "loopline.cli", "check", name], env=env, cwd=ROOT, capture_output=True, text=True)
@@ -116,7 +121,7 @@ def main() -> None:
         for hog in hogs:
             hog.kill()
     print(f"{rounds} interrupts, {args.load} busy processes beside, {(time.monotonic() - started) / 60:.1f} min")
-    print(f"  final run: exit {final.returncode}, status {status}, v{version} of {args.steps}")
+    print(f"  final run: exit {final.returncode}, status {status}, v{version} of {steps}")
     if final.returncode != 0:
         print("    " + "\n    ".join((final.stdout + final.stderr).strip().splitlines()[-15:]))
     print(f"  check: {'ok' if check.returncode == 0 else 'VIOLATIONS'}; weight rebuilds recorded: {rebuilds}")
