@@ -148,23 +148,49 @@ def is_embedded() -> bool:
 # (SIGSTOP, a stalled VM) inside a transaction held its row locks, and every other worker of the run waited
 # on them for as long as it was frozen: the server ends such a transaction after `idle in transaction`,
 # and its process retries as after an outage. Waiting for a lock outlasts that, so waiters simply go on.
+# A backend whose client is gone (killed, cut off) notices only when it next reads from it: a statement it was
+# running (a lock wait, a long insert) went on, holding its locks, until it ended; the server now checks the
+# client every few seconds while a statement runs (`client_connection_check_interval`, PostgreSQL >= 14).
 SESSION_LIMITS = {
     "idle_in_transaction_session_timeout": ("LOOPLINE_DB_IDLE_IN_TRANSACTION_S", 30.0),
     "lock_timeout": ("LOOPLINE_DB_LOCK_TIMEOUT_S", 120.0),
     "statement_timeout": ("LOOPLINE_DB_STATEMENT_TIMEOUT_S", 900.0),
+    "client_connection_check_interval": ("LOOPLINE_DB_CLIENT_CHECK_S", 5.0),
 }
+
+
+# A connection whose server host died or whose network dropped it says nothing: no FIN, no reset. A call
+# waiting for its answer waited forever (no retry, and no exit on Ctrl-C: the interpreter joins the thread).
+# TCP keepalives find a silent peer within about this time (LOOPLINE_DB_DEAD_PEER_S, default 30 s), and
+# `tcp_user_timeout` ends a connection whose sent data stays unacknowledged as long; the dropped call is then
+# an outage like any other (retried). 0 leaves the operating system's defaults (hours).
+DEAD_PEER_ENV = ("LOOPLINE_DB_DEAD_PEER_S", 30.0)
+
+
+def _seconds(variable: str, default: float) -> float:
+    raw = os.environ.get(variable, str(default))
+    try:
+        return float(raw)
+    except ValueError:
+        raise LooplineError(f"{variable}={raw!r}: expected a number of seconds (0: no limit)") from None
+
+
+def dead_peer_options() -> dict[str, int]:
+    """libpq's keepalive and `tcp_user_timeout` settings for DEAD_PEER_ENV."""
+    seconds = _seconds(*DEAD_PEER_ENV)
+    if seconds <= 0:
+        return {}
+    idle = max(int(seconds / 2), 1)
+    interval = max(int(seconds / 6), 1)
+    return {"keepalives": 1, "keepalives_idle": idle, "keepalives_interval": interval, "keepalives_count": 3,
+            "tcp_user_timeout": int(seconds * 1000)}
 
 
 def session_options() -> str:
     """libpq `options` setting SESSION_LIMITS (0 turns one off)."""
     parts = []
     for setting, (variable, default) in SESSION_LIMITS.items():
-        raw = os.environ.get(variable, str(default))
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise LooplineError(f"{variable}={raw!r}: expected a number of seconds (0: no limit)") from None
-        parts.append(f"-c {setting}={max(int(seconds * 1000), 0)}")
+        parts.append(f"-c {setting}={max(int(_seconds(variable, default) * 1000), 0)}")
     return " ".join(parts)
 
 
@@ -174,6 +200,8 @@ def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args["options"] = f"{session_options()} {connect_args.get('options', '')}".strip()
     connect_args.setdefault("connect_timeout", 10)  # a server host that vanished answers nothing: fail, then retry
+    for key, value in dead_peer_options().items():
+        connect_args.setdefault(key, value)
     engine = sa.create_engine(resolved, pool_pre_ping=True, connect_args=connect_args, **kwargs)
     check_connection(engine)
     return engine

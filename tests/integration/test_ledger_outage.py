@@ -19,12 +19,6 @@ from tests.integration.test_run_lifecycle import _start, _until_version, _versio
 
 @pytest.mark.slow
 @pytest.mark.timeout(15 * 60)  # (CI's other tests load the machine: measured up to 300 s, the default limit)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect, issue 31: inside the full suite the run sometimes does not get past the 20 s outage (a lock "
-    "on its own rollout_group rows held past lock_timeout, or no progress and no retry logged for 300 s); alone it "
-    "passed 4 of 4 times. Remove this mark with the fix.",
-)
 def test_a_short_outage_is_waited_out_and_a_long_one_stops_the_run_with_one_line_then_it_resumes(tiny_dirs, database_url, db, tmp_path):
     direct = make_url(database_url)
     proxy = CuttableProxy(direct.host, direct.port or 5432)
