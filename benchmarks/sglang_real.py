@@ -10,7 +10,9 @@ the server must be able to read (same machine or a shared filesystem). Prints, m
   2. a `loopline train` run of --steps steps with `engine: {kind: sglang, servers: [SERVER]}` (fresh
      loopline home): per step, rollout seconds and generated tokens/s, learner / checkpoint / export
      seconds, and the weight sync's check / load / confirm seconds (all from the ledger), and the
-     learner's logprob gap on the tokens its own weights generated.
+     learner's logprob gap on the tokens its own weights generated. With --lora RANK the run trains a LoRA
+     adapter and ships each version as its adapter (the server must run with --enable-lora --max-lora-rank
+     RANK --lora-target-modules all): the gap then checks that the server applied the adapter the learner wrote.
 A real server on this 2-core CPU decodes 1-3 tokens/s (shared/notes/sglang-cpu/): keep the sizes small.
 """
 
@@ -86,7 +88,10 @@ def side_by_side(server: str, model: Path, prompts: int, concurrency: int, max_n
     print(f"   greedy ids identical on {same}/{len(remote)} prompts; max |logprob diff| on those {max(diffs, default=0.0):.2e}")
 
 
-def short_run(server: str, model: Path, steps: int, groups: int, group_size: int, max_new_tokens: int, concurrency: int) -> None:
+def short_run(
+    server: str, model: Path, steps: int, groups: int, group_size: int, max_new_tokens: int, concurrency: int, lora: int | None = None,
+    lr: float = 1e-5,
+) -> None:
 
     home = Path(tempfile.mkdtemp(prefix="loopline-sglang-real-"))
     name = f"sglang-real-{int(time.time())}"
@@ -95,7 +100,8 @@ def short_run(server: str, model: Path, steps: int, groups: int, group_size: int
         "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(model), "steps": steps,
         "groups_per_step": groups, "group_size": group_size, "concurrency": concurrency,
         "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens},
-        "learner": {"lr": 1e-5, "backend": "torch"}, "eval": {"every": steps, "tasks": 4, "temperature": 0.0},
+        "learner": {"lr": lr, "backend": "torch", **({"lora": {"rank": lora}} if lora else {})},
+        "eval": {"every": steps, "tasks": 4, "temperature": 0.0},
         "engine": {"kind": "sglang", "servers": [server]},
     }))
     env = {**os.environ, "LOOPLINE_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -115,7 +121,8 @@ def short_run(server: str, model: Path, steps: int, groups: int, group_size: int
         table = views.step_timings(conn, run)
         gaps = {(step, n): v for step, n, v in views.metrics(conn, run).rows if n.startswith("logprob_abs_diff")}
     database.dispose()
-    print(f"\n2. `loopline train` through SGLang: {steps} steps of {groups} groups x {group_size}, {wall:.0f} s in all (home {home})")
+    shipped = "" if not lora else f", LoRA rank {lora}: each version shipped as its adapter ({_adapter_mib(home, name):.2f} MiB)"
+    print(f"\n2. `loopline train` through SGLang: {steps} steps of {groups} groups x {group_size}{shipped}, {wall:.0f} s in all (home {home})")
     columns = table.columns
     for row in table.rows:
         r = dict(zip(columns, row))
@@ -126,6 +133,39 @@ def short_run(server: str, model: Path, steps: int, groups: int, group_size: int
             f"(check {r['sync_check_s'] or 0:.3f}, load {r['sync_load_s'] or 0:.2f}, confirm {r['sync_confirm_s'] or 0:.3f}) · "
             f"logprob gap {gaps.get((r['step'], 'logprob_abs_diff'), float('nan')):.2e}"
         )
+    if lora:  # the gap above is small only if the server applied each adapter; with the base's logprobs it would be this
+        print(f"   the same tokens' gap to the base model (adapter not applied): {_base_gap(home, name, model):.2e}")
+
+
+def _base_gap(home: Path, name: str, model: Path) -> float:
+    """Mean |rollout logprob - base model's logprob| over the newest step's trained action tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loopline.store import ledger
+    from loopline.store.db import make_engine, session
+    from loopline.trainer.batch import load_sequences
+
+    database = make_engine()
+    with session(database) as s:
+        run = ledger.get_run(s, name)
+        last = ledger.resume_state(s, run.id).next_learner_step - 1
+        sequences = load_sequences(s, ledger.trained_batch(s, run.id, last))
+    database.dispose()
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    gaps = []
+    for seq in sequences:
+        with torch.no_grad():
+            lp = torch.log_softmax(base(torch.tensor([list(seq.input_ids)])).logits[0].float(), -1)
+        for i, (mask, rollout) in enumerate(zip(seq.action_mask, seq.behaviour_logprobs)):
+            if mask and i > 0:
+                gaps.append(abs(rollout - lp[i - 1, seq.input_ids[i]].item()))
+    return sum(gaps) / len(gaps)
+
+
+def _adapter_mib(home: Path, name: str) -> float:
+    newest = sorted((home / "runs" / name / "adapters").glob("v*"))[-1]
+    return sum(f.stat().st_size for f in newest.iterdir()) / 2**20
 
 
 def main() -> None:
@@ -139,10 +179,12 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--skip-run", action="store_true", help="only the side-by-side generation")
+    parser.add_argument("--lr", type=float, default=1e-5, help="the run's learning rate (large: the weights move visibly in 2 steps)")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="the run trains a LoRA adapter of this rank (adapter sync)")
     args = parser.parse_args()
     side_by_side(args.server, args.model, args.prompts, args.concurrency, args.max_new_tokens)
     if not args.skip_run:
-        short_run(args.server, args.model, args.steps, args.groups, args.group_size, args.max_new_tokens, args.concurrency)
+        short_run(args.server, args.model, args.steps, args.groups, args.group_size, args.max_new_tokens, args.concurrency, args.lora, args.lr)
 
 
 if __name__ == "__main__":

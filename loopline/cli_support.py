@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from loopline.errors import LooplineError
+from loopline.rollout.engine import EngineError
 from loopline.store.errors import is_database_outage
 
 F = TypeVar("F", bound=Callable)
@@ -60,6 +61,11 @@ def friendly_errors(fn: F) -> F:
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             print_error(str(exc))
+            sys.exit(1)
+        except EngineError as exc:  # the engine still failing after the retries: its message names the server and why
+            if os.environ.get("LOOPLINE_DEBUG"):
+                raise
+            print_error(f"{exc}; fix that and run the command again (nothing committed is lost; a run resumes where it stopped)")
             sys.exit(1)
         except Exception as exc:
             if os.environ.get("LOOPLINE_DEBUG") or not is_database_outage(exc):

@@ -36,6 +36,7 @@ from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
 from loopline.tasks import stages
 from loopline.trainer import ranks
+from loopline.trainer.config import LoraConfig
 from loopline.trainer.learner import Learner
 
 
@@ -155,7 +156,8 @@ def build_binding(parts: RunParts) -> Binding:
 
 
 def build_engine(
-    settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path, tag: str | None = None
+    settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path, tag: str | None = None,
+    lora: LoraConfig | None = None,
 ) -> EngineThread:
     """The engine the config names, serving `version` (whose weights are at `weights`), on its own loop thread.
 
@@ -163,7 +165,8 @@ def build_engine(
     it serves, and one serving other weights is brought to `version` by the next weight sync. sglang +
     launch: replicas started here on `weights` (logs in `log_dir`), stopped when the engine shuts down.
     `tag` (the run's) goes into every weight version a server is given, so that no server passes another
-    run's weights off as this run's version.
+    run's weights off as this run's version. `lora` (sglang only): the servers keep `initial` and load each
+    version's adapter; launched ones are started with LoRA enabled for its rank and modules.
     """
     if settings.kind == "local":
         return EngineThread(LocalEngine(weights, version=version, max_batch=concurrency))
@@ -174,11 +177,14 @@ def build_engine(
         from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
 
         launch = settings.launch
-        plan = LaunchPlan(launch.replicas, tuple(launch.args), launch.module, launch.python, launch.startup_timeout_s)
-        return EngineThread(LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s, tag=tag))
+        args = tuple(launch.args) + (lora_server_args(lora) if lora is not None and "--enable-lora" not in launch.args else ())
+        plan = LaunchPlan(launch.replicas, args, launch.module, launch.python, launch.startup_timeout_s)
+        return EngineThread(
+            LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s, tag=tag, adapters=lora is not None)
+        )
     client = SGLangEngine(
-        settings.servers, initial_version=version, timeout_s=settings.timeout_s, initial_path=str(weights),
-        served_layout=read_layout(initial), tag=tag,
+        settings.servers, initial_version=version, timeout_s=settings.timeout_s, initial_path=str(initial if lora else weights),
+        served_layout=read_layout(initial), tag=tag, adapters=lora is not None,
     )
     engine = EngineThread(client)
     try:
@@ -189,10 +195,20 @@ def build_engine(
     return engine
 
 
-def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None) -> EngineThread:
+def lora_server_args(lora: LoraConfig) -> tuple[str, ...]:
+    """SGLang's flags for serving adapters of this rank on these modules (peft's all-linear is SGLang's all).
+    (No --max-loaded-loras: it must be at least --max-loras-per-batch, 8 by default, or the server refuses to
+    start; the client unloads all but the two newest adapters itself.)"""
+    modules = ["all"] if lora.target_modules == "all-linear" else list(lora.target_modules)
+    return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules)
+
+
+def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None, adapters: bool = False) -> EngineThread:
+    """The run's engine serving `version` from `weights`; `adapters` (a LoRA run's rollouts on SGLang, not an
+    evaluation of an exported version): the servers keep the base and load adapters from the ledger."""
     return build_engine(
         parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang",
-        tag=parts.run_id.hex[:8],
+        tag=parts.run_id.hex[:8], lora=parts.config.learner.lora if adapters and parts.config.syncs_adapters else None,
     )
 
 

@@ -111,6 +111,11 @@ class EngineSettings(_Strict):
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
     timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="sglang with learner.lora: each version ships as its adapter alone (the servers keep the base model; "
+        "started with --enable-lora) or as the merged model",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "EngineSettings":
@@ -192,8 +197,16 @@ class RunConfig(_Strict):
         return self
 
     @property
+    def syncs_adapters(self) -> bool:
+        """A LoRA run on SGLang that ships each version as its adapter (the servers keep the base model)."""
+        return self.engine.kind == "sglang" and self.learner.lora is not None and self.engine.lora_sync == "adapter"
+
+    @property
     def versions_loaded_elsewhere(self) -> bool:
-        """Whether a process other than the learner's serves each new version (and so needs it on disk)."""
+        """Whether a process other than the learner's loads each new version's full weights from disk (with
+        adapter sync the servers and workers load adapters, which are written for every version anyway)."""
+        if self.syncs_adapters:
+            return False
         return self.engine.kind == "sglang" or (self.mode == "async" and not self.local_rollout)
 
     @property

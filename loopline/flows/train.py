@@ -170,7 +170,8 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     ctx = LoopContext(
         run_id=run_id,
         session_factory=parts.session_factory(),
-        engine=assembly.build_run_engine(parts, weights, state.policy_version),
+        engine=assembly.build_run_engine(parts, weights, state.policy_version, adapters=True),
+        adapters=config.syncs_adapters,
         binding=assembly.build_binding(parts),
         learner=learner,
         workdir=workdir,

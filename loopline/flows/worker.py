@@ -55,9 +55,10 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     ctx = stages.RolloutContext(
         run_id=run_id,
         session_factory=parts.session_factory(),
-        engine=assembly.build_run_engine(parts, parts.state.weights_uri, parts.state.policy_version, concurrency),
+        engine=assembly.build_run_engine(parts, parts.state.weights_uri, parts.state.policy_version, concurrency, adapters=True),
         binding=assembly.build_binding(parts),
         concurrency=concurrency,
+        adapters=config.syncs_adapters,
         lease_seconds=config.lease_seconds,
         in_flight=config.in_flight,
     )

@@ -7,6 +7,8 @@ leaves no server behind. When a request or a weight update fails and a replica's
 real server dies on a bad weights file, or runs out of memory), the replica is restarted on the
 last version every replica loaded successfully, and the call still fails as an `EngineError`: the
 attempt is retried as an infra failure and the next weight sync brings the replica up to date.
+With `adapters` (a LoRA run) every replica starts on the run's initial model with LoRA enabled, and
+a revived one loads the last good adapter again before it serves.
 """
 
 from __future__ import annotations
@@ -59,16 +61,19 @@ class _Server:
 class LaunchedSGLang:
     def __init__(
         self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = 600.0,
-        tag: str | None = None,
+        tag: str | None = None, adapters: bool = False,
     ):
         self.plan = plan
         log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [_Server(i, free_port(), log_dir / f"sglang-{i}.log") for i in range(plan.replicas)]
-        self.good = (version, str(weights))  # the newest version every replica loaded
+        self.adapters = adapters
+        self.base = (0, str(initial_path)) if adapters else (version, str(weights))  # what a replica starts on
+        # the newest version every replica loaded (with adapters: its adapter; none is loaded yet)
+        self.good = self.base if adapters else (version, str(weights))
         self._reviving: asyncio.Lock | None = None  # made on the engine's loop
         self.client = SGLangEngine(
-            [s.url for s in self.servers], initial_version=version, timeout_s=timeout_s, initial_path=str(weights),
-            served_layout=read_layout(initial_path), tag=tag,
+            [s.url for s in self.servers], initial_version=version, timeout_s=timeout_s, initial_path=self.base[1],
+            served_layout=read_layout(initial_path), tag=tag, adapters=adapters,
         )
         for server in self.servers:
             self._spawn(server)
@@ -82,7 +87,7 @@ class LaunchedSGLang:
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, server: _Server) -> None:
-        version, weights = self.good
+        version, weights = self.base if self.adapters else self.good
         command = [
             self.plan.python or sys.executable, "-m", self.plan.module, "--model-path", weights,
             "--host", "127.0.0.1", "--port", str(server.port), "--weight-version", self.client.label(version), *self.plan.args,
@@ -141,6 +146,11 @@ class LaunchedSGLang:
                 self._spawn(server)
             for server in dead:
                 await asyncio.to_thread(self._wait_healthy, server)
+                version, adapter = self.good
+                if self.adapters and version > 0:
+                    replica = self.client.replicas[server.index]
+                    await self.client.load_adapter(replica, self.client.label(version), adapter)
+                    replica.version = version
         return [s.index for s in dead]
 
     # ------------------------------------------------------------------ Engine

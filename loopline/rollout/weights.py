@@ -98,3 +98,33 @@ def check_weights(directory: str | Path, served: Layout) -> None:
         problems.append(f"{len(changed)} tensors of another dtype or shape (e.g. {name}: {layout[name]} vs served {served[name]})")
     if problems:
         raise BadWeights(f"{directory} does not fit the served model: " + "; ".join(problems))
+
+
+ADAPTER_PREFIX = "base_model.model."
+
+
+def check_adapter(directory: str | Path, served: Layout) -> None:
+    """Raise BadWeights unless `directory` is a complete peft LoRA adapter for the served model: its config is
+    there, its safetensors file is exactly as long as its header says, and each layer's A [r, in] and B
+    [out, r] fit the served weight [out, in] they adapt (an adapter of another model would be refused by the
+    server only after it took its lock, or not at all)."""
+    directory = Path(directory)
+    if not (directory / "adapter_config.json").is_file():
+        raise BadWeights(f"{directory}: no adapter_config.json (not a LoRA adapter directory)")
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+        rank = int(config["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BadWeights(f"{directory / 'adapter_config.json'}: not a peft LoRA config with a rank `r`") from None
+    layout = _read_header(directory / "adapter_model.safetensors") if (directory / "adapter_model.safetensors").is_file() else None
+    if not layout:
+        raise BadWeights(f"{directory}: no adapter_model.safetensors, or one without tensors")
+    for name, (_, shape) in layout.items():
+        base, dot, kind = name.removeprefix(ADAPTER_PREFIX).rpartition(".lora_")
+        weight = served.get(f"{base}.weight")
+        if not name.startswith(ADAPTER_PREFIX) or not dot or weight is None or len(shape) != 2:
+            raise BadWeights(f"{directory}: tensor {name} adapts no weight of the served model")
+        out_features, in_features = weight[1]
+        expected = (rank, in_features) if kind.startswith("A") else (out_features, rank)
+        if tuple(shape) != expected:
+            raise BadWeights(f"{directory}: {name} has shape {tuple(shape)}, the served {base}.weight needs {expected} (rank {rank})")

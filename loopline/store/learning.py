@@ -154,6 +154,7 @@ def commit_learner_step(
     metrics: dict[str, float] | None = None,
     samples: dict[uuid.UUID, TrainedSample] | None = None,
     driver: str | None = None,
+    adapter_uri: str | None = None,
 ) -> LearnerCommit:
     """Record a finished learner step atomically: consumption rows, checkpoint, new policy version, metrics.
 
@@ -221,12 +222,13 @@ def commit_learner_step(
         new_version = latest + 1
         q(
             session,
-            "INSERT INTO policy_version (run_id, version, learner_step, weights_uri, sha256) "
-            "VALUES (:r, :v, :k, :uri, :sha)",
+            "INSERT INTO policy_version (run_id, version, learner_step, weights_uri, adapter_uri, sha256) "
+            "VALUES (:r, :v, :k, :uri, :adapter, :sha)",
             r=run_id,
             v=new_version,
             k=k,
             uri=weights_uri,
+            adapter=adapter_uri,
             sha=weights_sha256,
         )
         q(

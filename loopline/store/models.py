@@ -135,6 +135,8 @@ class PolicyVersion(SQLModel, table=True):
     version: int = Field(sa_column=Column(Integer, primary_key=True))
     learner_step: int
     weights_uri: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # None: never exported
+    # LoRA runs on SGLang: the version's adapter alone (peft format), what the servers load (None: not written)
+    adapter_uri: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     sha256: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime | None = _created_at()
     published_at: datetime | None = _timestamp()

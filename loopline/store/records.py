@@ -199,3 +199,4 @@ class ResumeState:
     consumed_trajectories: int
     pending_learner_groups: tuple[uuid.UUID, ...]  # claimed for next_learner_step, not yet committed
     group_states: dict[str, int]
+    adapter_uri: str | None = None  # LoRA on SGLang: the newest version's adapter, what the servers load

@@ -222,6 +222,7 @@ def named_files(session: Session, run_id: uuid.UUID) -> set[str]:
     rows = q(
         session,
         "SELECT weights_uri FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL "
+        "UNION SELECT adapter_uri FROM policy_version WHERE run_id = :r AND adapter_uri IS NOT NULL "
         "UNION SELECT uri FROM checkpoint WHERE run_id = :r",
         r=run_id,
     )
@@ -362,7 +363,7 @@ def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
         ).first()
         latest = q(
             session,
-            "SELECT version, weights_uri FROM policy_version WHERE run_id = :r ORDER BY version DESC LIMIT 1",
+            "SELECT version, weights_uri, adapter_uri FROM policy_version WHERE run_id = :r ORDER BY version DESC LIMIT 1",
             r=run_id,
         ).first()
         if latest is None:
@@ -376,6 +377,7 @@ def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
         last_checkpoint=CheckpointInfo(*ckpt) if ckpt else None,
         policy_version=latest.version,
         weights_uri=latest.weights_uri,
+        adapter_uri=latest.adapter_uri,
         next_learner_step=next_step,
         consumed_trajectories=consumed,
         pending_learner_groups=pending,

@@ -58,6 +58,9 @@ class RolloutContext:
     concurrency: int  # episodes in flight (the run config's)
     lease_seconds: float = 60.0
     in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
+    # A LoRA run on SGLang: every version ships as its adapter alone (`policy_version.adapter_uri`), which the
+    # learner writes with each commit and the engine loads; the full weights are exported only as `export_version` says.
+    adapters: bool = False
     # Set while an evaluation runs on this context's engine: the rollout worker starts no new episode meanwhile.
     evaluating: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -205,6 +208,8 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         digest = ctx.learner.weights_sha256()
         weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}{mine}") if ctx.export_version(version) else None
         written += [weights] if weights else []
+        adapter = ctx.learner.export_adapter(ctx.workdir / "adapters" / f"v{version:06d}{mine}") if ctx.adapters else None
+        written += [adapter] if adapter else []
         timings["export_s"] = lap()
     except DiskFull:  # (the room this step's checkpoint took is given back: nothing will name it)
         for path in written:
@@ -220,7 +225,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         with ctx.session_factory() as s:
             committed = ledger.commit_learner_step(
                 s, batch, str(weights) if weights else None, checkpoint_uri, digest, metrics=metrics, samples=result.samples,
-                driver=ctx.driver,
+                driver=ctx.driver, adapter_uri=str(adapter) if adapter else None,
             )
     except LostTheRun:
         for path in written:
@@ -245,6 +250,9 @@ def prune(ctx: LoopContext) -> None:
         version = int(number.group(1)) if number else None
         if version is not None and not (ctx.keep_version and ctx.keep_version(version)):
             shutil.rmtree(old, ignore_errors=True)
+    adapters = sorted((ctx.workdir / "adapters").glob("v*"))
+    for old in adapters[: -ctx.keep_exports or None]:  # (the servers unload all but the newest two)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def replay(learner: Learner, session_factory: Callable[[], Session], run_id: uuid.UUID, steps: range) -> None:
@@ -268,7 +276,15 @@ async def sync_weights(ctx: RolloutContext) -> int:
     timings = None
     if ctx.engine.version() < state.policy_version:
         started = time.monotonic()
-        weights = ctx.held_weights(state.policy_version) or state.weights_uri
+        if ctx.adapters:
+            weights = state.adapter_uri
+            if weights is None:
+                raise LooplineError(
+                    f"v{state.policy_version} was committed without its LoRA adapter (by a loopline before adapter sync, or with "
+                    "engine.lora_sync: merged); resume with the config the run was started with"
+                )
+        else:
+            weights = ctx.held_weights(state.policy_version) or state.weights_uri
         if weights is None:
             raise LooplineError(
                 f"v{state.policy_version} was committed without an export and this process does not hold it; "

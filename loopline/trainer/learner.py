@@ -382,6 +382,15 @@ class Learner:
         merged = lora.merged_state_dict(self.model) if self.config.lora is not None else None
         return checkpoint.export_weights(self.model, self.model_dir, directory, state_dict=merged)
 
+    def export_adapter(self, directory: str | Path) -> Path:
+        """A LoRA policy's adapter alone (peft format, a few % of the weights): what SGLang servers load per
+        version instead of the merged model."""
+        if self.config.lora is None:
+            raise LearnerError("export_adapter: this learner trains every weight (learner.lora is not set)")
+        return checkpoint.write_complete(
+            directory, lambda tmp: lora.save_adapter(self.model, self.config.lora, tmp, str(self.model_dir)), need_bytes=checkpoint.parameter_bytes(self.model, trained_only=True)
+        )
+
     def weights_sha256(self) -> str:
         if self.config.lora is not None:
             return checkpoint.tensors_sha256(lora.merged_parameters(self.model))

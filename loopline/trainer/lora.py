@@ -12,6 +12,7 @@ its adapters switched off: no second copy of the weights.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -74,6 +75,23 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """`named_parameters()` of the merged model, in the base model's order (what `tensors_sha256` hashes)."""
     return _merged(model.named_parameters(), _deltas(model))
+
+
+def save_adapter(model: torch.nn.Module, config: LoraConfig, directory: Path, base: str) -> None:
+    """The adapter alone, as `PeftModel.save_pretrained` writes it (`adapter_config.json`,
+    `adapter_model.safetensors` with `base_model.model.` names): what an SGLang server loads with
+    `/load_lora_adapter` and peft with `PeftModel.from_pretrained(base, directory)`. Its target modules are
+    the layers' short names (q_proj, ...), as SGLang reads them."""
+    import peft
+    from safetensors.torch import save_file
+
+    tensors = peft.get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    save_file({f"base_model.model.{name}": t.detach().contiguous() for name, t in tensors.items()}, directory / "adapter_model.safetensors")
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_lora_layer(m)})
+    peft.LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=targets, bias="none",
+        base_model_name_or_path=base, task_type="CAUSAL_LM",
+    ).save_pretrained(directory)
 
 
 @contextlib.contextmanager

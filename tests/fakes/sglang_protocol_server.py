@@ -10,7 +10,13 @@ change); updates that wait for in-flight requests unless paused; pause modes abo
 in_place (in_place + flush_cache -> 400 without advancing the version); `/abort_request` matching
 the exact rid; a missing weights directory answered 400 "Failed to get weights iterator ... Name or
 service not known" (it is tried as a hub id); `/model_info`'s weight_version ("default" until the
-first update).
+first update). LoRA (`--enable-lora`), as observed on a real server on 2026-12-02: `/load_lora_adapter`
+{lora_name, lora_path} answers `loaded_adapters`; a name loaded once cannot be loaded again (400 "already
+loaded"), even after `/unload_lora_adapter`, and a request naming an unloaded adapter is still served by
+it; a missing path is 400 "Repo id must be in the form ..." (tried as a hub id); a request naming an
+adapter never loaded is 400; unloading an unknown name is 400; `GET /v1/models` lists the base model and
+each loaded adapter (with `parent`: the base's path); `weight_version` stays the base's; without
+`--enable-lora` a load and a request naming an adapter are 400 ("LoRA is not enabled").
 
 With `model_path` (the subprocess form, `python -m tests.fakes.sglang_protocol_server --model-path
 DIR --port N`, which is what loopline's `engine: {kind: sglang, launch: ...}` can start too) tokens
@@ -69,12 +75,16 @@ class RandomTokens:
     def load(self, path: str) -> None:
         pass
 
+    def adapted(self, base_path: str, adapter_path: str) -> object:
+        return None
+
 
 @dataclass(eq=False)
 class _Sequence:
     ids: list[int]
     sampling: object
     generator: object
+    model: object = None  # the adapted model the request named (lora_path), else the base
     kv: object = None
     kv_weights: int = -1  # which load of the weights the cache was computed with
     logits: object = None
@@ -94,11 +104,20 @@ class ModelTokens:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
-    def start(self, ids: list[int], sampling, seed: int | None) -> _Sequence:
+    def adapted(self, base_path: str, adapter_path: str):
+        """The base with a peft adapter merged in (the real server applies it unmerged: it matched the merged
+        model's logprobs to 1.2e-7)."""
+        import peft
+
+        from loopline.rollout.local_engine import load_model
+
+        return peft.PeftModel.from_pretrained(load_model(base_path), adapter_path).merge_and_unload().eval()
+
+    def start(self, ids: list[int], sampling, seed: int | None, model=None) -> _Sequence:
         import torch
 
         generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
-        return _Sequence(list(ids), sampling, generator)
+        return _Sequence(list(ids), sampling, generator, model=model)
 
     def next(self, seq: _Sequence, generated: list[int]) -> tuple[int, float]:
         import torch
@@ -106,12 +125,13 @@ class ModelTokens:
         from loopline.rollout.engine import SamplingParams
         from loopline.rollout.local_engine import sample_token
 
+        model = seq.model or self.model
         with torch.inference_mode():
             if seq.kv_weights != self.loads:  # new request, or retracted onto new weights: recompute the prefix
-                out = self.model(torch.tensor([seq.ids + generated]), use_cache=True)
+                out = model(torch.tensor([seq.ids + generated]), use_cache=True)
                 seq.kv_weights = self.loads
             else:
-                out = self.model(torch.tensor([generated[-1:]]), cache=seq.kv, use_cache=True)
+                out = model(torch.tensor([generated[-1:]]), cache=seq.kv, use_cache=True)
             seq.kv, logits = out.cache, out.logits[0, -1]
         s = seq.sampling
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k and s.top_k > 0 else 0)
@@ -122,7 +142,7 @@ class ModelTokens:
 class SGLangProtocolServer:
     def __init__(
         self, token_delay_s: float = 0.005, context_length: int = 512, vocab: int = 1000, model_path: str | None = None,
-        deterministic: bool = False, die_on_bad_weights: bool = False,
+        deterministic: bool = False, die_on_bad_weights: bool = False, enable_lora: bool = False,
     ):
         self.api = load_api_types()
         if self.api is None:
@@ -134,9 +154,13 @@ class SGLangProtocolServer:
         self.deterministic, self.die_on_bad_weights = deterministic, die_on_bad_weights
         self.weight_version = "default"
         self.model_path = model_path or "/models/initial"
+        self.base_path = self.model_path  # what adapters apply to
         self.paused: str | None = None
         self.running: dict[str, _Running] = {}
         self.requests: list[dict] = []  # every validated /generate body, for assertions
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, str] = {}  # loaded: name -> path
+        self.adapter_models: dict[str, object] = {}  # every name ever loaded (unloading does not free the name)
         self._resumed: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
 
@@ -171,6 +195,9 @@ class SGLangProtocolServer:
             ("POST", "/update_weights_from_disk"): self.update,
             ("POST", "/abort_request"): self.abort,
             ("GET", "/model_info"): self.model_info,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/load_lora_adapter"): self.load_adapter,
+            ("POST", "/unload_lora_adapter"): self.unload_adapter,
         }
         handler = handlers.get(route)
         if handler is None:
@@ -196,13 +223,18 @@ class SGLangProtocolServer:
         ids = list(request.input_ids)
         if len(ids) + sampling.max_new_tokens > self.context_length:
             return 400, {"error": {"message": f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens."}}
+        adapter = request.lora_path if isinstance(request.lora_path, str) else None
+        if adapter is not None and not self.enable_lora:
+            return 400, {"error": {"message": f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."}}
+        if adapter is not None and adapter not in self.adapter_models:
+            return 400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {adapter}\nAll loaded adapters: dict_keys({list(self.adapters)})."}}
         rid = request.rid or f"auto-{len(self.requests)}"
         running = _Running(rid)
         self.running[rid] = running
         self._idle.clear()
         # a real server ignores sampling_seed unless it runs with --enable-deterministic-inference
         seed = sampling.sampling_seed if self.deterministic or isinstance(self.tokens, RandomTokens) else None
-        state = self.tokens.start(ids, sampling, seed)
+        state = self.tokens.start(ids, sampling, seed, self.adapter_models[adapter]) if adapter else self.tokens.start(ids, sampling, seed)
         stop_ids = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(self.tokens.eos_ids))
         out, logprobs, finish = [], [], None
         try:
@@ -297,6 +329,32 @@ class SGLangProtocolServer:
                 running.aborted = True
         return 200, None
 
+    async def load_adapter(self, body: bytes):
+        value = json.loads(body)
+        name, path = value["lora_name"], value["lora_path"]
+        if not self.enable_lora:
+            return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", "loaded_adapters": None}
+        if name in self.adapter_models:
+            return 400, {"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is already loaded", "loaded_adapters": dict(self.adapters)}
+        if not os.path.isdir(path):
+            message = f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. Use `repo_type` argument if needed."
+            return 400, {"success": False, "error_message": message, "loaded_adapters": dict(self.adapters)}
+        self.adapter_models[name] = self.tokens.adapted(self.base_path, path)
+        self.adapters[name] = path
+        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.adapters)}
+
+    async def unload_adapter(self, body: bytes):
+        name = json.loads(body)["lora_name"]
+        if name not in self.adapters:
+            return 400, {"success": False, "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.adapters)})", "loaded_adapters": None}
+        del self.adapters[name]  # (its model stays: a request naming it is still served by it)
+        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(self.adapters)}
+
+    async def models(self, body: bytes):
+        data = [{"id": self.model_path, "object": "model", "owned_by": "sglang", "root": self.model_path, "parent": None}]
+        data += [{"id": name, "object": "model", "owned_by": "sglang", "root": path, "parent": self.base_path} for name, path in self.adapters.items()]
+        return 200, {"object": "list", "data": data}
+
     async def health(self, body: bytes):
         return 200, None
 
@@ -318,8 +376,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int)  # (accepted as the real server's; adapters of any rank load here)
+    parser.add_argument("--lora-target-modules", nargs="*")
+    parser.add_argument("--max-loaded-loras", type=int)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
     args = parser.parse_args(argv)
-    server = SGLangProtocolServer(token_delay_s=0.0, model_path=args.model_path, deterministic=args.enable_deterministic_inference, die_on_bad_weights=True)
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:  # the real server's check at start
+        raise SystemExit(
+            "AssertionError: max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+            f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}"
+        )
+    server = SGLangProtocolServer(
+        token_delay_s=0.0, model_path=args.model_path, deterministic=args.enable_deterministic_inference, die_on_bad_weights=True,
+        enable_lora=args.enable_lora,
+    )
     if args.context_length:
         server.context_length = args.context_length
     server.weight_version = args.weight_version

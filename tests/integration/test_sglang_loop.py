@@ -176,3 +176,35 @@ def test_launched_replica_that_dies_is_restarted_on_the_last_good_version(tiny_d
     finally:
         engine.stop()
     assert all(not s.alive() for s in engine.servers)
+
+
+@pytest.mark.slow
+def test_a_lora_run_ships_each_version_as_its_adapter_to_launched_servers_and_resumes_after_sigkill(tiny_dirs, database_url, db, tmp_path):
+    """The servers loopline launches for a LoRA run get LoRA enabled for its rank, keep the base model, and load
+    each version's adapter (what the ledger's `adapter_uri` names); killed during a weight sync, the resumed
+    trainer's new server loads the newest adapter before it generates."""
+    name = f"sglang-lora-{tmp_path.name[-12:]}".replace("_", "-")
+    engine = {"kind": "sglang", "launch": {"replicas": 1, "module": STAND_IN, "startup_timeout_s": 60}}
+    config, env = _sglang_run(tmp_path, name, tiny_dirs["v0"], database_url, engine, steps=3)
+    data = yaml.safe_load(config.read_text())
+    data["learner"] = {**data["learner"], "lora": {"rank": 4}}
+    config.write_text(yaml.safe_dump(data))
+    _kill_at_each_then_resume(config, env, ["weight_sync"], tmp_path)
+    run_id = _checked_run(db, name)
+    rows = _rows(db, "SELECT version, adapter_uri FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)
+    assert [v for v, _ in rows] == [0, 1, 2, 3] and rows[0][1] is None
+    for version, adapter in rows[1:]:
+        assert Path(adapter, "adapter_config.json").is_file() and Path(adapter).stat().st_size > 0, (version, adapter)
+        assert f"v{version:06d}" in adapter
+    replica_logs = (tmp_path / "home" / "runs" / name / "sglang").glob("sglang-*.log")
+    starts = [line for p in replica_logs for line in p.read_text().splitlines() if "starting replica" in line]
+    assert len(starts) == 2 and all("--enable-lora --max-lora-rank 4 --lora-target-modules all" in s for s in starts), starts
+    assert all(f"--model-path {tiny_dirs['v0']}" in s for s in starts)  # the base, also for the resumed trainer's server
+    # each step's trajectories were generated under the previous version's adapter, and the learner agrees with the
+    # logprobs the server returned for them
+    versions = _rows(db, "SELECT s.step, min(t.policy_version_min), max(t.policy_version_max) FROM trajectory t "
+                         "JOIN slot s ON s.id = t.slot_id WHERE t.run_id = :r AND t.split = 'train' GROUP BY 1 ORDER BY 1", r=run_id)
+    assert versions == [(1, 0, 0), (2, 1, 1), (3, 2, 2)]
+    gaps = _rows(db, "SELECT step, value FROM metric WHERE run_id = :r AND name = 'logprob_abs_diff' ORDER BY 1", r=run_id)
+    assert len(gaps) == 3 and all(value < 1e-4 for _, value in gaps), gaps
+    assert _rows(db, "SELECT served_version FROM engine_server WHERE run_id = :r ORDER BY registered_at DESC LIMIT 1", r=run_id) == [(3,)]
