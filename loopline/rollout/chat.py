@@ -91,11 +91,16 @@ class ChatFormat:
 
     def observation_ids(self, text: str, generated_ids: list[int]) -> list[int]:
         """Ids to append after an assistant turn: the rest of its closing, the observation turn, the next opening."""
+        return self.continuation_ids(self.observation_prefix + text + self.observation_suffix, generated_ids)
+
+    def continuation_ids(self, after_turn: str, generated_ids: list[int]) -> list[int]:
+        """Ids to append after the generated ids of an assistant turn: the rest of the turn's closing (the
+        generated eos is part of it already), then `after_turn`, the template's text for what follows."""
         close = self.turn_close
         eos_text = self.tokenizer.decode([self.eos_id]) if generated_ids and generated_ids[-1] == self.eos_id else ""
         if eos_text and close.startswith(eos_text):
             close = close[len(eos_text) :]
-        return self._encode(close + self.observation_prefix + text + self.observation_suffix)
+        return self._encode(close + after_turn)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,246 @@
+"""An OpenAI-compatible endpoint over the run's engine, so that an agent program written against the `openai`
+SDK (or LangGraph, smolagents, curl) plays episodes unchanged, and every call it makes is recorded as a
+token-exact segment.
+
+The trap it avoids is re-tokenisation: the API speaks text, and tokenising the conversation again for
+training gives other tokens than the model sampled. So an episode keeps the ids of its last call (prompt +
+generated) and, when the next call's messages extend that conversation (the agent appended the reply it got
+and what followed: tool results, a new user turn), the new prompt is exactly those ids followed by the
+template's rendering of what was appended, as the built-in harness builds its turns (`ChatFormat`). The
+sampled ids are never decoded and encoded again. A call whose messages do not extend the previous call's
+(the agent rewrote or trimmed its history) starts a new chain of segments: the episode's trajectory is then
+its last chain, and the calls before it are counted (`discarded_calls`), not trained.
+
+Sampling is the run's, whatever the request asks (`temperature`, `top_p`, ...): the learner's ratios are
+computed against the behaviour policy the run names. `max_tokens` is honoured within the episode's token
+budget; the episode's call budget is its `max_turns`. A call past a budget gets HTTP 400 with an error the
+SDK raises, and the episode ends as truncated.
+
+Each episode is reached through its own base URL (`/episodes/KEY/v1`) or with its key as the API key on
+`/v1`; a key belongs to one episode and dies with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
+from loopline.store.records import SegmentRecord
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class RequestError(Exception):
+    """An error the agent is told (HTTP 400, OpenAI's error shape): its request, or a spent budget."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error", status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_calls: int  # the env's max_turns: one model call is one turn
+    max_tokens: int  # generated tokens over the whole episode
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _normalised(message: dict[str, Any]) -> dict[str, Any]:
+    """What a message means for the prompt, as an SDK may send it back (it adds `refusal`, `annotations`,
+    `type`, turns a missing content into null, and arguments into a JSON string)."""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append((call.get("id"), function.get("name"), json.dumps(arguments, sort_keys=True)))
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: the text ones
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return {"role": message.get("role"), "content": content or "", "tool_calls": calls, "tool_call_id": message.get("tool_call_id")}
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates take it (tool-call arguments as objects, content a string)."""
+    out = {"role": message["role"], "content": _normalised(message)["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
+            for c in message["tool_calls"]
+        ]
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str, list[dict]]:
+    """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of a reply (Hermes/Qwen convention) that
+    name one of `tools`, as OpenAI tool calls; the text before the first is the content. A block that is not
+    such a call stays in the content: the agent sees what the model wrote."""
+    names = {t.get("function", {}).get("name") for t in tools}
+    calls = []
+    for found in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(found.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(call, dict) or call.get("name") not in names:
+            return text, []
+        arguments = call.get("arguments", {})
+        calls.append({
+            "id": f"call_{secrets.token_hex(8)}", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+        })
+    content = text[: text.find("<tool_call>")].strip() if calls else text
+    return content, calls
+
+
+@dataclass
+class AgentEpisode:
+    """One episode's model calls, recorded as segments. Calls are served one at a time (an agent that calls
+    concurrently gets them in arrival order: an episode is one conversation)."""
+
+    engine: Engine
+    chat: ChatFormat
+    sampling: SamplingParams
+    budget: Budget
+    request_id: str
+    model_name: str = "policy"
+    segments: list[SegmentRecord] = field(default_factory=list)
+    discarded_calls: int = 0
+    generated: int = 0
+    calls: int = 0
+    exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine")
+    engine_error: str | None = None  # the engine failed a call: the episode is an infra failure, retried
+    _last: tuple[list[dict], list[dict], list[int], list[int]] | None = None  # messages (ours), tools, ids, generated
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.chat.tokenizer.apply_chat_template(
+            [_for_template(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra
+        )
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        """The ids the model sees for `messages`: the previous call's ids and what was appended since, or, when
+        the conversation was not extended, a fresh rendering that starts a new chain."""
+        if self._last is not None:
+            previous, previous_tools, ids, generated = self._last
+            extends = (
+                tools == previous_tools
+                and len(messages) > len(previous)
+                and [_normalised(m) for m in messages[: len(previous)]] == [_normalised(m) for m in previous]
+            )
+            if extends:
+                conversation = previous + messages[len(previous) :]  # our own copy of what the model said
+                head = self._render(previous, tools, False)
+                full = self._render(conversation, tools, True)
+                if full.startswith(head) and head.endswith(self.chat.turn_close):
+                    return ids + self.chat.continuation_ids(full[len(head) :], generated)
+            self.discarded_calls += len(self.segments)
+            self.segments = []
+        return self.chat.tokenizer.encode(self._render(messages, tools, True), add_special_tokens=False)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`/v1/chat/completions` (without streaming: `stream` is the server's framing of the same answer)."""
+        messages, tools = body.get("messages"), body.get("tools") or []
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise RequestError("messages: a non-empty list of {role, content} objects")
+        if int(body.get("n") or 1) != 1:
+            raise RequestError("n: an episode samples one reply per call (n: 1); sample more episodes for more samples")
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise RequestError("tool_choice: only 'auto' and 'none' (the policy decides whether to call a tool)")
+        if body.get("tool_choice") == "none":
+            tools = []
+        async with self._lock:
+            if self.exhausted:
+                raise RequestError(f"the episode's budget is spent ({self.exhausted}); the agent should give its answer", "budget_exhausted")
+            if self.calls >= self.budget.max_calls:
+                self.exhausted = "turns"
+                raise RequestError(f"the episode's {self.budget.max_calls} model calls are spent", "budget_exhausted")
+            remaining = self.budget.max_tokens - self.generated
+            if remaining <= 0:
+                self.exhausted = "tokens"
+                raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
+            ids = self.prompt_ids(messages, tools)
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_new_tokens
+            sampling = replace(self.sampling, max_new_tokens=max(1, min(int(asked), self.sampling.max_new_tokens, remaining)))
+            rid = f"{self.request_id}/c{self.calls}/"  # prefix-free (SGLang aborts by prefix)
+            self.calls += 1
+            started = _now()
+            try:
+                gen = await self.engine.generate(ids, sampling, rid)
+            except ContextOverflow:
+                self.exhausted = "context"
+                raise RequestError("the conversation is longer than the model's context", "context_length_exceeded") from None
+            if gen.finish_reason == "abort":
+                raise EngineError(f"request {rid} was aborted by the engine (weight update or shutdown)")
+            generated = list(gen.token_ids)
+            self.generated += len(generated)
+            text = self.chat.decode(generated)
+            content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+            self.segments.append(SegmentRecord(
+                request_id=rid, policy_version=gen.policy_version, tokenizer_version=self.chat.version, prompt_ids=ids,
+                generated_ids=generated, action_loss_mask=[1] * len(generated), rollout_logprobs=list(gen.logprobs),
+                logprob_semantics=gen.logprob_semantics, sampling_config=sampling.to_dict(),
+                tool_events=[{"openai_tool_calls": [c["function"] for c in calls]}] if calls else [],
+                version_spans=[vars(s) for s in gen.version_spans] if gen.mixed_versions else None, started_at=started, ended_at=_now(),
+            ))
+            reply = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+            self._last = (list(messages) + [reply], tools, ids + generated, generated)
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
+        choice: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": finish}
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": [
+                {"token": self.chat.tokenizer.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(generated, gen.logprobs)
+            ]}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated), "total_tokens": len(ids) + len(generated)},
+        }
+
+
+def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished completion as `chat.completion.chunk`s: the role, the content, each tool call, the finish."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+    choice = response["choices"][0]
+    message = choice["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    last: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    if "logprobs" in choice:
+        last["logprobs"] = choice["logprobs"]
+    chunks.append({**base, "choices": [last], "usage": response["usage"]})
+    return chunks

@@ -1,0 +1,140 @@
+"""The OpenAI-compatible endpoint, driven by the real `openai` SDK as an unmodified agent program would: every
+call is recorded as a segment whose ids are exactly what the engine sampled (never decoded and encoded again),
+chained across calls as long as the agent appends to its conversation."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
+from loopline.rollout.openai_api import AgentEpisode, Budget
+from loopline.rollout.openai_server import OpenAIServer
+from loopline.store.records import first_chain_break
+from tests.integration.test_train_flow import STARTER
+from tests.unit.test_tool_calls import HERMES_TEMPLATE
+
+
+class ScriptedIds:
+    """An engine that 'samples' given id lists (a policy may sample a spelling the tokenizer would not write)."""
+
+    def __init__(self, replies: list[list[int]], eos: int):
+        self.replies, self.eos, self.prompts, self.returned = list(replies), eos, [], []
+
+    def version(self) -> int:
+        return 7
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.prompts.append(list(prompt_ids))
+        ids = (self.replies.pop(0) + [self.eos])[: sampling.max_new_tokens]
+        self.returned.append(ids)
+        return Generation(tuple(ids), tuple(-0.5 - i / 100 for i in range(len(ids))), "stop", (VersionSpan(7, 0, len(ids)),))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STARTER)
+
+
+def _episode(tokenizer, replies, max_calls=4, max_tokens=200, template=None):
+    if template:
+        tokenizer = AutoTokenizer.from_pretrained(STARTER)
+        tokenizer.chat_template = template
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    engine = ScriptedIds(replies, chat.eos_id)
+    episode = AgentEpisode(engine, chat, SamplingParams(temperature=1.0, max_new_tokens=128), Budget(max_calls, max_tokens), "ep")
+    return episode, engine, chat
+
+
+def test_the_sampled_ids_are_trained_across_calls_even_where_the_tokenizer_would_spell_them_otherwise(tokenizer):
+    spelled = tokenizer.convert_tokens_to_ids(["<", "c", "a", "l", "c", ">", "1", "+", "2", "</", "calc", ">"])  # "calc" is one token
+    assert tokenizer.encode("<calc>1+2</calc>", add_special_tokens=False) != spelled  # re-tokenising would change them
+    answer = tokenizer.encode("<answer>3</answer>", add_special_tokens=False)
+    episode, engine, chat = _episode(tokenizer, [spelled, answer])
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 1 + 2?"}]
+        first = client.chat.completions.create(model="policy", messages=messages, temperature=0.2)
+        assert first.choices[0].message.content == "<calc>1+2</calc>" and first.choices[0].finish_reason == "stop"
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "<result>3</result>"}]
+        second = client.chat.completions.create(model="policy", messages=messages)
+    assert second.choices[0].message.content == "<answer>3</answer>"
+    one, two = episode.segments
+    assert [list(s.generated_ids) for s in episode.segments] == engine.returned  # exactly what was sampled
+    assert first_chain_break(episode.segments) is None
+    head = list(one.prompt_ids) + list(one.generated_ids)
+    assert list(two.prompt_ids[: len(head)]) == head and engine.prompts[1] == list(two.prompt_ids)
+    assert chat.tokenizer.decode(two.prompt_ids[len(head) :]) == "\n<|im_start|>user\n<result>3</result><|im_end|>\n<|im_start|>assistant\n"
+    # what the template would give for the same conversation differs exactly where the policy spelled "calc" its way
+    retokenised = chat.tokenizer.encode(chat.tokenizer.apply_chat_template(
+        messages[:2] + [{"role": "assistant", "content": "<calc>1+2</calc>"}, messages[3]], tokenize=False, add_generation_prompt=True
+    ), add_special_tokens=False)
+    assert retokenised != list(two.prompt_ids) and chat.tokenizer.decode(retokenised) == chat.tokenizer.decode(two.prompt_ids)
+    assert one.sampling_config["temperature"] == 1.0  # the run's sampling, not the request's 0.2
+    assert one.policy_version == 7 and list(one.rollout_logprobs)[:2] == [-0.5, -0.51]
+
+
+def test_a_streamed_call_is_the_same_answer_and_the_same_segment(tokenizer):
+    reply = tokenizer.encode("<answer>3</answer>", add_special_tokens=False)
+    episode, engine, _ = _episode(tokenizer, [reply])
+    with OpenAIServer() as server:
+        key = server.open(episode)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key)  # the key alone names the episode
+        stream = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+2?"}], stream=True, logprobs=True)
+        chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "<answer>3</answer>"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(reply) + 1
+    logprobs = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert logprobs == list(episode.segments[0].rollout_logprobs) and list(episode.segments[0].generated_ids) == engine.returned[0]
+
+
+def test_tool_calls_come_back_as_openai_tool_calls_and_the_tool_result_extends_the_chain(tokenizer):
+    call = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"expression": "12 + 3"}}</tool_call>', add_special_tokens=False)
+    answer = tokenizer.encode("<answer>15</answer>", add_special_tokens=False)
+    episode, engine, chat = _episode(tokenizer, [call, answer], template=HERMES_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        messages = [{"role": "user", "content": "What is 12 + 3?"}]
+        first = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.content is None
+        (tool_call,) = message.tool_calls
+        assert tool_call.function.name == "calc" and json.loads(tool_call.function.arguments) == {"expression": "12 + 3"}
+        messages += [message, {"role": "tool", "tool_call_id": tool_call.id, "content": "15"}]  # the SDK's own message object
+        second = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+    assert second.choices[0].message.content == "<answer>15</answer>" and not second.choices[0].message.tool_calls
+    assert first_chain_break(episode.segments) is None and len(episode.segments) == 2
+    head = list(episode.segments[0].prompt_ids) + list(episode.segments[0].generated_ids)
+    assert chat.tokenizer.decode(episode.segments[1].prompt_ids[len(head) :]) == (
+        "\n<|im_start|>user\n<tool_response>\n15\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert '"name": "calc"' in chat.tokenizer.decode(episode.segments[0].prompt_ids)  # the template showed the tools
+
+
+def test_a_rewritten_history_starts_a_new_chain_and_budgets_end_the_episode(tokenizer):
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in ("first", "second", "third")]
+    episode, _, _ = _episode(tokenizer, replies, max_calls=3)
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        a = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "one"}])
+        # the agent drops the first exchange and asks afresh: not an extension of the call before
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "two"}])
+        assert episode.discarded_calls == 1 and len(episode.segments) == 1
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "two"}, {"role": "assistant", "content": "second"},
+                                                                  {"role": "user", "content": "three"}])
+        assert len(episode.segments) == 2 and first_chain_break(episode.segments) is None
+        with pytest.raises(openai.BadRequestError, match="3 model calls are spent"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "four"}])
+        assert episode.exhausted == "turns"
+        with pytest.raises(openai.BadRequestError, match="one reply per call"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2)
+        with pytest.raises(openai.AuthenticationError, match="unknown or ended episode"):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="ep-nosuch").chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        assert [m.id for m in client.models.list()] == ["policy"]
+    assert a.usage.completion_tokens == len(tokenizer.encode("first", add_special_tokens=False)) + 1  # (+ the eos it sampled)
