@@ -324,6 +324,27 @@ class Budgets(_Strict):
     )
 
 
+class Agent(_Strict):
+    """Your own agent program, run in the sandbox for each episode instead of loopline's harness: it calls the
+    policy through an OpenAI-compatible endpoint (`OPENAI_BASE_URL`, `OPENAI_API_KEY` are set for it; nothing
+    else is reachable from the sandbox), reads its task from stdin (JSON: id, prompt and the task's fields; also
+    in `task.json`), uses whatever tools it has, and leaves its final answer in `answer.txt` in its working
+    directory, which the verifier reads as usual. Turns are model calls (`budgets.max_turns`), tokens are the
+    generated ones; `budgets.wall_time_s` is the program's own time, not counting its waits for the model."""
+
+    command: str = Field(min_length=1, description="run in the sandbox's workdir, e.g. python3 agent.py")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="path in the workdir -> a file beside this YAML (its text is registered with the env)"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the program")
+    sources: dict[str, str] = Field(default_factory=dict, description="(filled in at registration: each file's text)")
+
+    @field_validator("files")
+    @classmethod
+    def _relative(cls, files: dict[str, str]) -> dict[str, str]:
+        return {relative_path(path, "agent.files path"): source for path, source in files.items()}
+
+
 class SmokeStep(_Strict):
     tool: str | None = None
     args: dict[str, Any] = Field(default_factory=dict, description="string values may use {task.FIELD} placeholders")
@@ -353,6 +374,7 @@ class EnvSpec(_Strict):
     verifier: Verifier
     budgets: Budgets = Budgets()
     smoke_test: SmokeTest | None = None
+    agent: Agent | None = None
 
     @field_validator("tools")
     @classmethod
@@ -369,6 +391,11 @@ class EnvSpec(_Strict):
         for step in self.smoke_test.steps if self.smoke_test else ():
             if step.tool is not None and step.tool not in declared:
                 raise ValueError(f"smoke_test uses tool {step.tool!r}, which is not declared in `tools`")
+        if self.agent is not None and (self.tools or self.smoke_test is not None):
+            raise ValueError("an env with `agent` runs your program, which brings its own tools: drop `tools` and `smoke_test`")
+        if self.agent is not None and (self.sandbox.backend != "local" or self.sandbox.network):
+            raise ValueError("an agent program runs in the local backend's isolated sandbox (backend: local, network: false); "
+                             "docker and e2b are not supported for it yet")
         if self.smoke_test is not None:
             low, high = self.verifier.reward_range
             if not low <= self.smoke_test.expect_reward <= high:
@@ -380,7 +407,7 @@ class EnvSpec(_Strict):
 
     def runs_commands(self) -> bool:
         """Whether anything of this env runs as a process in its sandbox (built-ins run inside loopline)."""
-        return bool(self.sandbox.setup or self.verifier.command or any(t.command for t in self.tools))
+        return bool(self.sandbox.setup or self.verifier.command or self.agent or any(t.command for t in self.tools))
 
     def task_fields(self) -> dict[str, str]:
         """Each task field the spec uses -> where it is used (every task must have it)."""
@@ -404,7 +431,7 @@ class EnvSpec(_Strict):
         return data
 
 
-_ADDED_LATER = {"tool_calls": "tags"}  # field -> its default
+_ADDED_LATER = {"tool_calls": "tags", "agent": None}  # field -> its default
 
 
 def spec_hash(canonical: dict[str, Any]) -> str:

@@ -36,7 +36,12 @@ def _now() -> datetime:
 
 
 async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
-    """Play one task to the end and return its trajectory (the caller commits it)."""
+    """Play one task to the end and return its trajectory (the caller commits it). An env with `agent:` is
+    played by the user's program instead (`agent_program`)."""
+    if setup.spec.agent is not None:
+        from loopline.rollout.agent_program import run_agent_program
+
+        return await run_agent_program(engine, setup, task, request_id, labels)
     started = time.monotonic()
     episode = await Episode.start(setup.spec, task, labels)
     start_seconds = time.monotonic() - started

@@ -138,6 +138,7 @@ class AgentEpisode:
     calls: int = 0
     exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine")
     engine_error: str | None = None  # the engine failed a call: the episode is an infra failure, retried
+    model_seconds: float = 0.0  # time the agent spent waiting for its calls (not its own: the wall-time budget excludes it)
     _last: tuple[list[dict], list[dict], list[int], list[int]] | None = None  # messages (ours), tools, ids, generated
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -169,6 +170,13 @@ class AgentEpisode:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """`/v1/chat/completions` (without streaming: `stream` is the server's framing of the same answer)."""
+        arrived = time.monotonic()
+        try:
+            return await self._complete(body)
+        finally:
+            self.model_seconds += time.monotonic() - arrived
+
+    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         messages, tools = body.get("messages"), body.get("tools") or []
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise RequestError("messages: a non-empty list of {role, content} objects")

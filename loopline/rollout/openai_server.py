@@ -10,8 +10,10 @@ so that the SDK raises it in the agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -30,11 +32,20 @@ def _error(message: str, kind: str, status: int):
 
 
 class OpenAIServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None):
+        """`unix_path`: also listen there (what an agent program's sandbox is given: it has no network)."""
         self.host = host
         self.episodes: dict[str, AgentEpisode] = {}
         self._socket = socket.create_server((host, port))
         self.port = self._socket.getsockname()[1]
+        self.unix_path = unix_path
+        self._sockets = [self._socket]
+        if unix_path is not None:
+            unix = socket.socket(socket.AF_UNIX)
+            unix.bind(unix_path)
+            os.chmod(unix_path, 0o777)  # (an agent runs as another uid when loopline runs as root)
+            unix.listen(128)
+            self._sockets.append(unix)
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -120,7 +131,7 @@ class OpenAIServer:
         config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve(sockets=[self._socket])), name="loopline-openai", daemon=True
+            target=lambda: asyncio.run(self._server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + 10
@@ -135,7 +146,11 @@ class OpenAIServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self._socket.close()
+        for sock in self._sockets:
+            sock.close()
+        if self.unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
 
     def __enter__(self) -> "OpenAIServer":
         return self.start()

@@ -78,6 +78,11 @@ class Sandbox(Protocol):
 
     async def read_file(self, path: str) -> str: ...
 
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
+        """Run the user's agent program (an env's `agent`) to its end, with `env` set and the model endpoint
+        listening on the unix socket `endpoint` reachable at OPENAI_BASE_URL's host, and nothing else on the
+        network. Its time limit is the caller's: it cancels the call, which kills the program."""
+
     async def end_agent(self) -> None:
         """Kill every process the agent started (a background process must not outlive its episode)."""
 

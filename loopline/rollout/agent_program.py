@@ -1,0 +1,114 @@
+"""Episodes of an env with `agent:`: the user's own program plays the task in the sandbox, calling the policy
+through the OpenAI-compatible endpoint, and its calls are the trajectory's segments (`openai_api`).
+
+The program gets the task as JSON on stdin and in `task.json` (its id, system prompt and prompt: never the
+task's other fields, which may hold the answer), the endpoint as OPENAI_BASE_URL / OPENAI_API_KEY, and
+leaves its answer in `answer.txt`; the env's verifier then decides the reward as for any episode. What it
+prints is never read. Failure classes as for the built-in harness: a spent budget ends the episode as
+truncated; a program that fails after calling the model failed its task (a real reward); an engine fault,
+or a program that never called the model (nothing to train, e.g. a missing library), is an infrastructure
+failure, retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from loopline.envregistry.episode import Episode
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.sandbox.local import PROGRAM_PORT
+from loopline.envregistry.spec import ANSWER_FILE
+from loopline.envregistry.tasks import Task
+from loopline.rollout.engine import Engine, EngineError
+from loopline.rollout.openai_api import AgentEpisode, Budget
+from loopline.rollout.openai_server import OpenAIServer
+from loopline.store.records import TrajectoryRecord
+
+TASK_FILE = "task.json"
+_endpoint: OpenAIServer | None = None
+_endpoint_lock = threading.Lock()
+
+
+def endpoint() -> OpenAIServer:
+    """This process's endpoint (one for all its episodes: a key per episode), started on first use."""
+    global _endpoint
+    with _endpoint_lock:
+        if _endpoint is None:
+            directory = Path(tempfile.mkdtemp(prefix="loopline-model-"))
+            directory.chmod(0o755)
+            _endpoint = OpenAIServer(unix_path=str(directory / "model.sock")).start()
+            atexit.register(_endpoint.stop)
+        return _endpoint
+
+
+async def run_agent_program(engine: Engine, setup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
+    spec, budgets = setup.spec, setup.spec.budgets
+    server = endpoint()
+    started = time.monotonic()
+    env_episode = await Episode.start(spec, task, labels)
+    start_seconds = time.monotonic() - started
+    calls = AgentEpisode(engine, setup.chat, setup.sampling, Budget(budgets.max_turns, budgets.max_generated_tokens), request_id)
+    key = server.open(calls)
+    end, result = "exit", None
+    try:
+        reset = await env_episode.reset()
+        for path, text in spec.agent.sources.items():
+            await env_episode.sandbox.write_file(path, text)
+        shown = json.dumps({"id": task.id, "system_prompt": reset.system_prompt, "prompt": reset.prompt})
+        await env_episode.sandbox.write_file(TASK_FILE, shown)
+        env = {
+            **spec.agent.env, "OPENAI_BASE_URL": f"http://127.0.0.1:{PROGRAM_PORT}/episodes/{key}/v1", "OPENAI_API_KEY": key,
+            "LOOPLINE_TASK_FILE": TASK_FILE,
+        }
+        program_started = time.monotonic()
+        run = asyncio.ensure_future(env_episode.sandbox.run_program(spec.agent.command, shown, env, server.unix_path))
+        while not run.done():  # the program's own time: what it spent waiting for the model is the engine's
+            await asyncio.wait({run}, timeout=0.2)
+            if not run.done() and time.monotonic() - program_started - calls.model_seconds > budgets.wall_time_s:
+                run.cancel()
+                end = "wall_time"
+                await asyncio.gather(run, return_exceptions=True)
+        result = None if run.cancelled() else run.result()
+        if calls.engine_error:
+            raise EngineError(f"episode {request_id}: {calls.engine_error}")
+        if not calls.segments and not calls.discarded_calls:
+            detail = f"exit {result.exit_code}: {(result.stderr or result.stdout)[-400:]}" if result else "stopped by the wall-time budget"
+            raise InfraFailure(f"the agent program `{spec.agent.command}` never called the model ({detail})")
+        try:
+            final = await env_episode.sandbox.read_file(ANSWER_FILE)
+        except (OSError, InfraFailure):
+            final = ""  # no answer: the verifier decides what that is worth
+        verify_started = time.monotonic()
+        verdict = await env_episode.verify(final)
+        verify_seconds = time.monotonic() - verify_started
+    finally:
+        server.close(key)
+        await env_episode.close()
+    if end == "exit" and calls.exhausted:
+        end = calls.exhausted
+    failure = "truncated" if end != "exit" else (None if verdict.passed else "task_failed")
+    return TrajectoryRecord(
+        env_name=spec.name,
+        env_version=setup.env_version,
+        verifier_version=spec.versions.verifier,
+        harness_version=spec.versions.harness,
+        reward=verdict.reward,
+        terminated=end == "exit",
+        truncated=end != "exit",
+        failure_type=failure,
+        segments=calls.segments,
+        timings={
+            "episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "model_s": calls.model_seconds,
+            "verify_s": verify_seconds,
+        },
+        info={
+            "verdict": verdict.details, "end": end, "generated_tokens": calls.generated, "exit_code": result.exit_code if result else None,
+            "discarded_calls": calls.discarded_calls, "stderr": (result.stderr[-2000:] if result else ""),
+        },
+    )

@@ -1,0 +1,230 @@
+"""Envs with `agent:`: the user's own program (the openai SDK, no loopline import) plays episodes in the local
+sandbox (bubblewrap: no network but the model endpoint; as root, as an unprivileged uid), its model calls are the
+trajectory's segments exactly as sampled, and its failures are classified as the built-in harness's are.
+Needs bubblewrap and the `openai` package in the system python3 (.ci/run installs both)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loopline.envregistry.registry import prepare
+from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.local_engine import LocalEngine
+from loopline.store.records import first_chain_break
+from tests.integration.test_train_flow import STARTER
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT_ENV = ROOT / "examples" / "arithmetic_agent_env.yaml"
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="agent programs run in bubblewrap (apt-get install -y bubblewrap)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _system_python_has_openai():
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import openai"], capture_output=True)
+    assert probe.returncode == 0, "agent programs need openai in the system python3: /usr/bin/python3 -m pip install --break-system-packages openai"
+
+
+class Recording:
+    """The real engine, with every generation it returned kept (what the trajectory must hold, id for id)."""
+
+    def __init__(self, engine):
+        self.engine, self.returned = engine, []
+
+    def version(self) -> int:
+        return self.engine.version()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        gen = await self.engine.generate(prompt_ids, sampling, request_id)
+        self.returned.append((list(prompt_ids), list(gen.token_ids)))
+        return gen
+
+
+class Scripted:
+    """Replies with given texts, after `delay_s` (a slow engine)."""
+
+    def __init__(self, chat: ChatFormat, replies: list[str], delay_s: float = 0.0):
+        self.chat, self.replies, self.delay_s = chat, list(replies), delay_s
+
+    def version(self) -> int:
+        return 0
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        await asyncio.sleep(self.delay_s)
+        ids = self.chat.tokenizer.encode(self.replies.pop(0) if self.replies else "<answer>0</answer>", add_special_tokens=False)
+        ids.append(self.chat.eos_id)
+        return Generation(tuple(ids), tuple([-1.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+def _env(tmp_path: Path, program: str, **budgets) -> Path:
+    """The arithmetic agent env with another program (and budgets), in a directory of its own."""
+    tmp_path.mkdir(exist_ok=True)
+    spec = yaml.safe_load(AGENT_ENV.read_text())
+    (tmp_path / "agent.py").write_text(program)
+    spec["agent"]["files"] = {"agent.py": "agent.py"}
+    spec["budgets"] = {**spec["budgets"], **budgets}
+    path = tmp_path / "env.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _play(env_file: Path, engine, count: int = 1, max_new_tokens: int = 64):
+    prepared = prepare(env_file)
+    setup = EpisodeSetup(prepared.spec, 1, ChatFormat.for_policy(STARTER), SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
+    tasks = [t for t in prepared.tasks if t.split == "train"][:count]
+
+    async def all_of_them():
+        return await asyncio.gather(*(run_episode(engine, setup, t, f"test-{i}") for i, t in enumerate(tasks)), return_exceptions=True)
+
+    return asyncio.run(all_of_them())
+
+
+def test_the_example_agent_plays_with_the_policy_and_its_calls_are_the_segments_id_for_id():
+    engine = EngineThread(LocalEngine(STARTER, version=0, max_batch=8))
+    recording = Recording(engine)
+    try:
+        trajectories = _play(AGENT_ENV, recording, count=8)
+    finally:
+        engine.shutdown()
+    assert not [t for t in trajectories if isinstance(t, Exception)], trajectories
+    segments = [s for t in trajectories for s in t.segments]
+    assert sorted((list(s.prompt_ids), list(s.generated_ids)) for s in segments) == sorted(recording.returned)
+    assert all(first_chain_break(t.segments) is None for t in trajectories)
+    assert any(len(t.segments) >= 2 for t in trajectories), "no episode used the calculator: nothing multi-turn was checked"
+    assert {t.reward for t in trajectories} <= {0.0, 1.0} and all(t.info["exit_code"] == 0 for t in trajectories if t.info["end"] == "exit")
+
+
+ISOLATION_PROBE = '''
+import json, os, socket, sys
+from openai import OpenAI
+task = json.load(sys.stdin)
+seen = {"task_keys": sorted(task), "uid": os.getuid()}
+for port in (5432, int(os.environ.get("HOST_ENDPOINT_PORT", "1"))):  # the host's PostgreSQL, the endpoint's TCP port
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        seen[f"port_{port}"] = "reached"
+    except OSError as exc:
+        seen[f"port_{port}"] = type(exc).__name__
+try:
+    os.unlink("/tmp/.loopline-model.sock")
+    seen["socket_removed"] = True
+except OSError as exc:
+    seen["socket_removed"] = type(exc).__name__
+reply = OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+seen["model_said"] = reply.choices[0].message.content
+open("answer.txt", "w").write(json.dumps(seen))
+'''
+
+
+def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answer(tmp_path, monkeypatch):
+    from loopline.rollout import agent_program
+
+    port = agent_program.endpoint().port
+    env_file = _env(tmp_path, ISOLATION_PROBE)
+    spec = yaml.safe_load(env_file.read_text())
+    spec["agent"]["env"] = {"HOST_ENDPOINT_PORT": str(port)}
+    env_file.write_text(yaml.safe_dump(spec))
+    chat = ChatFormat.for_policy(STARTER)
+    read = {}
+    original = __import__("loopline.envregistry.episode", fromlist=["Episode"]).Episode.verify
+
+    async def keep_answer(self, final):
+        read["answer"] = final
+        return await original(self, final)
+
+    monkeypatch.setattr("loopline.envregistry.episode.Episode.verify", keep_answer)
+    (trajectory,) = _play(env_file, Scripted(chat, ["hello"]))
+    assert not isinstance(trajectory, Exception), trajectory
+    import json
+
+    seen = json.loads(read["answer"])
+    assert seen["task_keys"] == ["id", "prompt", "system_prompt"]  # not the task's expression and answer
+    assert seen["port_5432"] == "ConnectionRefusedError" and seen[f"port_{port}"] == "ConnectionRefusedError"  # its own empty network
+    assert seen["socket_removed"] in ("OSError", "PermissionError")  # a mount point: not removable
+    assert seen["model_said"] == "hello" and len(trajectory.segments) == 1
+    import os
+
+    if os.geteuid() == 0:
+        assert seen["uid"] == 65534  # loopline as root: the program runs as an unprivileged uid
+
+
+CRASH_AFTER_A_CALL = '''
+from openai import OpenAI
+OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+raise SystemExit("the program gave up")
+'''
+NO_CALL = 'import sys; sys.exit("cannot even start")'
+TOO_MANY_CALLS = '''
+from openai import OpenAI
+client = OpenAI()
+messages = [{"role": "user", "content": "hi"}]
+for _ in range(10):
+    reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+    messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "again"}]
+'''
+SLOW_PROGRAM = '''
+import time
+from openai import OpenAI
+OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+time.sleep(30)
+'''
+TWO_SLOW_CALLS = '''
+from openai import OpenAI
+client = OpenAI()
+messages = [{"role": "user", "content": "hi"}]
+for _ in range(2):
+    reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+    messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "again"}]
+open("answer.txt", "w").write("<answer>0</answer>")
+'''
+
+
+def test_failures_are_classified_as_the_harness_classifies_them(tmp_path):
+    chat = ChatFormat.for_policy(STARTER)
+    (crashed,) = _play(_env(tmp_path / "a", CRASH_AFTER_A_CALL), Scripted(chat, ["x"]))
+    assert crashed.failure_type == "task_failed" and crashed.info["exit_code"] == 1 and "gave up" in crashed.info["stderr"]
+    (nothing,) = _play(_env(tmp_path / "b", NO_CALL), Scripted(chat, []))
+    assert isinstance(nothing, InfraFailure) and "never called the model" in str(nothing) and "cannot even start" in str(nothing)
+    (spent,) = _play(_env(tmp_path / "c", TOO_MANY_CALLS), Scripted(chat, ["x"] * 10))
+    assert (spent.failure_type, spent.info["end"], len(spent.segments)) == ("truncated", "turns", 3)
+    (slow,) = _play(_env(tmp_path / "d", SLOW_PROGRAM, wall_time_s=2), Scripted(chat, ["x"]))
+    assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and slow.timings["episode_s"] < 20
+    # waiting for a slow model is not the program's time: 2 calls of 1.5 s each within a 2 s budget finish
+    (waited,) = _play(_env(tmp_path / "e", TWO_SLOW_CALLS, wall_time_s=2), Scripted(chat, ["x", "y"], delay_s=1.5))
+    assert (waited.failure_type, waited.info["end"], len(waited.segments)) == ("task_failed", "exit", 2), waited.info
+
+
+@pytest.mark.slow
+def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(database_url, db, tmp_path):
+    """The main job on an agent env: 2 steps; every invariant `loopline check` verifies holds on its ledger."""
+    import os
+    import sys
+
+    from tests.integration.test_chaos import _checked_run, _rows
+
+    name = f"agent-{tmp_path.name[-12:]}".replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2, "groups_per_step": 4, "group_size": 4,
+        "concurrency": 16, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 8},
+    }))
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_id = _checked_run(db, name)
+    trained = _rows(db, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0]
+    assert trained == 2 * 4 * 4
+    multi = _rows(db, "SELECT count(*) FROM (SELECT trajectory_id FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
+                      "WHERE t.run_id = :r GROUP BY 1 HAVING count(*) > 1) x", r=run_id)[0][0]
+    assert multi > 0  # the program's second call (after its calculator) is in the ledger, chained (check verified it)
+    assert _rows(db, "SELECT count(*) FROM eval_result WHERE run_id = :r", r=run_id)[0][0] >= 2  # v0 and v2, by the program too
