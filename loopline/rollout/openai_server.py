@@ -36,7 +36,12 @@ class OpenAIServer:
         """`unix_path`: also listen there (what an agent program's sandbox is given: it has no network)."""
         self.host = host
         self.episodes: dict[str, AgentEpisode] = {}
-        self._socket = socket.create_server((host, port))
+        # (proto named: asyncio turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and
+        # socket.create_server's is 0: every response then waited ~40 ms for a delayed ACK; measured)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(128)
         self.port = self._socket.getsockname()[1]
         self.unix_path = unix_path
         self._sockets = [self._socket]

@@ -53,6 +53,8 @@ class CuttableProxy:
             client.close()
             return
         pair = (client, upstream)
+        for sock in pair:  # relayed at once, as by the server itself (with Nagle's algorithm a reply waited ~40 ms for an ACK)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self.lock:  # (checked under the lock `cut` takes: a connection set up while it cut is refused too)
             down = time.monotonic() < self.down_until
             if not down:
