@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,19 @@ class Scripted:
         ids = self.chat.tokenizer.encode(self.replies.pop(0) if self.replies else "<answer>0</answer>", add_special_tokens=False)
         ids.append(self.chat.eos_id)
         return Generation(tuple(ids), tuple([-1.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+def _sandbox_processes() -> list[str]:
+    """Processes running in a local sandbox (bwrap and what it started: their argv names the sandbox directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "loopline-sandbox-" in text or "agent.py" in text:
+            found.append(f"{cmdline.parent.name} {text[:160]}")
+    return found
 
 
 def _env(tmp_path: Path, program: str, **budgets) -> Path:
@@ -228,3 +242,38 @@ def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(d
                       "WHERE t.run_id = :r GROUP BY 1 HAVING count(*) > 1) x", r=run_id)[0][0]
     assert multi > 0  # the program's second call (after its calculator) is in the ledger, chained (check verified it)
     assert _rows(db, "SELECT count(*) FROM eval_result WHERE run_id = :r", r=run_id)[0][0] >= 2  # v0 and v2, by the program too
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resumes_exactly_once(database_url, db, tmp_path):
+    """SIGKILL of the trainer's main pid (as the OOM killer does) while agent programs are in flight: they die
+    with it (bubblewrap's die-with-parent), their slots are played again by the resumed trainer, and everything
+    is trained exactly once."""
+    import os
+
+    from tests.integration.test_chaos import _checked_run, _rows, _train
+
+    name = f"agent-kill-{tmp_path.name[-12:]}".replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2, "groups_per_step": 4, "group_size": 4,
+        "concurrency": 8, "lease_seconds": 3, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"},
+        "eval": {"every": 2, "tasks": 4},
+    }))
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    leftovers: list[str] = []
+    log = tmp_path / "killed.log"
+    assert _train(config, env, "rollout_commit", log, leftovers) == -9, log.read_text()[-3000:]
+    assert leftovers == [], f"the killed trainer left {leftovers} running"
+    # sandboxed programs run in sessions of their own (not in the trainer's process group): found by their sandbox
+    deadline = time.monotonic() + 15
+    while (programs := _sandbox_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert programs == [], f"agent programs outlived the killed trainer: {programs}"
+    log = tmp_path / "final.log"
+    assert _train(config, env, None, log) == 0, log.read_text()[-3000:]
+    run_id = _checked_run(db, name)
+    consumed, distinct = _rows(db, "SELECT count(*), count(DISTINCT trajectory_id) FROM consumption WHERE run_id = :r", r=run_id)[0]
+    assert consumed == distinct == 2 * 4 * 4
+    # the episodes in flight at the kill were played again: their first attempts ended without a trajectory
+    assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status <> 'ok'", r=run_id)[0][0] > 0
