@@ -49,6 +49,8 @@ class SmokeResult:
 async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
     if spec.smoke_test is None:
         raise ValueError(f"{spec.name} declares no smoke_test")
+    if spec.agent is not None:
+        return await _run_agent_smoke(spec, task)
     result = SmokeResult(task.id)
     clock = time.monotonic()
 
@@ -82,4 +84,42 @@ async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
         if episode is not None:
             await episode.close()
         lap("close")
+    return result
+
+
+async def _run_agent_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
+    """The env's own program, against a scripted model answering its calls with `smoke_test.replies` (the
+    shipped starter's tokenizer and chat template stand in for the policy's)."""
+    from loopline.rollout.agent_program import run_agent_program
+    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.engine import EngineError, Generation, SamplingParams, VersionSpan
+    from loopline.rollout.harness import EpisodeSetup
+    from loopline.flows.starter import SHIPPED_STARTERS
+
+    chat = ChatFormat.for_policy(next(p for p in sorted(SHIPPED_STARTERS.iterdir()) if (p / "config.json").is_file()))
+    replies = [fill(reply, task) for reply in spec.smoke_test.replies]
+    result = SmokeResult(task.id)
+
+    class Scripted:
+        def version(self) -> int:
+            return 0
+
+        async def generate(self, prompt_ids, sampling, request_id):
+            said = replies.pop(0) if replies else ""
+            ids = chat.tokenizer.encode(said, add_special_tokens=False) + [chat.eos_id]
+            result.steps.append(SmokeStepResult(f"model call {len(result.steps) + 1}", said, 0.0))
+            return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+    started = time.monotonic()
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
+    try:
+        trajectory = await run_agent_program(Scripted(), setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
+    except (InfraFailure, EngineError) as exc:
+        result.infra_error = str(exc)
+    else:
+        result.reward, result.verdict = trajectory.reward, trajectory.info["verdict"]
+        result.answer = f"(the program's answer.txt; it exited {trajectory.info['exit_code']}, {trajectory.info['end']})"
+        t = trajectory.timings
+        result.timings = {"start": t["sandbox_start_s"], "steps": t["episode_s"] - t["sandbox_start_s"] - t["verify_s"], "verify": t["verify_s"]}
+    result.timings.setdefault("steps", time.monotonic() - started)
     return result

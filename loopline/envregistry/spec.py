@@ -354,7 +354,10 @@ class SmokeStep(_Strict):
 class SmokeTest(_Strict):
     """A scripted episode `envreg test` plays to check the environment end to end."""
 
-    steps: tuple[SmokeStep, ...]
+    steps: tuple[SmokeStep, ...] = ()
+    replies: tuple[str, ...] = Field(
+        (), description="an env with `agent`: what a scripted model answers the program's calls, in order ({task.FIELD} placeholders)"
+    )
     expect_reward: float = Field(1.0, description="within the verifier's reward_range")
 
 
@@ -391,8 +394,14 @@ class EnvSpec(_Strict):
         for step in self.smoke_test.steps if self.smoke_test else ():
             if step.tool is not None and step.tool not in declared:
                 raise ValueError(f"smoke_test uses tool {step.tool!r}, which is not declared in `tools`")
-        if self.agent is not None and (self.tools or self.smoke_test is not None):
-            raise ValueError("an env with `agent` runs your program, which brings its own tools: drop `tools` and `smoke_test`")
+        if self.agent is not None and self.tools:
+            raise ValueError("an env with `agent` runs your program, which brings its own tools: drop `tools`")
+        if self.smoke_test is not None and (self.agent is None) != bool(self.smoke_test.steps):
+            raise ValueError(
+                "smoke_test: an env with `agent` scripts the model's `replies` to its program; other envs script tool `steps`"
+            )
+        if self.smoke_test is not None and self.agent is None and self.smoke_test.replies:
+            raise ValueError("smoke_test.replies are for envs with `agent`; script tool `steps` here")
         if self.agent is not None and (self.sandbox.backend != "local" or self.sandbox.network):
             raise ValueError("an agent program runs in the local backend's isolated sandbox (backend: local, network: false); "
                              "docker and e2b are not supported for it yet")
@@ -418,6 +427,9 @@ class EnvSpec(_Strict):
             for value in (step.answer, *step.args.values()):
                 for field in re.findall(r"{task\.(\w+)}", value if isinstance(value, str) else ""):
                     used.setdefault(field, f"smoke_test.steps.{i}")
+        for i, reply in enumerate(self.smoke_test.replies if self.smoke_test else ()):
+            for field in re.findall(r"{task\.(\w+)}", reply):
+                used.setdefault(field, f"smoke_test.replies.{i}")
         return used
 
     def canonical(self) -> dict[str, Any]:
@@ -428,6 +440,8 @@ class EnvSpec(_Strict):
         for key, default in _ADDED_LATER.items():
             if data.get(key) == default:
                 del data[key]
+        if data.get("smoke_test") and not data["smoke_test"]["replies"]:
+            del data["smoke_test"]["replies"]  # (added later too)
         return data
 
 

@@ -277,3 +277,20 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
     assert consumed == distinct == 2 * 4 * 4
     # the episodes in flight at the kill were played again: their first attempts ended without a trajectory
     assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status <> 'ok'", r=run_id)[0][0] > 0
+
+
+def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
+    from loopline.envregistry.smoke import run_smoke
+    from loopline.envregistry.spec import parse_spec
+
+    prepared = prepare(AGENT_ENV)
+    tasks = [t for t in prepared.tasks if t.split == "train"][:2]
+    results = [asyncio.run(run_smoke(prepared.spec, t)) for t in tasks]
+    assert [r.reward for r in results] == [1.0, 1.0] and all(r.passed(1.0) for r in results)
+    assert [s.output for s in results[0].steps] == [f"<calc>{tasks[0].data['expression']}</calc>", f"<answer>{tasks[0].data['answer']}</answer>"]
+    wrong = prepared.spec.model_copy(update={"smoke_test": prepared.spec.smoke_test.model_copy(update={"replies": ("<answer>-1</answer>",)})})
+    assert asyncio.run(run_smoke(wrong, tasks[0])).reward == 0.0  # the verifier, not the script, decides
+    spec = yaml.safe_load(AGENT_ENV.read_text())
+    spec["smoke_test"] = {"steps": [{"answer": "x"}]}
+    with pytest.raises(Exception, match="scripts the model's `replies`"):
+        parse_spec(yaml.safe_dump(spec), tmp_path / "env.yaml")
