@@ -174,6 +174,15 @@ class RunConfig(_Strict):
     learner: LearnerSettings = LearnerSettings()
     eval: EvalSettings = EvalSettings()
     engine: EngineSettings = EngineSettings()
+    tracking: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
+        "trainer.logger); not part of the run's identity: a resume may change them",
+    )
+
+    @field_validator("tracking")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
     @field_validator("group_size")
     @classmethod

@@ -27,6 +27,7 @@ from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig, parse_config
 from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
+from loopline.flows.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
@@ -108,9 +109,10 @@ def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
 def _same_config(stored: dict, config: RunConfig) -> bool:
     """Whether a stored config means `config`, read with today's defaults."""
     try:
-        return parse_config({k: v for k, v in stored.items() if k != FORKED_FROM}, "stored") == config
+        stored_config = parse_config({k: v for k, v in stored.items() if k != FORKED_FROM}, "stored")
     except LooplineError:  # a field it has that this loopline no longer knows: another config
         return False
+    return stored_config.model_copy(update={"tracking": config.tracking}) == config  # (trackers are not the run's identity)
 
 
 def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
@@ -218,6 +220,8 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
     parts, ctx = prepared.parts, prepared.ctx
     config, eval_tasks = parts.config, parts.eval_tasks()
     live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
+    trackers = Trackers(config.tracking, config.name, ctx.run_id, parts.workdir(), config.model_dump(mode="json"), warn=log.warning)
+    lifecycle.callback(trackers.close)
 
     def read(query, *args):
         with ctx.session_factory() as s:
@@ -236,6 +240,7 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
         finally:
             ctx.evaluating.clear()
         log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(eval_tasks))
+        trackers.evaluation(engine.version(), success, len(eval_tasks))
 
     def owed_evaluations() -> None:
         """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
@@ -273,6 +278,7 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
     def after_step(step: int) -> None:
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
+        trackers.step(step, waiting_out_outages(lambda: read(queries.step_metrics, step)))
         report_lagging_servers(version)
         owed_evaluations()
 
@@ -292,6 +298,10 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
         ctx.engine.shutdown()
         stages.release_servers(ctx)
     history = [(version, rate) for version, _, rate in waiting_out_outages(lambda: read(queries.eval_results))]
+    if trackers.active:  # the newest model on disk, for the trackers that keep artifacts
+        with ctx.session_factory() as s:
+            newest = ledger.version_weights(s, ctx.run_id, ledger.exported_versions(s, ctx.run_id)[-1])
+        trackers.artifact(Path(newest.uri))
     return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
 
 

@@ -108,6 +108,15 @@ def list_runs(session: Session) -> list[RunSummary]:
     return out
 
 
+def step_metrics(session: Session, run_id: uuid.UUID, step: int) -> dict[str, float]:
+    """Every metric the ledger holds for one learner step (what the experiment trackers are sent)."""
+    rows = session.execute(
+        sa.text("SELECT name, value FROM metric WHERE run_id = :r AND step = :k ORDER BY name"), {"r": run_id, "k": step}
+    ).all()
+    session.rollback()
+    return {name: float(value) for name, value in rows}
+
+
 def eval_results(session: Session, run_id: uuid.UUID) -> list[tuple[int, int, float]]:
     """(policy version, tasks, held-out success) in version order."""
     rows = session.execute(
