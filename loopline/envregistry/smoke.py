@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
@@ -46,11 +46,20 @@ class SmokeResult:
         return self.infra_error is None and self.reward is not None and abs(self.reward - expected) < 1e-9
 
 
-async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
+# Plays an env with `agent:` (its program against scripted model replies): the rollout layer's
+# (`loopline.rollout.agent_program.play_scripted`), handed in by whoever sits above both (the `envreg` command).
+AgentPlayer = Callable[[EnvSpec, Task], Awaitable[SmokeResult]]
+agent_player: AgentPlayer | None = None
+
+
+async def run_smoke(spec: EnvSpec, task: Task, play_agent: AgentPlayer | None = None) -> SmokeResult:
     if spec.smoke_test is None:
         raise ValueError(f"{spec.name} declares no smoke_test")
     if spec.agent is not None:
-        return await _run_agent_smoke(spec, task)
+        player = play_agent or agent_player
+        if player is None:
+            raise ValueError(f"{spec.name} runs an agent program: test it with the `envreg` command")
+        return await player(spec, task)
     result = SmokeResult(task.id)
     clock = time.monotonic()
 
@@ -86,40 +95,3 @@ async def run_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
         lap("close")
     return result
 
-
-async def _run_agent_smoke(spec: EnvSpec, task: Task) -> SmokeResult:
-    """The env's own program, against a scripted model answering its calls with `smoke_test.replies` (the
-    shipped starter's tokenizer and chat template stand in for the policy's)."""
-    from loopline.rollout.agent_program import run_agent_program
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import EngineError, Generation, SamplingParams, VersionSpan
-    from loopline.rollout.harness import EpisodeSetup
-    from loopline.flows.starter import SHIPPED_STARTERS
-
-    chat = ChatFormat.for_policy(next(p for p in sorted(SHIPPED_STARTERS.iterdir()) if (p / "config.json").is_file()))
-    replies = [fill(reply, task) for reply in spec.smoke_test.replies]
-    result = SmokeResult(task.id)
-
-    class Scripted:
-        def version(self) -> int:
-            return 0
-
-        async def generate(self, prompt_ids, sampling, request_id):
-            said = replies.pop(0) if replies else ""
-            ids = chat.tokenizer.encode(said, add_special_tokens=False) + [chat.eos_id]
-            result.steps.append(SmokeStepResult(f"model call {len(result.steps) + 1}", said, 0.0))
-            return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
-
-    started = time.monotonic()
-    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
-    try:
-        trajectory = await run_agent_program(Scripted(), setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
-    except (InfraFailure, EngineError) as exc:
-        result.infra_error = str(exc)
-    else:
-        result.reward, result.verdict = trajectory.reward, trajectory.info["verdict"]
-        result.answer = f"(the program's answer.txt; it exited {trajectory.info['exit_code']}, {trajectory.info['end']})"
-        t = trajectory.timings
-        result.timings = {"start": t["sandbox_start_s"], "steps": t["episode_s"] - t["sandbox_start_s"] - t["verify_s"], "verify": t["verify_s"]}
-    result.timings.setdefault("steps", time.monotonic() - started)
-    return result

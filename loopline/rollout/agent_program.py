@@ -22,10 +22,12 @@ from pathlib import Path
 
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
 from loopline.envregistry.sandbox.local import PROGRAM_PORT
 from loopline.envregistry.spec import ANSWER_FILE
 from loopline.envregistry.tasks import Task
-from loopline.rollout.engine import Engine, EngineError
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import Engine, EngineError, Generation, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
 from loopline.store.records import TrajectoryRecord
@@ -112,3 +114,38 @@ async def run_agent_program(engine: Engine, setup, task: Task, request_id: str, 
             "discarded_calls": calls.discarded_calls, "stderr": (result.stderr[-2000:] if result else ""),
         },
     )
+
+
+async def play_scripted(spec, task: Task) -> SmokeResult:
+    """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
+    `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's)."""
+    from loopline.rollout.harness import EpisodeSetup
+
+    starter = Path(__file__).resolve().parent.parent / "starters"
+    chat = ChatFormat.for_policy(next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file()))
+    replies = [fill(reply, task) for reply in spec.smoke_test.replies]
+    result = SmokeResult(task.id)
+
+    class Scripted:
+        def version(self) -> int:
+            return 0
+
+        async def generate(self, prompt_ids, sampling, request_id):
+            said = replies.pop(0) if replies else ""
+            ids = chat.tokenizer.encode(said, add_special_tokens=False) + [chat.eos_id]
+            result.steps.append(SmokeStepResult(f"model call {len(result.steps) + 1}", said, 0.0))
+            return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+    started = time.monotonic()
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
+    try:
+        trajectory = await run_agent_program(Scripted(), setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
+    except (InfraFailure, EngineError) as exc:
+        result.infra_error = str(exc)
+    else:
+        result.reward, result.verdict = trajectory.reward, trajectory.info["verdict"]
+        result.answer = f"(the program's answer.txt; it exited {trajectory.info['exit_code']}, {trajectory.info['end']})"
+        t = trajectory.timings
+        result.timings = {"start": t["sandbox_start_s"], "steps": t["episode_s"] - t["sandbox_start_s"] - t["verify_s"], "verify": t["verify_s"]}
+    result.timings.setdefault("steps", time.monotonic() - started)
+    return result

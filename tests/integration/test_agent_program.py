@@ -285,11 +285,13 @@ def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
 
     prepared = prepare(AGENT_ENV)
     tasks = [t for t in prepared.tasks if t.split == "train"][:2]
-    results = [asyncio.run(run_smoke(prepared.spec, t)) for t in tasks]
+    from loopline.rollout.agent_program import play_scripted
+
+    results = [asyncio.run(run_smoke(prepared.spec, t, play_scripted)) for t in tasks]
     assert [r.reward for r in results] == [1.0, 1.0] and all(r.passed(1.0) for r in results)
     assert [s.output for s in results[0].steps] == [f"<calc>{tasks[0].data['expression']}</calc>", f"<answer>{tasks[0].data['answer']}</answer>"]
     wrong = prepared.spec.model_copy(update={"smoke_test": prepared.spec.smoke_test.model_copy(update={"replies": ("<answer>-1</answer>",)})})
-    assert asyncio.run(run_smoke(wrong, tasks[0])).reward == 0.0  # the verifier, not the script, decides
+    assert asyncio.run(run_smoke(wrong, tasks[0], play_scripted)).reward == 0.0  # the verifier, not the script, decides
     spec = yaml.safe_load(AGENT_ENV.read_text())
     spec["smoke_test"] = {"steps": [{"answer": "x"}]}
     with pytest.raises(Exception, match="scripts the model's `replies`"):
