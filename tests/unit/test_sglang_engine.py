@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx
 import pytest
@@ -14,13 +13,9 @@ from loopline.rollout.sglang_engine import SGLangEngine
 
 @pytest.fixture
 def server():
-    from tests.fakes.sglang_protocol_server import SGLangProtocolServer, load_api_types
+    from tests.fakes.sglang_protocol_server import serving
 
-    if load_api_types() is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the SGLang protocol tests: pip install --no-deps sglang==0.5.23 msgspec")
-        pytest.skip("sglang's schema classes are not installed")
-    with SGLangProtocolServer() as s:
+    with serving() as s:
         yield s
 
 

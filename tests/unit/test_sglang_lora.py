@@ -6,7 +6,6 @@ see its docstring), serving the real tiny starter so that the adapter's effect o
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 from pathlib import Path
 
@@ -28,13 +27,9 @@ def starter_dir() -> Path:
 
 @pytest.fixture
 def server():
-    from tests.fakes.sglang_protocol_server import SGLangProtocolServer, load_api_types
+    from tests.fakes.sglang_protocol_server import serving
 
-    if load_api_types() is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the SGLang protocol tests: pip install --no-deps sglang==0.5.23 msgspec")
-        pytest.skip("sglang's schema classes are not installed")
-    with SGLangProtocolServer(token_delay_s=0.0, model_path=str(starter_dir()), enable_lora=True) as s:
+    with serving(token_delay_s=0.0, model_path=str(starter_dir()), enable_lora=True) as s:
         yield s
 
 
