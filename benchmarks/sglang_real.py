@@ -13,7 +13,7 @@ the server must be able to read (same machine or a shared filesystem). Prints, m
      learner's logprob gap on the tokens its own weights generated. With --lora RANK the run trains a LoRA
      adapter and ships each version as its adapter (the server must run with --enable-lora --max-lora-rank
      RANK --lora-target-modules all): the gap then checks that the server applied the adapter the learner wrote.
-A real server on this 2-core CPU decodes 1-3 tokens/s (shared/notes/sglang-cpu/): keep the sizes small.
+A real server on this 2-core CPU decodes 1-3 tokens/s (docs/sglang-cpu/README.md): keep the sizes small.
 """
 
 from __future__ import annotations

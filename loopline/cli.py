@@ -436,8 +436,11 @@ def delete(
 @app.command("check")
 @friendly_errors
 def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id.")) -> None:
-    """Verify the six invariants of DESIGN.md on a run's ledger; exit 1 (naming the rows) on a violation."""
-    from loopline.store.check import check_run
+    """Verify six invariants on a run's ledger; exit 1 (naming the rows) on a violation.
+
+    1 trained tokens are the engine's, with its logprobs; 2 only generated tokens are trained; 3 the learner's logprobs match the rollout's at equal weights; 4 a group is one task's samples; 5 nothing trained twice, nothing lost, no eval task trained; 6 the report has held-out success, cost and failure classes.
+    """  # (one line: typer keeps a docstring's line breaks)
+    from loopline.store.check import INVARIANTS, check_run
     from loopline.store.ledger import get_run
 
     engine = migrate.open_ledger()
@@ -453,7 +456,7 @@ def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id."))
         console.print("[green]all invariants hold[/]")
         return
     for v in report.violations:  # plain lines, so they can be grepped and never wrap mid-id
-        console.print(f"[red]invariant {v.invariant}:[/] {v.message}", highlight=False)
+        console.print(f"[red]invariant {v.invariant} ({INVARIANTS[v.invariant]}):[/] {v.message}", highlight=False)
         for row_id in v.ids:
             console.print(f"    {row_id}", highlight=False)
     raise typer.Exit(1)

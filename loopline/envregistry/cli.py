@@ -177,7 +177,7 @@ def _print_steps(result) -> None:
 @app.command("test")
 @friendly_errors
 def test(
-    ref: str = typer.Argument(..., metavar="NAME[@VERSION]"),
+    ref: str = typer.Argument(..., metavar="NAME[@VERSION] | FILE.yaml", help="A registered env, or a spec file (played unregistered)."),
     tasks: int = typer.Option(1, "--tasks", min=1, help="How many tasks to play."),
     split: str = typer.Option("train", "--split", help="train or eval: which tasks to play."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each step's call, output and time, and the verdict."),
@@ -185,12 +185,16 @@ def test(
     """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
     if split not in ("train", "eval"):
         raise LooplineError(f"--split must be train or eval, not {split!r}")
-    with session(open_ledger()) as s:
-        row = registry.get(s, ref)
-    spec = registry.spec_of(row)
+    if ref.endswith((".yaml", ".yml")):  # a spec file, checked as `add` would, played without touching the ledger
+        prepared = registry.prepare(ref)
+        spec, all_tasks, title = prepared.spec, prepared.tasks, f"{prepared.spec.name} ({ref}, not registered)"
+    else:
+        with session(open_ledger()) as s:
+            row = registry.get(s, ref)
+        spec, all_tasks, title = registry.spec_of(row), registry.tasks_of(row), f"{row.name}@{row.version}"
     if spec.smoke_test is None:
-        raise LooplineError(f"{row.name}@{row.version} declares no smoke_test; add one to its YAML")
-    chosen = [t for t in registry.tasks_of(row) if t.split == split][:tasks]
+        raise LooplineError(f"{title} declares no smoke_test; add one to its YAML")
+    chosen = [t for t in all_tasks if t.split == split][:tasks]
     results = []
     for task in chosen:
         with console.status(f"playing {task.id} ({len(results) + 1}/{len(chosen)})"):
@@ -198,7 +202,7 @@ def test(
         if verbose:
             _print_steps(results[-1])
     expected = spec.smoke_test.expect_reward
-    table = Table("task", "start", "reset", "steps", "verify", "close", "reward", "verdict", title=f"{row.name}@{row.version}")
+    table = Table("task", "start", "reset", "steps", "verify", "close", "reward", "verdict", title=title)
     for r in results:
         times = [f"{r.timings.get(p, 0.0) * 1000:.0f} ms" for p in ("start", "reset", "steps", "verify", "close")]
         if r.infra_error:

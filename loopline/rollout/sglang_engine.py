@@ -1,4 +1,5 @@
-"""SGLangEngine: SGLang's native HTTP API, token ids in and out (shared/notes/sglang.md).
+"""SGLangEngine: SGLang's native HTTP API, token ids in and out (the contract as checked against a real
+server: docs/sglang-cpu/README.md).
 
 One client for one or more servers (replicas, or a single router URL).
 Requests go to the replica with the fewest in flight; each replica's weight

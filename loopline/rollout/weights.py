@@ -2,7 +2,7 @@
 
 A real SGLang server that is told to load a truncated or wrong-shape safetensors file dies: its
 updater points the model path at the new directory before loading, so the rollback reads the same
-bad file again (shared/notes/sglang.md). So every directory is checked here first, from the files'
+bad file again (docs/sglang-cpu/README.md). So every directory is checked here first, from the files'
 headers only (no tensor is read): the config is there, every shard the index names exists, each
 file is exactly as long as its header says, and the tensors' names, dtypes and shapes equal the
 served model's.

@@ -1,4 +1,4 @@
-"""`loopline check RUN`: the seed's six invariants (DESIGN.md), verified on a run's ledger.
+"""`loopline check RUN`: six invariants of a run's ledger (INVARIANTS), verified on its rows.
 
 Some invariants are also database constraints (one trajectory per slot, one
 consumption per trajectory, no eval consumption); they are checked here too,
@@ -16,6 +16,16 @@ from sqlmodel import Session
 
 from loopline.store._sql import q
 from loopline.store.records import first_chain_break
+
+# What each invariant promises (DESIGN.md's list, as users read it in `loopline check`).
+INVARIANTS = {
+    1: "every trained action token is the token the engine generated, with the engine's logprob and its semantics named",
+    2: "only generated action tokens are trained (loss mask 1); prompt, tool output and padding have mask 0",
+    3: "with equal weights the learner's recomputed logprobs match the rollout's (the gap is recorded each step)",
+    4: "a group holds samples of one task, of the configured size; groups without reward variance are flagged",
+    5: "after any resume nothing is trained twice, nothing committed is lost, and eval tasks are never trained",
+    6: "the report shows held-out success, cost and failure classes, not only training reward",
+}
 
 LOGPROB_GAP_TOLERANCE = 1e-2  # mean |recomputed - rollout| per step above this is reported (invariant 3)
 

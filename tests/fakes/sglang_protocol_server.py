@@ -1,10 +1,10 @@
 """A stand-in for an SGLang server: SGLang's HTTP API, with pseudo-random tokens or a real model.
 
-A real SGLang server runs on this CPU only as a slow manual check (shared/notes/sglang-cpu/), so the
+A real SGLang server runs on this CPU only as a slow manual check (docs/sglang-cpu/README.md), so the
 tests use this. It validates every /generate request with SGLang's own schema classes
 (`sglang.api.v1.api_types`, loaded from the installed wheel's file without importing the heavy
 `sglang` package), encodes responses with them, and reproduces what a real SGLang 0.5.23 server was
-observed to do (shared/notes/sglang.md, issue 14): 400 on unknown sampling keys; abort as HTTP 200
+observed to do (docs/sglang-cpu/README.md): 400 on unknown sampling keys; abort as HTTP 200
 with the partial ids; `weight_versions` spans in every response (one span when the weights did not
 change); updates that wait for in-flight requests unless paused; pause modes abort / retract /
 in_place (in_place + flush_cache -> 400 without advancing the version); `/abort_request` matching

@@ -296,3 +296,18 @@ def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
     spec["smoke_test"] = {"steps": [{"answer": "x"}]}
     with pytest.raises(Exception, match="scripts the model's `replies`"):
         parse_spec(yaml.safe_dump(spec), tmp_path / "env.yaml")
+
+
+def test_envreg_test_plays_a_spec_file_before_it_is_registered_without_any_ledger(tmp_path):
+    """`envreg test FILE.yaml` (the `envreg` command as installed): no database is configured or started."""
+    import os
+    import sys
+
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "LOOPLINE_DATABASE_URL"} | {"LOOPLINE_HOME": str(home)}
+    for spec in (AGENT_ENV, ROOT / "examples" / "arithmetic_env.yaml"):
+        done = subprocess.run([sys.executable, "-c", "from loopline.envreg import app; app()", "test", str(spec), "--tasks", "2"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "not registered" in done.stdout and done.stdout.count(" ok ") == 2, done.stdout
+    assert not (home / "pgdata").exists()  # nothing started an embedded PostgreSQL

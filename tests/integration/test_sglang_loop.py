@@ -1,6 +1,6 @@
 """`engine: sglang` in the loop, against the model-backed SGLang stand-in (tests/fakes/sglang_protocol_server.py).
 
-A real SGLang server decodes 1-3 tokens/s on this CPU (shared/notes/sglang-cpu/), so these tests run
+A real SGLang server decodes 1-3 tokens/s on this CPU (docs/sglang-cpu/README.md), so these tests run
 `loopline train` against stand-in server processes that speak SGLang's HTTP API (validated with SGLang's
 own schema classes) and generate with the real tiny model, reproducing the real server's observed
 behaviour (exact-rid abort, seeds ignored without deterministic inference, "default" version, dying on a

@@ -100,6 +100,11 @@ def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     _corrupt(db, CORRUPTIONS[5][1], r=trained_run.id)
     bad = subprocess.run([sys.executable, "-m", "loopline.cli", "check", str(trained_run.id)], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "only partly trained" in bad.stdout
+    from loopline.store.check import INVARIANTS
+
+    said = " ".join(bad.stdout.split())
+    number = CORRUPTIONS[5][0]
+    assert f"invariant {number} ({INVARIANTS[number]}):" in said, bad.stdout  # what the invariant means, in the user's words
     groups = {str(g) for g in db.execute(sa.text("SELECT group_id FROM trajectory WHERE run_id = :r"), {"r": trained_run.id}).scalars()}
     db.rollback()
     assert any(f"    {g}" in bad.stdout for g in groups)  # the offending group is named
