@@ -133,10 +133,21 @@ def eval_(
     version: int = typer.Option(None, "--version", help="Policy version (default: the newest)."),
 ) -> None:
     """Held-out success of one policy version of a run (stored in the ledger; shown again if already measured)."""
-    from loopline.store.ledger import get_run
+    from loopline.store import queries
+    from loopline.store.ledger import get_run, version_weights
 
     with store_db.session(migrate.open_ledger()) as s:  # an unknown run is one line before Prefect and torch load
-        get_run(s, run)
+        found = get_run(s, run)
+        name, run_id = found.name, found.id  # (a read's rollback expires the row)
+        newest = version_weights(s, run_id).version
+        if version is not None and not 0 <= version <= newest:
+            raise LooplineError(f"run {name} has no policy version {version}; its versions are 0 to {newest}")
+        asked = newest if version is None else version
+        measured = {v: (n, rate) for v, n, rate in queries.eval_results(s, run_id)}
+    if asked in measured:  # stored once: read back without starting a flow
+        tasks_, rate = measured[asked]
+        console.print(f"run {name} v{asked}: held-out success {rate:.1%} on {tasks_} tasks (measured before)")
+        return
     server_ready = _prefect_server()
     from loopline.cli_progress import step_progress
     from loopline.flows.evaluate import evaluate

@@ -110,6 +110,23 @@ def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     assert any(f"    {g}" in bad.stdout for g in groups)  # the offending group is named
 
 
+def test_eval_of_a_measured_version_is_read_back_without_prefect_or_torch(database_url, db, trained_run):
+    from loopline.store import ledger
+
+    ledger.record_eval_result(db, trained_run.id, 1, "arithmetic", 1, 4, 3)
+    probe = (
+        "import sys\nfrom loopline.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as exit:\n"
+        "    print('exit', exit.code, 'torch' in sys.modules, 'prefect' in sys.modules)"
+    )
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url}
+    run = lambda *args: subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120, env=env)  # noqa: E731
+    done = run("eval", trained_run.name, "--version", "1")
+    assert f"run {trained_run.name} v1: held-out success 75.0% on 4 tasks (measured before)" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.split()[-4:] == ["exit", "0", "False", "False"], done.stdout
+    missing = run("eval", trained_run.name, "--version", "9")
+    assert missing.stderr.strip() == f"error: run {trained_run.name} has no policy version 9; its versions are 0 to 1", missing.stderr
+
+
 def test_eval_of_an_unknown_run_is_one_line_before_torch_or_prefect_load(database_url):
     probe = (
         "import sys\nfrom loopline.cli import app\ntry:\n    app(['eval', 'no-such-run'])\nexcept SystemExit as exit:\n"
