@@ -310,6 +310,7 @@ def inspect(
     app = subprocess.Popen([
         sys.executable, "-m", "streamlit", "run", str(app_path), "--server.port", str(port), "--server.address", "127.0.0.1",
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
+        "--client.toolbarMode", "viewer",  # a viewer's menu: no Deploy button, no developer options
     ])
     try:
         code = app.wait()

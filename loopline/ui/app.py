@@ -18,6 +18,7 @@ from functools import lru_cache
 
 import pandas as pd
 import streamlit as st
+import yaml
 
 from loopline.store.check import LOGPROB_GAP_TOLERANCE
 from loopline.ui.data import (
@@ -119,6 +120,13 @@ def render_tokens(tokens: list[Token], by_gap: bool = False, tolerance: float = 
 # --------------------------------------------------------------------------- pages
 
 
+# The learner's step metrics charted on the Runs page (those a run recorded), with what each one says.
+OPTIMISATION = {
+    "loss": "loss", "grad_norm": "gradient norm (before clipping)", "clip_fraction": "fraction of tokens clipped",
+    "kl_ref": "KL to the reference policy", "entropy": "policy entropy",
+}
+
+
 def page_runs(db: LedgerView) -> None:
     st.header("Runs")
     runs = db.runs()
@@ -195,6 +203,15 @@ def page_runs(db: LedgerView) -> None:
             st.dataframe(
                 displayable(worst), hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
             )
+
+    st.subheader("Optimisation, per learner step")
+    shown = [m for m in OPTIMISATION if m in metrics]
+    for column, metric in zip(st.columns(max(len(shown), 1)), shown):
+        with column:
+            st.caption(OPTIMISATION[metric])
+            st.line_chart(metrics, x="step", y=metric)
+    with st.expander("The run's config (as the ledger stored it)"):
+        st.code(yaml.safe_dump(db.run_config(run_id), sort_keys=False), language="yaml")
 
 
 def replay_step(run: str, last_step: int) -> None:

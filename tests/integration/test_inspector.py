@@ -120,6 +120,16 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     servers = next(d.value for d in at.dataframe if "served_version" in d.value)
     assert servers[["url", "synced_by", "served_version"]].values.tolist() == [["http://gpu-1:30000", "gpu-1:4242:77", 2]]
     assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
+    assert "Optimisation, per learner step" in titles
+    captions = [c.value for c in at.caption]
+    assert "loss" in captions and "gradient norm (before clipping)" in captions  # the learner's metrics the run recorded
+    import yaml
+
+    engine = sa.create_engine(seeded["url"])
+    with engine.connect() as conn:
+        stored = conn.execute(sa.text("SELECT config FROM run WHERE name = :n"), {"n": seeded["run"]}).scalar_one()
+    engine.dispose()
+    assert any(yaml.safe_load(c.value) == stored for c in at.code), [c.value for c in at.code]  # the run's stored config
 
 
 def test_trajectories_page_filters_and_opens_one(app, seeded):
@@ -297,6 +307,8 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/?page=runs&run={seeded['run']}")
+            page.get_by_text("Optimisation, per learner step").wait_for(timeout=30_000)
+            assert page.get_by_text("Deploy", exact=True).count() == 0  # a viewer's toolbar: nothing to deploy
             page.get_by_role("button", name="Open its trajectories").click()
             page.get_by_text(re.compile(r"^\d+ of \d+ trajectories; select a row")).wait_for(timeout=30_000)
             table = page.locator('[data-testid="stDataFrame"]').first
