@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import shutil
 from pathlib import Path
 
@@ -89,7 +91,12 @@ def _prefect_server():
 
     _prefect_quiet()
     temporary = server.start_temporary_server(store_db.loopline_home() / "logs")
-    return temporary.wait if temporary else (lambda: None)
+    if temporary is None:
+        return lambda: None
+    # Prefect links each flow run ("View at http://127.0.0.1:PORT/runs/flow-run/..."): on a server that ends with
+    # this command the link is dead by the time anyone opens it. A server that outlives commands: `loopline server start`.
+    logging.getLogger("prefect.flow_runs").addFilter(lambda record: not record.getMessage().startswith("View at "))
+    return temporary.wait
 
 
 @app.command("train")

@@ -235,6 +235,7 @@ def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(d
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "View at http" not in done.stdout + done.stderr  # no link to the temporary Prefect server that died with the command
     run_id = _checked_run(db, name)
     trained = _rows(db, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0]
     assert trained == 2 * 4 * 4
