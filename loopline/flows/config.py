@@ -276,3 +276,23 @@ def load_config(path: str | Path) -> tuple[RunConfig, Path]:
     if config.env_is_file and not (file.parent / config.env).is_file():
         raise LooplineError(f"{file}: env: {config.env} not found (a YAML path is relative to the run config)")
     return config, file.parent
+
+
+def config_file(config: str | Path | dict | RunConfig | None, directory: Path) -> str | None:
+    """A run config given from Python as a dict or a RunConfig, written as a file under `directory` (the flows
+    pass a path on: to the learner's ranks, to a resume); relative env and policy paths are taken from the
+    current directory and written absolute. A path is returned as it is."""
+    if config is None or isinstance(config, (str, Path)):
+        return None if config is None else str(config)
+    parsed = config if isinstance(config, RunConfig) else parse_config(config, "train(config=...)")
+    data = parsed.model_dump(mode="json")
+    if parsed.env_is_file:
+        data["env"] = str(Path(parsed.env).resolve())
+        if not Path(data["env"]).is_file():
+            raise LooplineError(f"train(config=...): env: {parsed.env} not found (a path is relative to the current directory here)")
+    if Path(parsed.policy).is_dir():
+        data["policy"] = str(Path(parsed.policy).resolve())
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{parsed.name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)

@@ -25,7 +25,7 @@ from loopline.failpoints import failpoint
 from loopline.flows import assembly, learner_launch, plan
 from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
-from loopline.flows.config import RunConfig, parse_config
+from loopline.flows.config import RunConfig, config_file, parse_config
 from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
 from loopline.flows.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
@@ -200,10 +200,14 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
 
 
 @flow(name="train")
-def train(config_path: str | None = None, resume: str | None = None, fork: str | None = None, steps: int | None = None) -> dict:
+def train(
+    config_path: str | dict | RunConfig | None = None, resume: str | None = None, fork: str | None = None, steps: int | None = None,
+) -> dict:
     """Train a policy as the run config says; continue where the ledger says the run stands. `steps` (with
-    `resume` and no config file) extends the run to that many learner steps."""
+    `resume` and no config file) extends the run to that many learner steps. From Python the config may be a
+    path, a dict or a RunConfig."""
     log = get_run_logger()
+    config_path = config_file(config_path, store_db.loopline_home() / "configs")
     if steps is not None:
         assembly.extend_run(config_path, resume, steps)
     config, base = run_config(config_path, resume)

@@ -179,3 +179,25 @@ def test_a_ledger_outage_reaches_the_terminal_as_one_line_and_prefects_retries_w
     retry = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed; retry 1/8 in 2 s", None, (type(lost), lost, None))
     assert _UserErrorsOnce().filter(retry) and retry.exc_info is None  # the line stays, its traceback goes
 
+
+
+def test_train_takes_a_config_as_a_dict_or_a_runconfig_from_python(tmp_path, monkeypatch):
+    """`train(config)` from Python: a dict or RunConfig becomes a file the flow can pass on (relative env and
+    policy paths made absolute: the file lives elsewhere), and Prefect accepts it as the flow's parameter."""
+    import yaml
+
+    from loopline.flows.config import RunConfig, config_file, load_config
+    from loopline.flows.train import train
+
+    ROOT = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(ROOT)
+    data = {"name": "from-python", "env": "examples/arithmetic_env.yaml", "steps": 2}
+    path = config_file(data, tmp_path / "configs")
+    loaded, _ = load_config(path)
+    assert loaded.env == str(ROOT / "examples" / "arithmetic_env.yaml") and loaded.steps == 2
+    assert config_file(RunConfig.model_validate(data), tmp_path / "other") and config_file("x.yaml", tmp_path) == "x.yaml"
+    assert yaml.safe_load(open(path))["name"] == "from-python"
+    train.validate_parameters({"config_path": data})  # the flow's parameter takes it
+    train.validate_parameters({"config_path": RunConfig.model_validate(data)})
+    with pytest.raises(Exception, match="env: nowhere.yaml not found"):
+        config_file({**data, "env": "nowhere.yaml"}, tmp_path)
