@@ -394,9 +394,13 @@ def page_environments(db: LedgerView) -> None:
     ref = st.selectbox("Spec of", refs)
     with store_db.session(db.engine) as s:
         st.code(registry.show(registry.get(s, ref)), language="yaml")
+        # by default the spec shown against the version of the same env before it (itself when it is the first)
+        name, _, version = ref.rpartition("@")
+        earlier = [r for r in refs if r.rpartition("@")[0] == name and int(r.rpartition("@")[2]) < int(version)]
+        before = max(earlier, key=lambda r: int(r.rpartition("@")[2])) if earlier else ref
         left, right = st.columns(2)
-        a = left.selectbox("Diff from", refs, index=0, key="diff-a")
-        b = right.selectbox("to", refs, index=len(refs) - 1, key="diff-b")
+        a = left.selectbox("Diff from", refs, index=refs.index(before), key=f"diff-a-{ref}")
+        b = right.selectbox("to", refs, index=refs.index(ref), key=f"diff-b-{ref}")
         st.code(registry.diff(registry.get(s, a), registry.get(s, b)) or "(identical)", language="diff")
 
 

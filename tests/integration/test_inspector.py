@@ -269,12 +269,25 @@ def test_group_page_shows_samples_with_advantages(app, seeded):
     assert abs(table["advantage"].sum()) < 1e-6  # GRPO advantages of a group are centred
 
 
-def test_environments_page_shows_spec_and_diff(app, seeded):
+def test_environments_page_shows_spec_and_diff(app, seeded, tmp_path):
+    import yaml
+
+    from loopline.store.db import make_engine, session
+
+    spec = yaml.safe_load((ROOT / "examples" / "arithmetic_env.yaml").read_text())
+    name = f"diffed-{tmp_path.name[-8:]}".replace("_", "-")
+    engine = make_engine(seeded["url"])
+    with session(engine) as s:
+        for budget in (3, 5):  # two versions of one env: max_turns changed
+            (tmp_path / "env.yaml").write_text(yaml.safe_dump({**spec, "name": name, "budgets": {**spec["budgets"], "max_turns": budget}}))
+            registry.add(s, tmp_path / "env.yaml")
+    engine.dispose()
     at = app("environments")
     assert "arithmetic" in at.dataframe[0].value["name"].tolist()
     assert "sandbox:" in at.code[0].value
-    at.selectbox(key="diff-a").set_value(seeded["env"])
-    at.selectbox(key="diff-b").set_value(seeded["env"]).run()
+    at.selectbox[0].set_value(f"{name}@2").run()  # the spec shown: by default diffed against the version before it
+    assert "-  max_turns: 3" in at.code[1].value and "+  max_turns: 5" in at.code[1].value, at.code[1].value
+    at.selectbox(key=f"diff-a-{name}@2").set_value(f"{name}@2").run()
     assert at.code[1].value == "(identical)"
 
 
