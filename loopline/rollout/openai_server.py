@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import secrets
 import socket
@@ -21,8 +20,6 @@ import time
 
 from loopline.rollout.engine import EngineError
 from loopline.rollout.openai_api import AgentEpisode, RequestError, stream_chunks
-
-log = logging.getLogger(__name__)
 
 
 def _error(message: str, kind: str, status: int):
