@@ -63,13 +63,7 @@ def _normalised(message: dict[str, Any]) -> dict[str, Any]:
     calls = []
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        calls.append((call.get("id"), function.get("name"), json.dumps(arguments, sort_keys=True)))
+        calls.append((call.get("id"), function.get("name"), json.dumps(_arguments(function.get("arguments")), sort_keys=True)))
     content = message.get("content")
     if isinstance(content, list):  # content parts: the text ones
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
