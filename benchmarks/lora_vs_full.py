@@ -1,6 +1,14 @@
 """LoRA vs full fine-tuning, one learner step on the same batch, side by side: time, memory, bytes on disk.
 
     python -m benchmarks.lora_vs_full [--model DIR] [--rank 16] [--steps 4] [--rounds 2] [--backend deepspeed]
+    python -m benchmarks.lora_vs_full --curve [--minutes 45] [--rank 16] [--lora-lr 3e-5]
+
+--curve: the learning curve for the same wall-clock. Two `loopline train` runs of
+examples/smollm2_arithmetic.yaml start together, one thread each (so the machine's noise and its memory
+bandwidth are shared alike), full fine-tuning at the example's lr and LoRA at --lora-lr (10x: the LoRA
+optimum sits about an order of magnitude above full fine-tuning's, as in Thinking Machines' "LoRA Without
+Regret"), both evaluated on the same 100 held-out problems every 3 steps; after --minutes both get Ctrl-C
+(a run stops cleanly and stays resumable) and the ledger's evaluations are printed side by side.
 
 The work is `benchmarks.learner_step`'s (64 sequences: 8 prompts x 8 samples, 49-token prompts, 26-32
 generated tokens, one optimizer step). Variants, each in its own process (peak RSS is its own), alternated
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +64,58 @@ def child(model: str, variant: str, rank: int, steps: int, backend: str) -> None
     }))
 
 
+def curve(minutes: float, rank: int, lora_lr: float) -> None:
+    import signal
+
+    import yaml
+
+    from loopline.store import views
+    from loopline.store.db import read_only_engine
+
+    base = yaml.safe_load((ROOT / "examples" / "smollm2_arithmetic.yaml").read_text())
+    base.update(steps=1000, eval={"every": 3, "tasks": 100, "temperature": 0.0})
+    stamp = int(time.time())
+    work = Path(tempfile.mkdtemp(prefix="lora-curve-"))
+    (work / "arithmetic_env.yaml").write_text((ROOT / "examples" / "arithmetic_env.yaml").read_text())
+    variants = {
+        "full": {**base, "name": f"curve-full-{stamp}"},
+        "lora": {**base, "name": f"curve-lora-{stamp}", "learner": {**base["learner"], "lr": lora_lr, "lora": {"rank": rank}}},
+    }
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs = {}
+    for variant, config in variants.items():
+        (work / f"{variant}.yaml").write_text(yaml.safe_dump(config))
+        log = open(work / f"{variant}.log", "w")
+        procs[variant] = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(work / f"{variant}.yaml")],
+                                          cwd=ROOT, env=one_thread, stdout=log, stderr=subprocess.STDOUT)
+    print(f"logs in {work}; stopping both after {minutes:g} min", flush=True)
+    deadline = time.monotonic() + 60 * minutes
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+        time.sleep(5)
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs.values():
+        p.wait(timeout=600)
+    database = read_only_engine()
+    with database.connect() as conn:
+        curves = {v: views.evals(conn, views.run_id(conn, c["name"])) for v, c in variants.items()}
+        steps = {v: views.step_timings(conn, views.run_id(conn, c["name"])) for v, c in variants.items()}
+    database.dispose()
+    print(f"SmolLM2-135M arithmetic, one thread each, side by side for {minutes:g} min; full lr {base['learner']['lr']:g}, "
+          f"lora rank {rank} lr {lora_lr:g}; held-out greedy success on 100 problems")
+    for variant, table in curves.items():
+        rows = [dict(zip(table.columns, r)) for r in table.rows]
+        timed = [dict(zip(steps[variant].columns, r)) for r in steps[variant].rows]
+        def median(part: str) -> float:
+            values = [t[part] for t in timed if t.get(part) is not None]
+            return statistics.median(values) if values else float("nan")
+
+        points = ", ".join(f"v{r['policy_version']} {100 * r['success_rate']:.0f}% @ {r['seconds'] / 60:.1f} min" for r in rows)
+        print(f"{variant:4s}: {len(timed)} steps (median rollout {median('rollout_s'):.0f} s, learner {median('learner_s'):.0f} s, "
+              f"weight sync {median('sync_s'):.2f} s); held-out: {points}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model directory (default: SmolLM2-135M-Instruct, pulled if missing)")
@@ -62,8 +123,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backend", default="deepspeed", choices=["deepspeed", "torch"])
+    parser.add_argument("--curve", action="store_true", help="learning curves for the same wall-clock (two training runs side by side)")
+    parser.add_argument("--minutes", type=float, default=45.0)
+    parser.add_argument("--lora-lr", type=float, default=3e-5)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.curve:
+        curve(args.minutes, args.rank, args.lora_lr)
+        return
     if args.model is None:
         from benchmarks.smollm2_learning import pulled_model
         from loopline.store.db import loopline_home

@@ -117,6 +117,9 @@ def _forget_dead_holders(pgdata: Path) -> None:
 
 
 def _create_database_if_missing(admin_url: URL, name: str) -> None:
+    """Two commands started together on a new home both find the database missing: the one that loses the
+    race gets DuplicateDatabase, or a unique violation on pg_database when both inserts overlap; either
+    means it exists now."""
     engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
@@ -124,8 +127,9 @@ def _create_database_if_missing(admin_url: URL, name: str) -> None:
             if not exists:
                 try:
                     conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-                except sa.exc.ProgrammingError:
-                    pass  # another process created it first
+                except (sa.exc.ProgrammingError, sa.exc.IntegrityError):
+                    if not conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}):
+                        raise
     finally:
         engine.dispose()
 
@@ -210,13 +214,7 @@ def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
 def ensure_database(database: str, extensions: tuple[str, ...] = ()) -> URL:
     """Create `database` (and `extensions` in it) on the ledger's server unless it exists; returns its URL."""
     server = resolve_url()
-    admin = sa.create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            if not conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :d"), {"d": database}).first():
-                conn.exec_driver_sql(f'CREATE DATABASE "{database}"')
-    finally:
-        admin.dispose()
+    _create_database_if_missing(server.set(database="postgres"), database)
     target = sa.create_engine(server.set(database=database), isolation_level="AUTOCOMMIT")
     try:
         with target.connect() as conn:

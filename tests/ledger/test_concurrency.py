@@ -122,3 +122,34 @@ def test_a_process_frozen_inside_a_transaction_does_not_stall_the_run(database_u
     finally:
         locker.send_signal(signal.SIGKILL)
         locker.wait()
+
+
+def test_commands_started_together_on_a_new_home_all_find_the_database(database_url):
+    """Two `loopline train` started at once on a new home both see the ledger database missing and both
+    create it: the loser must take the winner's database, not die (seen: UniqueViolation on pg_database)."""
+    import threading
+    import uuid
+
+    from sqlalchemy.engine import make_url
+
+    from loopline.store.db import _create_database_if_missing
+    from tests.conftest import admin_url, drop_scratch_database
+
+    for _ in range(5):
+        name = f"loopline_race_{uuid.uuid4().hex[:10]}"
+        barrier, failures = threading.Barrier(6), []
+
+        def create() -> None:
+            barrier.wait()
+            try:
+                _create_database_if_missing(make_url(admin_url()), name)
+            except Exception as exc:  # noqa: BLE001 - the test reports whatever escaped
+                failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+        threads = [threading.Thread(target=create) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        drop_scratch_database(make_url(admin_url()).set(database=name).render_as_string(hide_password=False))
+        assert failures == []
