@@ -86,8 +86,11 @@ def curve(minutes: float, rank: int, lora_lr: float) -> None:
     for variant, config in variants.items():
         (work / f"{variant}.yaml").write_text(yaml.safe_dump(config))
         log = open(work / f"{variant}.log", "w")
-        procs[variant] = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(work / f"{variant}.yaml")],
-                                          cwd=ROOT, env=one_thread, stdout=log, stderr=subprocess.STDOUT)
+        # Ctrl-C reaches them even when this benchmark runs in the background (`&` makes a shell ignore SIGINT
+        # in what it starts, and Python then never installs its handler)
+        procs[variant] = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(work / f"{variant}.yaml")], cwd=ROOT,
+                                          env=one_thread, stdout=log, stderr=subprocess.STDOUT,
+                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     print(f"logs in {work}; stopping both after {minutes:g} min", flush=True)
     deadline = time.monotonic() + 60 * minutes
     while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
