@@ -6,8 +6,10 @@ when it takes one string argument (`<calc>12 * 7</calc>`), or
 episode. `tool_calls: hermes`: the convention instruction-tuned models are
 trained on (Hermes, Qwen2.5/3): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`,
 the tools described to the model by its own chat template (`tool_schemas`);
-a turn without a call is the answer. Either way what does not parse is told
-back to the model as an observation; it never crashes the episode.
+a turn may make several calls (Qwen's parallel calls), run in order, each
+output its own tool message; a turn without a call is the answer. Either way
+what does not parse is told back to the model as an observation (in its
+place among a turn's calls); it never crashes the episode.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class Call:
-    call: ToolCall
+class Unparsable:
+    message: str
 
 
 @dataclass(frozen=True)
-class Unparsable:
-    message: str
+class Calls:
+    """A turn's tool calls in the order written; one that does not parse is told back in its place."""
+
+    calls: tuple[ToolCall | Unparsable, ...]
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class NoAction:
     pass
 
 
-Action = Answer | Call | Unparsable | NoAction
+Action = Answer | Calls | Unparsable | NoAction
 
 
 def parse_action(text: str, tools: tuple[Tool, ...], tool_calls: str = "tags") -> Action:
@@ -59,31 +63,35 @@ def parse_action(text: str, tools: tuple[Tool, ...], tool_calls: str = "tags") -
     inner = text[opening.end() : close]
     tool = next(t for t in tools if t.name == name)
     if not tool.args:
-        return Call(ToolCall(name, {}))
+        return Calls((ToolCall(name, {}),))
     single = [arg for arg, spec in tool.args.items() if spec.type == "string"]
     if len(tool.args) == 1 and single:
-        return Call(ToolCall(name, {single[0]: inner.strip()}))
+        return Calls((ToolCall(name, {single[0]: inner.strip()}),))
     try:
         args = json.loads(inner)
     except json.JSONDecodeError as exc:
         return Unparsable(f"error: arguments of <{name}> must be a JSON object ({exc.msg}); expected keys: {', '.join(tool.args)}")
     if not isinstance(args, dict):
         return Unparsable(f"error: arguments of <{name}> must be a JSON object, got {type(args).__name__}")
-    return Call(ToolCall(name, args))
+    return Calls((ToolCall(name, args),))
 
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
 def _parse_hermes(text: str, tools: tuple[Tool, ...]) -> Action:
-    """The first `<tool_call>` of the turn (one call per turn: the harness runs it and shows its output)."""
-    found = _HERMES_CALL.search(text)
-    if found is None:
+    """Every `<tool_call>` block of the turn, in order."""
+    found = list(_HERMES_CALL.finditer(text))
+    if not found:
         return NoAction()
-    if not found.group(2):
+    return Calls(tuple(_hermes_call(f.group(1), bool(f.group(2)), tools) for f in found))
+
+
+def _hermes_call(body: str, closed: bool, tools: tuple[Tool, ...]) -> ToolCall | Unparsable:
+    if not closed:
         return Unparsable("error: <tool_call> was opened but never closed with </tool_call>")
     try:
-        call = json.loads(found.group(1))
+        call = json.loads(body)
     except json.JSONDecodeError as exc:
         return Unparsable(f'error: a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}} ({exc.msg})')
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -99,7 +107,7 @@ def _parse_hermes(text: str, tools: tuple[Tool, ...]) -> Action:
             pass
     if not isinstance(args, dict):
         return Unparsable(f"error: the arguments of {tool.name} must be a JSON object; expected keys: {', '.join(tool.args) or 'none'}")
-    return Call(ToolCall(tool.name, args))
+    return ToolCall(tool.name, args)
 
 
 def tool_schemas(tools: tuple[Tool, ...]) -> tuple[dict, ...]:

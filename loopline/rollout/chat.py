@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 _ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
@@ -92,6 +93,22 @@ class ChatFormat:
     def observation_ids(self, text: str, generated_ids: list[int]) -> list[int]:
         """Ids to append after an assistant turn: the rest of its closing, the observation turn, the next opening."""
         return self.continuation_ids(self.observation_prefix + text + self.observation_suffix, generated_ids)
+
+    def observations_ids(self, texts: list[str], generated_ids: list[int]) -> list[int]:
+        """Ids to append after a turn that called several tools: each output its own message, as the template
+        renders consecutive ones (Qwen's puts them in one user turn, one <tool_response> each)."""
+        if len(texts) == 1:
+            return self.observation_ids(texts[0], generated_ids)
+        marks = [f"\u0001LOOPLINE_OBSERVATION_{i}\u0001" for i in range(len(texts))]
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
+        with_assistant = self.tokenizer.apply_chat_template(base, tokenize=False)
+        rendered = self.tokenizer.apply_chat_template(
+            base + [{"role": self.observation_role, "content": m} for m in marks], tokenize=False, add_generation_prompt=True
+        )
+        pieces = re.split("|".join(map(re.escape, marks)), rendered[len(with_assistant) :])
+        if len(pieces) != len(texts) + 1:
+            raise ValueError(f"the chat template does not show each of {len(texts)} tool outputs once")
+        return self.continuation_ids(pieces[0] + "".join(text + after for text, after in zip(texts, pieces[1:])), generated_ids)
 
     def continuation_ids(self, after_turn: str, generated_ids: list[int]) -> list[int]:
         """Ids to append after the generated ids of an assistant turn: the rest of the turn's closing (the

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import Answer, NoAction, Unparsable, parse_action
+from loopline.rollout.actions import Answer, Calls, NoAction, Unparsable, parse_action
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
 from loopline.store.records import SegmentRecord, TrajectoryRecord
@@ -131,22 +131,24 @@ async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id,
         if isinstance(action, NoAction):
             state["end"], state["final"] = "answer", text  # the model ended its turn without a tool: that is its answer
             return
-        if isinstance(action, Unparsable):
-            observation, error, seconds, call = action.message, True, 0.0, None
-        else:
-            # The wall-time budget is the environment's time on the agent's actions: a call gets what is left of
-            # it. Time spent waiting for the engine is not the agent's doing (it grows with the load: an async
-            # run's queue, a busy server) and must not become a reward; generation is bounded by tokens.
-            result = await episode.step(action.call, max_seconds=budgets.wall_time_s - state["tool_s"])
-            state["tool_s"] += result.seconds
-            observation, error, seconds, call = result.text, result.error, result.seconds, action.call
-        events.append(
-            {"tool": call.name if call else None, "args": call.args if call else None, "output": observation, "error": error, "seconds": seconds}
-        )
+        calls = action.calls if isinstance(action, Calls) else (action,)
+        outputs = []
+        for call in calls:
+            if isinstance(call, Unparsable):
+                events.append({"tool": None, "args": None, "output": call.message, "error": True, "seconds": 0.0})
+            elif state["tool_s"] >= budgets.wall_time_s:
+                break  # a turn's later calls are not run once the wall time is spent
+            else:
+                # The wall-time budget is the environment's time on the agent's actions: a call gets what is left
+                # of it. Time spent waiting for the engine is not the agent's doing (it grows with the load: an
+                # async run's queue, a busy server) and must not become a reward; generation is bounded by tokens.
+                result = await episode.step(call, max_seconds=budgets.wall_time_s - state["tool_s"])
+                state["tool_s"] += result.seconds
+                events.append({"tool": call.name, "args": call.args, "output": result.text, "error": result.error, "seconds": result.seconds})
+            outputs.append(setup.spec.reset.observation.replace("{output}", events[-1]["output"]))
         state["final"] = text
         if state["tool_s"] >= budgets.wall_time_s:
             state["end"] = "wall_time"
             return
-        shown = setup.spec.reset.observation.replace("{output}", observation)
-        ids = ids + generated + setup.chat.observation_ids(shown, generated)
+        ids = ids + generated + setup.chat.observations_ids(outputs, generated)
     state["end"] = "turns"

@@ -2,7 +2,8 @@
 
 The template below is written for this test in the Hermes convention (tools as JSON inside <tools></tools>
 in the system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, outputs as <tool_response> in a
-user turn), which Qwen2.5/3 and Hermes models are trained on; the starter's tokenizer renders it.
+user turn; the outputs of several calls of one turn together in one), which Qwen2.5/3 and Hermes models are
+trained on; the starter's tokenizer renders it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 from loopline.envregistry.episode import ToolCall
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import Call, NoAction, Unparsable, parse_action, tool_schemas
+from loopline.rollout.actions import Calls, NoAction, Unparsable, parse_action, tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
@@ -38,10 +39,10 @@ To call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call><|im
 {{ messages[0].content }}<|im_end|>
 {% endif %}
 {%- for m in messages if m.role != 'system' %}
-{%- if m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
+{%- if m.role == 'tool' %}
+{%- if loop.first or loop.previtem.role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or loop.nextitem.role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
 {% else %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endif %}
@@ -66,9 +67,9 @@ def spec():
 
 def test_a_hermes_call_is_parsed_and_what_is_not_one_is_told_back(spec):
     tools = spec.tools
-    assert parse_action(f"let me compute {CALL}", tools, "hermes") == Call(ToolCall("calc", {"expression": "12 + 3 * 4"}))
+    assert parse_action(f"let me compute {CALL}", tools, "hermes") == Calls((ToolCall("calc", {"expression": "12 + 3 * 4"}),))
     as_string = '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1 + 1\\"}"}</tool_call>'
-    assert parse_action(as_string, tools, "hermes") == Call(ToolCall("calc", {"expression": "1 + 1"}))
+    assert parse_action(as_string, tools, "hermes") == Calls((ToolCall("calc", {"expression": "1 + 1"}),))
     assert parse_action("<answer>24</answer>", tools, "hermes") == NoAction()  # no call: the turn is the answer
     assert parse_action("<calc>1 + 1</calc>", tools, "hermes") == NoAction()  # the tag format is not a call here
     for text, said in (
@@ -78,8 +79,8 @@ def test_a_hermes_call_is_parsed_and_what_is_not_one_is_told_back(spec):
         ('<tool_call>{"name": "calc", "arguments": [1]}</tool_call>', "arguments of calc must be a JSON object"),
         ('<tool_call>{"name": "calc", "arguments": {}}', "never closed"),
     ):
-        action = parse_action(text, tools, "hermes")
-        assert isinstance(action, Unparsable) and said in action.message, (text, action)
+        (call,) = parse_action(text, tools, "hermes").calls
+        assert isinstance(call, Unparsable) and said in call.message, (text, call)
 
 
 def test_the_template_describes_the_tools_and_a_tools_output_comes_back_as_its_tool_message(tokenizer, spec):
@@ -129,3 +130,31 @@ def test_an_env_that_asks_for_hermes_with_a_policy_without_it_is_refused_before_
     env = load_spec(tmp_path / "env.yaml")
     with pytest.raises(LooplineError, match="tool_calls: hermes.*does not render tools"):
         build_setup(RunConfig(name="r", env=str(tmp_path / "env.yaml"), policy=str(STARTER)), env, 1, STARTER)
+
+
+def test_several_calls_in_one_turn_run_in_order_and_come_back_as_the_templates_own_tool_messages(tokenizer, spec):
+    """Qwen-style parallel calls: every call of the turn runs (a bad one is told back in its place), and the
+    next prompt is the template's rendering of one tool message per call, token-exact."""
+    chat = ChatFormat.from_tokenizer(tokenizer).with_tools(tool_schemas(spec.tools))
+    task = Task("t1", "train", "What is (2 + 3) * (4 + 5)?", {"expression": "(2 + 3) * (4 + 5)", "answer": 45})
+    two = (
+        '<tool_call>{"name": "calc", "arguments": {"expression": "2 + 3"}}</tool_call>\n'
+        '<tool_call>{"name": "shell", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "calc", "arguments": {"expression": "4 + 5"}}</tool_call>'
+    )
+    engine = ScriptedEngine(chat, [two, "<answer>45</answer>"])
+    setup = EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=200, seed=0))
+    traj = asyncio.run(run_episode(engine, setup, task, "ep"))
+    assert traj.reward == 1.0
+    first, second = traj.segments
+    events = first.tool_events
+    assert [(e["tool"], e["output"], bool(e["error"])) for e in events] == [
+        ("calc", "5", False), (None, "error: no tool named 'shell'; the tools are: calc", True), ("calc", "9", False),
+    ]
+    messages = [
+        {"role": "system", "content": spec.reset.system_prompt}, {"role": "user", "content": task.prompt},
+        {"role": "assistant", "content": two}, *({"role": "tool", "content": e["output"]} for e in events),
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tools=list(tool_schemas(spec.tools)), tokenize=False, add_generation_prompt=True)
+    assert rendered.count("<|im_start|>user") == 2  # the three outputs share one turn
+    assert list(second.prompt_ids) == tokenizer.encode(rendered, add_special_tokens=False)
