@@ -32,13 +32,24 @@ app.add_typer(sandbox_app, name="sandbox")
 
 @image_app.command("build")
 @friendly_errors
-def image_build(tag: str = typer.Option(images.PYTHON_IMAGE, help="Image name:tag to create.")) -> None:
-    """Build the Python sandbox image the examples use (debootstrap + docker import; ~1 minute, needs root)."""
+def image_build(
+    tag: str = typer.Option(None, help=f"Image name:tag to create (default {images.PYTHON_IMAGE}; with --pip {images.AGENT_IMAGE})."),
+    pip: list[str] = typer.Option([], "--pip", help="Add these Python packages (an agent program's libraries, e.g. openai) on top of --base."),
+    base: str = typer.Option(images.PYTHON_IMAGE, help="With --pip: the image to add them to (built first if it is the default and missing)."),
+) -> None:
+    """Build the Python sandbox image the examples use (debootstrap + docker import; ~1 minute, needs root), or with
+    --pip an image for agent programs: that image plus your program's Python packages."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    tag = tag or (images.AGENT_IMAGE if pip else images.PYTHON_IMAGE)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-        stage = bar.add_task(f"building {tag}: debootstrap of a minimal Debian with python3", total=None)
-        images.build_python_image(tag, progress=lambda line: bar.update(stage, description=f"building {tag}: {line}"))
+        if not pip or (base == images.PYTHON_IMAGE and not images.image_exists(base)):
+            built = base if pip else tag
+            stage = bar.add_task(f"building {built}: debootstrap of a minimal Debian with python3", total=None)
+            images.build_python_image(built, progress=lambda line: bar.update(stage, description=f"building {built}: {line}"))
+        if pip:
+            stage = bar.add_task(f"building {tag}", total=None)
+            images.add_pip_packages(base, tag, tuple(pip), progress=lambda line: bar.update(stage, description=f"building {tag}: {line}"))
     console.print(f"built {tag}")
 
 

@@ -63,8 +63,8 @@ class Episode:
         self.tools = {t.name: t for t in spec.tools}
 
     @classmethod
-    async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None) -> "Episode":
-        return cls(spec, task, await open_sandbox(spec.sandbox, labels))
+    async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "Episode":
+        return cls(spec, task, await open_sandbox(spec.sandbox, labels, model_socket))
 
     async def reset(self) -> ResetResult:
         for path, task_field in self.spec.reset.files.items():

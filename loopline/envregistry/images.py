@@ -13,6 +13,7 @@ from typing import Callable
 from loopline.errors import LooplineError
 
 PYTHON_IMAGE = "loopline-python:bookworm"
+AGENT_IMAGE = "loopline-agent:bookworm"  # the default tag of `envreg image build --pip ...`
 BUILD_COMMAND = "envreg image build"
 
 
@@ -48,6 +49,60 @@ def build_python_image(
         _run(["docker", "import", "-c", "WORKDIR /workspace", "-", tag], "docker import", stdin=tar.stdout)
         tar.wait()
     return tag
+
+
+def image_exists(tag: str) -> bool:
+    return subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode == 0
+
+
+def add_pip_packages(base: str, tag: str, packages: tuple[str, ...], progress: Callable[[str], None] | None = None) -> str:
+    """`base` with Python packages added as a layer (an agent program's libraries, e.g. the openai SDK). The
+    host's pip downloads wheels for the image's own Python (no pip, compiler or network needed inside) and the
+    files are copied into a container of `base`, committed as `tag`."""
+    import io
+    import sys
+    import tarfile
+
+    import docker
+    from docker.errors import DockerException, ImageNotFound
+
+    try:
+        client = docker.from_env(timeout=120)
+        client.images.get(base)
+    except ImageNotFound:
+        raise LooplineError(f"base image {base!r} is missing; build it first with `{BUILD_COMMAND}`") from None
+    except DockerException as exc:
+        raise LooplineError(f"the Docker daemon is not reachable ({exc}); start it (e.g. `dockerd &`)") from None
+    version = client.containers.run(base, ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], remove=True)
+    version = version.decode().strip()
+    site = f"/usr/local/lib/python{version}/dist-packages"  # on Debian's sys.path, empty in a minbase image
+    with tempfile.TemporaryDirectory(prefix="loopline-pip-") as tmp:
+        if progress:
+            progress(f"pip: {' '.join(packages)} for Python {version}")
+        _run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--target", tmp, "--python-version", version, "--only-binary=:all:", *packages],
+            "pip install",
+        )
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            tar.add(tmp, arcname=site.lstrip("/"), filter=_owned_by_root)
+        if progress:
+            progress(f"committing {tag}")
+        container = client.containers.create(base, ["true"])
+        try:
+            container.put_archive("/", archive.getvalue())
+            container.commit(*tag.rsplit(":", 1) if ":" in tag else (tag, "latest"))
+        finally:
+            container.remove(force=True)
+    return tag
+
+
+def _owned_by_root(info):
+    """root's, readable by every uid (the agent runs as 1000; pip's temporary directory was 0700)."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    info.mode |= 0o755 if info.isdir() else 0o644
+    return info
 
 
 def _run(argv: list[str], what: str, stdin=None, progress: Callable[[str], None] | None = None) -> None:

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from loopline.envregistry.episode import Episode
-from loopline.envregistry.sandbox.base import InfraFailure
+from loopline.envregistry.sandbox.base import PROGRAM_PORT, InfraFailure
 from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
-from loopline.envregistry.sandbox.local import PROGRAM_PORT
 from loopline.envregistry.spec import ANSWER_FILE
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
@@ -53,7 +52,7 @@ async def run_agent_program(engine: Engine, setup, task: Task, request_id: str, 
     spec, budgets = setup.spec, setup.spec.budgets
     server = endpoint()
     started = time.monotonic()
-    env_episode = await Episode.start(spec, task, labels)
+    env_episode = await Episode.start(spec, task, labels, model_socket=server.unix_path)
     start_seconds = time.monotonic() - started
     calls = AgentEpisode(engine, setup.chat, setup.sampling, Budget(budgets.max_turns, budgets.max_generated_tokens), request_id)
     key = server.open(calls)

@@ -1,7 +1,8 @@
 """Envs with `agent:`: the user's own program (the openai SDK, no loopline import) plays episodes in the local
-sandbox (bubblewrap: no network but the model endpoint; as root, as an unprivileged uid), its model calls are the
-trajectory's segments exactly as sampled, and its failures are classified as the built-in harness's are.
-Needs bubblewrap and the `openai` package in the system python3 (.ci/run installs both)."""
+sandbox (bubblewrap: no network but the model endpoint; as root, as an unprivileged uid) or in a Docker container
+(network none, the endpoint's socket mounted), its model calls are the trajectory's segments exactly as sampled,
+and its failures are classified as the built-in harness's are. Needs bubblewrap and the `openai` package in the
+system python3 (.ci/run installs both); the Docker tests build `envreg image build --pip openai` if missing."""
 
 from __future__ import annotations
 
@@ -80,11 +81,28 @@ def _sandbox_processes() -> list[str]:
     return found
 
 
-def _env(tmp_path: Path, program: str, **budgets) -> Path:
-    """The arithmetic agent env with another program (and budgets), in a directory of its own."""
+@pytest.fixture(scope="module")
+def agent_image(docker_image):
+    """The sandbox image plus the openai SDK (`envreg image build --pip openai`), for programs in Docker."""
+    from loopline.envregistry.images import AGENT_IMAGE, add_pip_packages, image_exists
+
+    if not image_exists(AGENT_IMAGE):
+        add_pip_packages(docker_image, AGENT_IMAGE, ("openai",))
+    return AGENT_IMAGE
+
+
+def _docker(env_file: Path, image: str) -> Path:
+    spec = yaml.safe_load(env_file.read_text())
+    spec["sandbox"] = {"backend": "docker", "image": image}
+    env_file.write_text(yaml.safe_dump(spec))
+    return env_file
+
+
+def _env(tmp_path: Path, program: str | None, **budgets) -> Path:
+    """The arithmetic agent env with another program (None: the example's) and budgets, in a directory of its own."""
     tmp_path.mkdir(exist_ok=True)
     spec = yaml.safe_load(AGENT_ENV.read_text())
-    (tmp_path / "agent.py").write_text(program)
+    (tmp_path / "agent.py").write_text(program or (ROOT / "examples" / "arithmetic_agent.py").read_text())
     spec["agent"]["files"] = {"agent.py": "agent.py"}
     spec["budgets"] = {**spec["budgets"], **budgets}
     path = tmp_path / "env.yaml"
@@ -103,11 +121,13 @@ def _play(env_file: Path, engine, count: int = 1, max_new_tokens: int = 64):
     return asyncio.run(all_of_them())
 
 
-def test_the_example_agent_plays_with_the_policy_and_its_calls_are_the_segments_id_for_id():
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_the_example_agent_plays_with_the_policy_and_its_calls_are_the_segments_id_for_id(backend, tmp_path, request):
+    env_file = AGENT_ENV if backend == "local" else _docker(_env(tmp_path, None), request.getfixturevalue("agent_image"))
     engine = EngineThread(LocalEngine(STARTER, version=0, max_batch=8))
     recording = Recording(engine)
     try:
-        trajectories = _play(AGENT_ENV, recording, count=8)
+        trajectories = _play(env_file, recording, count=8)
     finally:
         engine.shutdown()
     assert not [t for t in trajectories if isinstance(t, Exception)], trajectories
@@ -129,22 +149,27 @@ for port in (5432, int(os.environ.get("HOST_ENDPOINT_PORT", "1"))):  # the host'
         seen[f"port_{port}"] = "reached"
     except OSError as exc:
         seen[f"port_{port}"] = type(exc).__name__
-try:
-    os.unlink("/tmp/.loopline-model.sock")
-    seen["socket_removed"] = True
-except OSError as exc:
-    seen["socket_removed"] = type(exc).__name__
+for path in ("/tmp/.loopline-model.sock", "/run/loopline-model.sock"):  # (bubblewrap's, Docker's)
+    if os.path.exists(path):
+        try:
+            os.unlink(path)
+            seen["socket_removed"] = True
+        except OSError as exc:
+            seen["socket_removed"] = type(exc).__name__
 reply = OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
 seen["model_said"] = reply.choices[0].message.content
 open("answer.txt", "w").write(json.dumps(seen))
 '''
 
 
-def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answer(backend, tmp_path, monkeypatch, request):
     from loopline.rollout import agent_program
 
     port = agent_program.endpoint().port
     env_file = _env(tmp_path, ISOLATION_PROBE)
+    if backend == "docker":
+        _docker(env_file, request.getfixturevalue("agent_image"))
     spec = yaml.safe_load(env_file.read_text())
     spec["agent"]["env"] = {"HOST_ENDPOINT_PORT": str(port)}
     env_file.write_text(yaml.safe_dump(spec))
@@ -168,7 +193,9 @@ def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answe
     assert seen["model_said"] == "hello" and len(trajectory.segments) == 1
     import os
 
-    if os.geteuid() == 0:
+    if backend == "docker":
+        assert seen["uid"] == 1000  # the container's agent user, as for tool commands
+    elif os.geteuid() == 0:
         assert seen["uid"] == 65534  # loopline as root: the program runs as an unprivileged uid
 
 
@@ -211,11 +238,21 @@ def test_failures_are_classified_as_the_harness_classifies_them(tmp_path):
     assert isinstance(nothing, InfraFailure) and "never called the model" in str(nothing) and "cannot even start" in str(nothing)
     (spent,) = _play(_env(tmp_path / "c", TOO_MANY_CALLS), Scripted(chat, ["x"] * 10))
     assert (spent.failure_type, spent.info["end"], len(spent.segments)) == ("truncated", "turns", 3)
-    (slow,) = _play(_env(tmp_path / "d", SLOW_PROGRAM, wall_time_s=2), Scripted(chat, ["x"]))
-    assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and slow.timings["episode_s"] < 20
-    # waiting for a slow model is not the program's time: 2 calls of 1.5 s each within a 2 s budget finish
-    (waited,) = _play(_env(tmp_path / "e", TWO_SLOW_CALLS, wall_time_s=2), Scripted(chat, ["x", "y"], delay_s=1.5))
+    # (budgets of 5 s: a python3 that imports the openai SDK can take 2 s to start on a loaded machine)
+    (slow,) = _play(_env(tmp_path / "d", SLOW_PROGRAM, wall_time_s=5), Scripted(chat, ["x"]))
+    assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and slow.timings["episode_s"] < 25
+    # waiting for a slow model is not the program's time: 2 calls of 3 s each within a 5 s budget finish
+    (waited,) = _play(_env(tmp_path / "e", TWO_SLOW_CALLS, wall_time_s=5), Scripted(chat, ["x", "y"], delay_s=3.0))
     assert (waited.failure_type, waited.info["end"], len(waited.segments)) == ("task_failed", "exit", 2), waited.info
+
+
+def test_a_program_in_docker_is_classified_alike_and_stopped_at_its_wall_time(tmp_path, agent_image):
+    chat = ChatFormat.for_policy(STARTER)
+    (crashed,) = _play(_docker(_env(tmp_path / "a", CRASH_AFTER_A_CALL), agent_image), Scripted(chat, ["x"]))
+    assert crashed.failure_type == "task_failed" and crashed.info["exit_code"] == 1 and "gave up" in crashed.info["stderr"]
+    started = time.monotonic()
+    (slow,) = _play(_docker(_env(tmp_path / "b", SLOW_PROGRAM, wall_time_s=5), agent_image), Scripted(chat, ["x"]))
+    assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and time.monotonic() - started < 25
 
 
 @pytest.mark.slow

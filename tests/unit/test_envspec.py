@@ -384,3 +384,26 @@ def test_a_field_added_later_at_its_default_leaves_a_specs_hash_as_it_was(tmp_pa
     for value, same in (("tags", True), ("hermes", False)):
         (tmp_path / "env.yaml").write_text(text + f"tool_calls: {value}\n")
         assert (content_hash(tmp_path / "env.yaml") == content_hash(ARITHMETIC)) == same
+
+
+@pytest.mark.parametrize(
+    ("sandbox", "refused"),
+    [
+        ({"backend": "local"}, None),
+        ({"backend": "docker", "image": "loopline-agent:bookworm"}, None),
+        ({"backend": "docker", "image": "loopline-agent:bookworm", "network": True}, "network: false"),
+        ({"backend": "e2b", "template": "base"}, "e2b is not supported for it yet"),
+    ],
+)
+def test_an_agent_program_runs_only_where_its_only_way_out_is_the_endpoint(tmp_path, sandbox, refused):
+    import yaml
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    spec = yaml.safe_load((examples / "arithmetic_agent_env.yaml").read_text()) | {"sandbox": sandbox}
+    spec["agent"]["files"] = {"agent.py": str(examples / "arithmetic_agent.py")}
+    (tmp_path / "env.yaml").write_text(yaml.safe_dump(spec))
+    if refused is None:
+        assert load_spec(tmp_path / "env.yaml").sandbox.backend == sandbox["backend"]
+    else:
+        with pytest.raises(LooplineError, match=refused):
+            load_spec(tmp_path / "env.yaml")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,6 +70,43 @@ async def collect_verdict(sandbox, result: ExecResult, verdict_path: str, user: 
     return VerifierRun(result, verdict)
 
 
+PROGRAM_PORT = 8000  # an agent program reaches the model at http://127.0.0.1:PORT on its sandbox's own loopback
+MAX_PROGRAM_S = 24 * 3600.0  # (the caller enforces the episode's budget; this only bounds a forgotten one)
+# Runs inside the sandbox with its python3: accepts on 127.0.0.1:PORT and relays each connection to the socket.
+FORWARDER = """
+import socket, sys, threading
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (a, b):
+            try: s.shutdown(socket.SHUT_RDWR)
+            except OSError: pass
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+open("/tmp/.loopline-forwarding", "w").close()
+while True:
+    client, _ = listener.accept()
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (else each reply waits ~40 ms for a delayed ACK)
+    upstream = socket.socket(socket.AF_UNIX)
+    upstream.connect(sys.argv[2])
+    for a, b in ((client, upstream), (upstream, client)):
+        threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+"""
+
+
+def program_script(command: str, socket_path: str) -> str:
+    """A shell script that starts the forwarder from PROGRAM_PORT to the endpoint's socket (mounted at
+    `socket_path`), waits until it listens, then becomes the agent program: a sandbox without a network
+    still has its loopback, so any HTTP client reaches the model at a plain http:// address."""
+    return (
+        f"python3 -c {shlex.quote(FORWARDER)} {PROGRAM_PORT} {socket_path} >/dev/null 2>&1 & "
+        f"for _ in $(seq 100); do [ -e /tmp/.loopline-forwarding ] && break; sleep 0.05; done; exec /bin/sh -c {shlex.quote(command)}"
+    )
+
+
 class Sandbox(Protocol):
     async def exec(self, command: str, timeout_s: float, stdin: str | None = None) -> ExecResult:
         """Run a shell command in the working directory; a timeout or OOM is a result, not an exception."""
@@ -80,8 +118,8 @@ class Sandbox(Protocol):
 
     async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
         """Run the user's agent program (an env's `agent`) to its end, with `env` set and the model endpoint
-        listening on the unix socket `endpoint` reachable at OPENAI_BASE_URL's host, and nothing else on the
-        network. Its time limit is the caller's: it cancels the call, which kills the program."""
+        listening on the unix socket `endpoint` reachable at http://127.0.0.1:PROGRAM_PORT, and nothing else
+        on the network. Its time limit is the caller's: it cancels the call, which kills the program."""
 
     async def end_agent(self) -> None:
         """Kill every process the agent started (a background process must not outlive its episode)."""
@@ -94,8 +132,9 @@ class Sandbox(Protocol):
         """Release everything; safe to call twice."""
 
 
-async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> Sandbox:
-    """Start a sandbox of the declared backend and run its setup commands."""
+async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> Sandbox:
+    """Start a sandbox of the declared backend and run its setup commands. `model_socket`: the endpoint an
+    agent program will call (a container can only have it mounted when it is created)."""
     if spec.backend == "local":
         from loopline.envregistry.sandbox.local import LocalSandbox
 
@@ -103,7 +142,7 @@ async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = N
     elif spec.backend == "docker":
         from loopline.envregistry.sandbox.docker import DockerSandbox
 
-        sandbox = await DockerSandbox.create(spec, labels)
+        sandbox = await DockerSandbox.create(spec, labels, model_socket)
     else:
         from loopline.envregistry.sandbox.e2b import E2BSandbox
 

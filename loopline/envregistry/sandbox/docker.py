@@ -22,13 +22,16 @@ import time
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, verifier_env
+from loopline.envregistry.sandbox.base import (
+    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, program_script, verifier_env,
+)
 from loopline.holder import process_alive
 
 LABEL = "loopline.sandbox"
 AGENT = "1000:1000"
 VERIFIER = "0:0"
 VERIFY_DIR = "/verify"
+MODEL_SOCKET = "/run/loopline-model.sock"  # an agent program's endpoint, bind-mounted (not removable from inside)
 PLUMBING_DIR = "/run/loopline"  # loopline's own files for the agent's commands (stdin): root's, readable, not fillable
 AGENT_EXEC = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--"]  # util-linux, in Debian's minbase
 OUTPUT_LIMIT = 64 * 1024
@@ -55,16 +58,16 @@ def _client():
 
 
 class DockerSandbox:
-    def __init__(self, spec: env_spec.Sandbox, container, client):
-        self.spec, self.container, self.client = spec, container, client
+    def __init__(self, spec: env_spec.Sandbox, container, client, model_socket: str | None = None):
+        self.spec, self.container, self.client, self.model_socket = spec, container, client, model_socket
         self._oom_baseline = self._oom_kills()
 
     @classmethod
-    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> "DockerSandbox":
-        return await asyncio.to_thread(cls._create, spec, labels or {})
+    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "DockerSandbox":
+        return await asyncio.to_thread(cls._create, spec, labels or {}, model_socket)
 
     @classmethod
-    def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str]) -> "DockerSandbox":
+    def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
         from docker.errors import APIError, ImageNotFound
 
         client = _client()
@@ -110,11 +113,13 @@ class DockerSandbox:
                 # keeps them from gaining any.
                 cap_add=["SETUID", "SETGID", "KILL"],
                 security_opt=["no-new-privileges"],
+                # an agent program's model endpoint: the one socket a container without a network can reach
+                volumes={model_socket: {"bind": MODEL_SOCKET, "mode": "rw"}} if model_socket else None,
                 labels={LABEL: "1", "loopline.owner_pid": str(os.getpid()), "loopline.owner_host": socket.gethostname(), **labels},
             )
         except APIError as exc:
             raise InfraFailure(f"could not start a sandbox container: {exc.explanation or exc}") from None
-        return cls(spec, container, client)
+        return cls(spec, container, client, model_socket)
 
     def _oom_kills(self) -> int:
         """The container cgroup's OOM-kill counter: an exec'd process killed by OOM exits 137 without OOMKilled."""
@@ -172,6 +177,19 @@ class DockerSandbox:
             await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
             command = f"({command}) < {PLUMBING_DIR}/stdin"
         return await asyncio.to_thread(self._exec, command, timeout_s)
+
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
+        """As uid 1000, in a container whose only way out is the endpoint's socket, mounted when the container
+        was made (`open_sandbox(model_socket=...)`)."""
+        if self.model_socket != endpoint:
+            raise InfraFailure("this sandbox was made without the model endpoint mounted; an agent program cannot reach it")
+        await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
+        script = f"({program_script(command, MODEL_SOCKET)}) < {PLUMBING_DIR}/stdin"
+        try:
+            return await asyncio.to_thread(self._exec, script, MAX_PROGRAM_S, OUTPUT_LIMIT, AGENT, None, {"HOME": self.spec.workdir, **env})
+        except asyncio.CancelledError:  # the episode's budget is spent: the program and what it started go now
+            await asyncio.to_thread(self._kill_agent)
+            raise
 
     async def write_file(self, path: str, content: str, user: str = AGENT) -> None:
         # put_archive cannot write into a tmpfs under a read-only root, so files go through exec arguments.

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import shlex
 import shutil
 import signal
 import subprocess
@@ -31,36 +30,11 @@ import time
 from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, verifier_env
+from loopline.envregistry.sandbox.base import MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, program_script, verifier_env
 from loopline.holder import process_alive
 
 OUTPUT_LIMIT = 64 * 1024
 PROGRAM_SOCKET = "/tmp/.loopline-model.sock"  # where an agent program's sandbox sees the model endpoint
-PROGRAM_PORT = 8000  # ... and the port on its own loopback that forwards to it
-MAX_PROGRAM_S = 24 * 3600.0  # (the caller enforces the episode's budget; this only bounds a forgotten one)
-# Runs inside the sandbox with its python3: accepts on 127.0.0.1:PORT and relays each connection to the socket.
-FORWARDER = """
-import socket, sys, threading
-def pipe(a, b):
-    try:
-        while data := a.recv(65536):
-            b.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (a, b):
-            try: s.shutdown(socket.SHUT_RDWR)
-            except OSError: pass
-listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
-open("/tmp/.loopline-forwarding", "w").close()
-while True:
-    client, _ = listener.accept()
-    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (else each reply waits ~40 ms for a delayed ACK)
-    upstream = socket.socket(socket.AF_UNIX)
-    upstream.connect(sys.argv[2])
-    for a, b in ((client, upstream), (upstream, client)):
-        threading.Thread(target=pipe, args=(a, b), daemon=True).start()
-"""
 AGENT_UID = 65534  # nobody: the agent's host uid (and gid) when loopline runs as root
 PREFIX = "loopline-sandbox-"
 VERIFY_PREFIX = "loopline-verify-"
@@ -163,10 +137,7 @@ class LocalSandbox:
         prefix = self.agent_prefix()
         at = prefix.index("--chdir")
         prefix[at:at] = ["--bind", endpoint, PROGRAM_SOCKET]  # (a bind mount: not removable from inside)
-        script = (
-            f"python3 -c {shlex.quote(FORWARDER)} {PROGRAM_PORT} {PROGRAM_SOCKET} >/dev/null 2>&1 & "
-            f"for _ in $(seq 100); do [ -e /tmp/.loopline-forwarding ] && break; sleep 0.05; done; exec /bin/sh -c {shlex.quote(command)}"
-        )
+        script = program_script(command, PROGRAM_SOCKET)
         return await self._run([*prefix, "/bin/sh", "-c", script], self.root, MAX_PROGRAM_S, stdin, {"HOME": str(self.root), **env})
 
     async def end_agent(self) -> None:
