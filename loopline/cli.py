@@ -257,7 +257,10 @@ def server_start(
     with console.status("starting the Prefect server ..."):
         info = server.start(host, port, database)
     console.print(f"Prefect server up: UI {info.ui_url}, API {info.api_url}, state in {info.database}")
-    console.print("this machine's Prefect profile now uses it (PREFECT_API_URL); `loopline server stop` undoes both")
+    console.print(
+        f"PREFECT_API_URL is set in Prefect profile {info.profile}: every prefect and loopline command of this user "
+        "reports there now (PREFECT_API_URL in the environment overrides it); `loopline server stop` stops it and unsets it"
+    )
 
 
 @server_app.command("stop")
@@ -266,8 +269,8 @@ def server_stop() -> None:
     """Stop the background Prefect server and unset PREFECT_API_URL in the profile."""
     from loopline.flows import server
 
-    server.stop()
-    console.print("Prefect server stopped; runs use a temporary server again")
+    profile = server.stop()
+    console.print(f"Prefect server stopped; PREFECT_API_URL unset in Prefect profile {profile}: runs use a temporary server again")
 
 
 @app.command("deploy")

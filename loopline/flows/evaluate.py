@@ -15,7 +15,7 @@ from loopline.errors import LooplineError
 from loopline.tasks import loop as tasks
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", **tasks.RESULT)
 def evaluate(run: str, version: int | None = None) -> dict:
     """Evaluate `version` of `run` (default: its newest); a version already evaluated is read back, not re-run."""
     log = get_run_logger()

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from loopline.errors import LooplineError
 from loopline.flows import assembly
 from loopline.store import ledger
+from loopline.tasks.loop import RESULT
 from loopline.trainer import checkpoint
 
 
@@ -33,7 +34,7 @@ def _restore_point(workdir: Path, before: int) -> tuple[Path | None, int]:
     return best
 
 
-@flow(name="replay")
+@flow(name="replay", **RESULT)
 def replay_step(run: str, step: int) -> dict:
     """Retrain learner step `step` of `run` from the records; `reproduced` says whether the sha256 matches."""
     log = get_run_logger()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ class ServerInfo:
     api_url: str
     ui_url: str
     database: str  # where Prefect keeps its own state, password hidden
+    profile: str  # the Prefect profile that now names the server, and its file: "'local' in ~/.prefect/profiles.toml"
 
 
 def _prefect(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -71,14 +73,27 @@ def start(host: str = "127.0.0.1", port: int = 4200, database: str = "prefect", 
             if time.monotonic() > deadline:
                 raise LooplineError(f"the Prefect server did not become healthy at {api} within {wait_s:g} s")
             time.sleep(0.5)
-    _prefect("config", "set", f"PREFECT_API_URL={api}")
+    profile = _updated_profile(_prefect("config", "set", f"PREFECT_API_URL={api}"))
     shown = sa.engine.make_url(db_url).render_as_string(hide_password=True) if db_url else "SQLite under PREFECT_HOME"
-    return ServerInfo(api, f"http://{host}:{port}", shown)
+    return ServerInfo(api, f"http://{host}:{port}", shown, profile)
 
 
-def stop() -> None:
+def stop() -> str:
+    """Stop the server and unset PREFECT_API_URL in the profile; returns which profile (as `ServerInfo.profile`)."""
     _prefect("server", "stop")
-    _prefect("config", "unset", "PREFECT_API_URL", "-y")
+    return _updated_profile(_prefect("config", "unset", "PREFECT_API_URL", "-y"))
+
+
+def _updated_profile(done: subprocess.CompletedProcess) -> str:
+    """`prefect config set/unset` writes the active profile of the user's Prefect home, shared by every
+    prefect and loopline command of that user: say which, and where."""
+    found = re.search(r"Updated profile '([^']+)'", done.stdout)
+    return f"'{found.group(1) if found else 'the active profile'}' in {_profiles_path()}"
+
+
+def _profiles_path() -> Path:
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
+    return Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
 
 
 def _healthy(api: str) -> bool:
@@ -98,10 +113,8 @@ def configured_api_url() -> str | None:
     """PREFECT_API_URL from the environment or the active Prefect profile, read without importing Prefect."""
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
-    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
-    path = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
     try:
-        profiles = tomllib.loads(path.read_text())
+        profiles = tomllib.loads(_profiles_path().read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return None
     active = os.environ.get("PREFECT_PROFILE") or profiles.get("active", "ephemeral")

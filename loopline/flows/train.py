@@ -199,7 +199,7 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     return Prepared(parts, ctx, state.next_learner_step)
 
 
-@flow(name="train")
+@flow(name="train", **tasks.RESULT)
 def train(
     config_path: str | dict | RunConfig | None = None, resume: str | None = None, fork: str | None = None, steps: int | None = None,
 ) -> dict:
@@ -348,7 +348,7 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
         worker.result()  # a worker that failed fails the flow
 
 
-@flow(name="learner")
+@flow(name="learner", **tasks.RESULT)
 def learner(config_path: str | None = None, resume: str | None = None) -> dict:
     """The learner on its own: an async run (`local_rollout: false`) fed by `rollout_worker` flows elsewhere."""
     config, _ = run_config(config_path, resume)

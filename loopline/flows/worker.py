@@ -39,7 +39,7 @@ def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float |
         aio.run(stages.sync_weights(ctx))
 
 
-@flow(name="rollout_worker")
+@flow(name="rollout_worker", **tasks.RESULT)
 def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float | None = None) -> dict:
     """Claim and play `run`'s slots until the run ends; returns what this worker committed."""
     log = get_run_logger()

@@ -47,20 +47,26 @@ def backoff(total_s: float) -> list[float]:
 # a failing task is retried with growing pauses; past it the run stops with one line and resumes later.
 RETRY_DELAYS = backoff(float(os.environ.get("LOOPLINE_RETRY_S", "60")))
 RETRY = dict(retries=len(RETRY_DELAYS), retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
+# A task's result is an in-process value (the ledger is the record): never cached, never persisted (a flow that
+# persists its own result would otherwise have every task persist too, live handles included).
+TASK = dict(cache_policy=NO_CACHE, persist_result=False, **RETRY)
+# A flow's returned dict (a JSON file in Prefect's result storage, PREFECT_HOME/storage) is what the caller of
+# `run_deployment` reads with `run.state.result()`; without it that is a MissingResult.
+RESULT = dict(persist_result=True, result_serializer="json")
 
 
-@task(name="plan_step", cache_policy=NO_CACHE, **RETRY)
+@task(name="plan_step", **TASK)
 def plan_step(ctx: stages.LoopContext, step: int) -> int:
     return len(stages.plan(ctx, step))
 
 
-@task(name="rollout_batch", cache_policy=NO_CACHE, **RETRY)
+@task(name="rollout_batch", **TASK)
 def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
     stats = aio.run(stages.rollout(ctx, step))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.concurrency)}
 
 
-@task(name="rollout_worker", cache_policy=NO_CACHE, **RETRY)
+@task(name="rollout_worker", **TASK)
 def rollout_worker(
     ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> dict:
@@ -69,19 +75,19 @@ def rollout_worker(
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
 
 
-@task(name="learner_step", cache_policy=NO_CACHE, **RETRY)
+@task(name="learner_step", **TASK)
 def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
     """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
     stages.wait_for_groups(ctx, step, producing)
     return stages.learn(ctx, step, max_groups=ctx.groups_per_step, max_staleness=max_staleness) is not None
 
 
-@task(name="sync_weights", cache_policy=NO_CACHE, **RETRY)
+@task(name="sync_weights", **TASK)
 def sync_weights(ctx: stages.RolloutContext) -> int:
     return aio.run(stages.sync_weights(ctx))
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, **RETRY)
+@task(name="evaluate", **TASK)
 def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
     temperature: float, seed: int, concurrency: int,

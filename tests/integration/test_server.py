@@ -30,6 +30,7 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
     env = {
         **os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"),
         "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "COLUMNS": "400",  # (rich would wrap the long lines checked below)
     }
     env.pop("PREFECT_API_URL", None)
     name = f"served-{uuid.uuid4().hex[:6]}"
@@ -42,6 +43,8 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
     started = _cli("server", "start", "--port", str(port), "--database", prefect_db, env=env)
     assert started.returncode == 0, started.stdout + started.stderr
     assert "state in postgresql+asyncpg://" in started.stdout
+    said = started.stdout
+    assert f"PREFECT_API_URL is set in Prefect profile 'ephemeral' in {tmp_path / 'prefect' / 'profiles.toml'}" in said, said
     served = None
     try:
         served = subprocess.Popen(
@@ -60,15 +63,18 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
                     time.sleep(1)
             evaluate = run_deployment("evaluate/loopline-evaluate", parameters={{"run": "{name}", "version": 1}}, timeout=300)
             print(train.state.type.value, evaluate.state.type.value)
+            # what the flows returned, read by the caller (persisted results: not a MissingResult)
+            trained, evaluated = train.state.result(), evaluate.state.result()
+            print(trained["run"], trained["policy_version"], evaluated["policy_version"])
         """)
         triggered = subprocess.run([sys.executable, "-c", trigger], env=env, capture_output=True, text=True, timeout=600)
         assert triggered.returncode == 0, triggered.stderr[-3000:] + (tmp_path / "deploy.log").read_text()[-3000:]
-        assert triggered.stdout.split() == ["COMPLETED", "COMPLETED"], (tmp_path / "deploy.log").read_text()[-3000:]
+        assert triggered.stdout.split() == ["COMPLETED", "COMPLETED", name, "1", "1"], (tmp_path / "deploy.log").read_text()[-3000:]
         evaluated = db.execute(
             sa.text("SELECT e.policy_version FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :n ORDER BY 1"), {"n": name}
         ).scalars().all()
         db.rollback()
-        assert evaluated == [0, 1]  # v0 by the training run, v1 by the evaluate deployment
+        assert evaluated == [0, 1]  # v0 and the final v1 by the training run; the evaluate deployment read v1's back
         tables = sa.create_engine(sa.engine.make_url(database_url).set(database=prefect_db))
         with tables.connect() as conn:  # Prefect's own state lives on Postgres
             runs = conn.exec_driver_sql("SELECT count(*) FROM flow_run WHERE state_type = 'COMPLETED'").scalar_one()
@@ -83,3 +89,4 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{prefect_db}" WITH (FORCE)')
         admin.dispose()
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert f"PREFECT_API_URL unset in Prefect profile 'ephemeral' in {tmp_path / 'prefect' / 'profiles.toml'}" in stopped.stdout
