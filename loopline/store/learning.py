@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 from typing import Sequence
 
-import sqlalchemy as sa
 from psycopg.types.json import Jsonb
 from sqlmodel import Session
 

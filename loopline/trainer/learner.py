@@ -23,10 +23,10 @@ import torch
 
 from loopline.store.records import TrainedSample
 from loopline.trainer import checkpoint, lora, prefix
-from loopline.trainer.advantages import AdvantageConfig, compute_advantages
+from loopline.trainer.advantages import compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
-from loopline.trainer.losses import Correction, LossConfig, aggregate, logprob_gap, off_policy_correction, policy_loss
+from loopline.trainer.losses import Correction, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.config import LearnerConfig  # noqa: F401 (re-exported: a run config needs no torch)
 from loopline.trainer.schedule import lr_factor
 

@@ -1,0 +1,15 @@
+"""The code passes ruff (pyflakes' checks: unused and undefined names, and pycodestyle's errors), as part of
+the one test command, so CI and the quick tier both run it. Configured in pyproject.toml."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ruff_finds_nothing():
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
