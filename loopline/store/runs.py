@@ -177,13 +177,16 @@ class VersionWeights:
     version: int
     uri: str | None  # None: committed without an export (only the learner that made it held the weights)
     sha256: str | None = None  # of the weights' tensors (`trainer/checkpoint.tensors_sha256`), recorded at the commit
+    adapter_uri: str | None = None  # LoRA on SGLang: the version's adapter, what the servers load
 
 
 def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
-    """Where a policy version's weights are (the newest version when `version` is None)."""
+    """Where a policy version's weights are (the newest version when `version` is None): one query, what a
+    rollout process asks every second to follow the learner."""
     row = q(
         session,
-        "SELECT version, weights_uri, sha256 FROM policy_version WHERE run_id = :r AND (CAST(:v AS int) IS NULL OR version = :v) "
+        "SELECT version, weights_uri, sha256, adapter_uri FROM policy_version WHERE run_id = :r "
+        "AND (CAST(:v AS int) IS NULL OR version = :v) "
         "ORDER BY version DESC LIMIT 1",
         r=run_id,
         v=version,
@@ -191,7 +194,7 @@ def version_weights(session: Session, run_id: uuid.UUID, version: int | None = N
     session.rollback()
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
-    return VersionWeights(row.version, row.weights_uri, row.sha256)
+    return VersionWeights(row.version, row.weights_uri, row.sha256, row.adapter_uri)
 
 
 def record_rebuild(

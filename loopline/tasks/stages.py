@@ -272,31 +272,31 @@ def replay(learner: Learner, session_factory: Callable[[], Session], run_id: uui
 async def sync_weights(ctx: RolloutContext) -> int:
     """Serve the ledger's newest version on the engine, then record it as published."""
     with ctx.session_factory() as s:
-        state = ledger.resume_state(s, ctx.run_id)
+        newest = ledger.version_weights(s, ctx.run_id)
     timings = None
-    if ctx.engine.version() < state.policy_version:
+    if ctx.engine.version() < newest.version:
         started = time.monotonic()
         if ctx.adapters:
-            weights = state.adapter_uri
+            weights = newest.adapter_uri
             if weights is None:
                 raise LooplineError(
-                    f"v{state.policy_version} was committed without its LoRA adapter (by a loopline before adapter sync, or with "
+                    f"v{newest.version} was committed without its LoRA adapter (by a loopline before adapter sync, or with "
                     "engine.lora_sync: merged); resume with the config the run was started with"
                 )
         else:
-            weights = ctx.held_weights(state.policy_version) or state.weights_uri
+            weights = ctx.held_weights(newest.version) or newest.uri
         if weights is None:
             raise LooplineError(
-                f"v{state.policy_version} was committed without an export and this process does not hold it; "
+                f"v{newest.version} was committed without an export and this process does not hold it; "
                 "a process other than the learner needs learner.export_every: 1"
             )
-        timings = dict(await ctx.engine.update_weights(state.policy_version, weights, ctx.in_flight) or {})
+        timings = dict(await ctx.engine.update_weights(newest.version, weights, ctx.in_flight) or {})
         timings["total_s"] = time.monotonic() - started
         failpoint("weight_sync")
     with ctx.session_factory() as s:
-        ledger.mark_published(s, ctx.run_id, state.policy_version, timings)
+        ledger.mark_published(s, ctx.run_id, newest.version, timings)
     _record_servers(ctx)
-    return state.policy_version
+    return newest.version
 
 
 _recorded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (version, when) last written to the ledger
