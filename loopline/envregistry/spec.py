@@ -290,10 +290,15 @@ class Verifier(_Strict):
     support_files: dict[str, str] = Field(
         default_factory=dict, description="path (relative to the verifier's directory) -> literal text, written only to verify"
     )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="path (relative to the verifier's directory) -> a file beside this YAML, written only to verify; its text "
+        "is read when the spec is loaded and registered as support_files (a test runner kept as a real .py file)",
+    )
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
     reward_range: tuple[float, float] = Field((0.0, 1.0), description="[low, high]: a verdict outside it is a verifier fault")
 
-    @field_validator("hidden_files", "support_files")
+    @field_validator("hidden_files", "support_files", "files")
     @classmethod
     def _relative(cls, files: dict[str, str]) -> dict[str, str]:
         for path in files:
@@ -306,8 +311,8 @@ class Verifier(_Strict):
     def _one_way_to_verify(self) -> "Verifier":
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a verifier needs exactly one of `builtin` or `command`")
-        if self.builtin and (self.hidden_files or self.support_files):
-            raise ValueError("hidden_files and support_files are for command verifiers")
+        if self.builtin and (self.hidden_files or self.support_files or self.files):
+            raise ValueError("hidden_files, support_files and files are for command verifiers")
         low, high = self.reward_range
         if not low < high:
             raise ValueError(f"reward_range must be [low, high] with low < high, not {list(self.reward_range)}")
@@ -442,6 +447,8 @@ class EnvSpec(_Strict):
                 del data[key]
         if data.get("smoke_test") and not data["smoke_test"]["replies"]:
             del data["smoke_test"]["replies"]  # (added later too)
+        if not data["verifier"]["files"]:
+            del data["verifier"]["files"]  # (added later; loaded files are in support_files: a file and its inline text hash alike)
         return data
 
 
@@ -618,7 +625,21 @@ def read_text(file: Path, limit: int, what: str) -> str:
 
 def load_spec(path: str | Path) -> EnvSpec:
     file = Path(path)
-    return parse_spec(read_text(file, MAX_SPEC_BYTES, "an environment spec"), file)
+    spec = parse_spec(read_text(file, MAX_SPEC_BYTES, "an environment spec"), file)
+    return _with_verifier_files(spec, file) if spec.verifier.files else spec
+
+
+def _with_verifier_files(spec: EnvSpec, file: Path) -> EnvSpec:
+    """`verifier.files` read into `support_files`, as if written inline (the same spec, the same hash)."""
+    support = dict(spec.verifier.support_files)
+    for path, source in spec.verifier.files.items():
+        if path in support:
+            raise LooplineError(f"{file}: verifier.files and verifier.support_files both write {path!r}; keep one")
+        try:
+            support[path] = read_text(file.parent / source, MAX_SPEC_BYTES, "a verifier file")
+        except LooplineError as exc:
+            raise LooplineError(f"{file}: verifier.files[{path!r}]: {exc}") from None
+    return spec.model_copy(update={"verifier": spec.verifier.model_copy(update={"support_files": support, "files": {}})})
 
 
 def json_schema() -> dict[str, Any]:

@@ -406,3 +406,31 @@ def test_an_agent_program_runs_only_where_its_only_way_out_is_the_endpoint(tmp_p
     else:
         with pytest.raises(LooplineError, match=refused):
             load_spec(tmp_path / "env.yaml")
+
+
+def test_a_verifier_file_beside_the_spec_is_registered_as_its_text(tmp_path):
+    """coding_env keeps its test runner as a real file (`verifier.files`): it hashes as the same text inline
+    did (the registered version stays), a missing file or a name written twice is one line naming the field."""
+    import yaml
+
+    from loopline.envregistry.registry import content_hash
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    spec = load_spec(examples / "coding_env.yaml")
+    runner = (examples / "coding_run_tests.py").read_text()
+    assert spec.verifier.support_files == {"run_tests.py": runner} and spec.verifier.files == {}
+    data = yaml.safe_load((examples / "coding_env.yaml").read_text())
+    shutil.copy(examples / data["tasks"]["path"], tmp_path)  # (the task file's path is part of the spec)
+    data["verifier"]["support_files"] = {"run_tests.py": runner}
+    del data["verifier"]["files"]
+    (tmp_path / "inline.yaml").write_text(yaml.safe_dump(data))
+    assert content_hash(tmp_path / "inline.yaml") == content_hash(examples / "coding_env.yaml")
+    data["verifier"]["files"] = {"run_tests.py": "missing.py"}
+    del data["verifier"]["support_files"]
+    (tmp_path / "missing.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(LooplineError, match=r"verifier.files\['run_tests.py'\]: .*missing.py: no such file"):
+        load_spec(tmp_path / "missing.yaml")
+    data["verifier"]["support_files"] = {"run_tests.py": "print()"}
+    (tmp_path / "twice.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(LooplineError, match="both write 'run_tests.py'; keep one"):
+        load_spec(tmp_path / "twice.yaml")
