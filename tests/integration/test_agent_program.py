@@ -255,6 +255,26 @@ def test_a_program_in_docker_is_classified_alike_and_stopped_at_its_wall_time(tm
     assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and time.monotonic() - started < 25
 
 
+def test_the_coding_agent_fixes_its_file_after_the_import_error_and_the_hidden_tests_score_it(agent_image):
+    """examples/coding_agent.py in Docker: a reply that does not import is shown its error and answered with the
+    reference solution (reward 1 from coding_env's hidden tests); code that imports but is wrong scores what it passes."""
+    chat = ChatFormat.for_policy(STARTER)
+    env_file = ROOT / "examples" / "coding_agent_env.yaml"
+    prepared = prepare(env_file)
+    task = next(t for t in prepared.tasks if t.id == "c01")  # add_pair(a, b): two hidden tests
+    setup = EpisodeSetup(prepared.spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=64))
+
+    def play(replies):
+        return asyncio.run(run_episode(Scripted(chat, replies), setup, task, "coding"))
+
+    fixed = play(["```python\ndef add_pair(a, b)\n    return a + b\n```", f"```python\n{task.data['solution']}```"])
+    assert (fixed.reward, fixed.failure_type, len(fixed.segments)) == (1.0, None, 2), fixed.info
+    shown = chat.tokenizer.decode(fixed.segments[1].prompt_ids)
+    assert "Importing solution.py failed" in shown and "SyntaxError" in shown
+    wrong = play(["```python\ndef add_pair(a, b):\n    return a - b\n```"])
+    assert (wrong.reward, wrong.failure_type, len(wrong.segments)) == (0.0, "task_failed", 1), wrong.info
+
+
 @pytest.mark.slow
 def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(database_url, db, tmp_path):
     """The main job on an agent env: 2 steps; every invariant `loopline check` verifies holds on its ledger."""
