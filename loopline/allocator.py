@@ -3,7 +3,7 @@
 glibc serves an allocation below its mmap threshold from the heap, and raises that threshold (up to
 32 MB) each time a mapped block is freed. On CPU a learner step and a generation batch allocate and
 free thousands of tensors of 1-32 MB; once the threshold has risen they all come from the heap, which
-fragments and is never given back. Measured on issue 16's SmolLM2 work: peak RSS of `loopline train`
+fragments and is never given back. Measured on the SmolLM2 arithmetic run: peak RSS of `loopline train`
 7.2 GB with glibc's defaults, 4.9 GB with a fixed 1 MB threshold; the learner alone 6.2 -> 4.5 GB at
 the same seconds per step (2 rounds, side by side). A fixed threshold also stops the raising.
 """

@@ -1,4 +1,4 @@
-"""Memory before launch: what a run config needs on given hardware, and whether it fits (seed §2.2, §4.2).
+"""Memory before launch: what a run config needs on given hardware, and whether it fits (engine and learner on the same devices, or apart).
 
 Out-of-memory after minutes of setup is among the most reported failures of RL trainers; the arithmetic
 that predicts it is short. Weights, gradients and optimizer states follow from the parameter count (by

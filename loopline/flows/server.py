@@ -3,7 +3,7 @@ temporary one a `loopline` command starts when none is configured.
 
 Without a configured server, every `loopline` command that runs a flow starts a temporary server of
 its own (its history is gone afterwards). loopline starts it itself rather than letting Prefect do
-so, for two reasons measured in issue 12: Prefect's own temporary server outlives a `loopline train`
+so, for two reasons measured on this stack: Prefect's own temporary server outlives a `loopline train`
 killed by its main pid (an OOM kill), and it starts only when the first flow runs, after every
 import; loopline's starts first, boots while torch and transformers import, and gets SIGTERM from
 the kernel when its parent dies (PR_SET_PDEATHSIG). `loopline server start` runs `prefect server start --background` with Prefect's

@@ -2,8 +2,8 @@
 
 The history is never re-tokenised: each model call's prompt is the previous
 prompt + the ids the engine generated + the ids of the new observation turn,
-so what the learner trains on is exactly what the model saw and said (seed
-§6.1–6.2). The observation turn's spelling is read off the tokenizer's own
+so what the learner trains on is exactly what the model saw and said
+(token-exact trajectories). The observation turn's spelling is read off the tokenizer's own
 chat template once, at construction.
 """
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 # What `Generation.logprobs` holds. SGLang's default, and ours: the sampled
 # token's log-probability under softmax(logits / T) over the full vocabulary;
-# top-k / top-p truncation is NOT in it (seed §6.2).
+# top-k / top-p truncation is NOT in it (the learner's log-probs are of the untruncated distribution).
 FULL_VOCAB_TEMPERED = "log_softmax(logits/T)"
 # With truncated sampling, the behaviour policy's real probability: renormalised over the kept tokens.
 TRUNCATED_RENORMALISED = "log_softmax(logits/T) truncated by top_k/top_p and renormalised"

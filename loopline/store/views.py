@@ -102,7 +102,7 @@ def throughput(conn: sa.Connection, run: uuid.UUID) -> Table:
 
 
 def step_timings(conn: sa.Connection, run: uuid.UUID) -> Table:
-    """Seconds per learner step, part by part (seed §7.4): rollout (first attempt to last commit of the step's
+    """Seconds per learner step, part by part: rollout (first attempt to last commit of the step's
     train groups, wall time), the learner's own parts (metrics), and publishing the new version to the engines.
     Also the tokens generated for the step, for a tokens/s."""
     return _table(

@@ -1,4 +1,4 @@
-"""Group advantages (seed §6.3): GRPO, mean-only (Dr. GRPO), RLOO.
+"""Group advantages (one baseline per group of samples of one task): GRPO, mean-only (Dr. GRPO), RLOO.
 
 Inputs are per-trajectory rewards and the group each belongs to; the output
 is one advantage per trajectory (the learner broadcasts it over that

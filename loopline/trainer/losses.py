@@ -1,4 +1,4 @@
-"""Token-level policy losses with three policies kept apart (seed §5, §7.3).
+"""Token-level policy losses with three policies kept apart (the rollout's μ, the learner's π_old, the trained π).
 
 - μ, the behaviour policy: the logprobs the rollout engine recorded;
 - π_old, this update's anchor: recomputed by the learner before its first minibatch step;

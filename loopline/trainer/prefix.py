@@ -1,7 +1,7 @@
 """Logprobs of a micro-batch whose rows share prompts: each shared prefix goes through the model once.
 
 The samples of a group start with the same prompt (the system prompt and the task), and in GRPO's
-usual shapes the prompt is most of the tokens (issue 16's arithmetic: 49 of 78). Recomputing it for
+usual shapes the prompt is most of the tokens (the SmolLM2 arithmetic run: 49 of 78 tokens). Recomputing it for
 every sample is the learner's largest avoidable cost. Here the rows are grouped by the tokens before
 their first action token; each distinct prefix (minus its last token) is run once with the KV cache
 on, the cache is expanded to the rows that share it, and each row's suffix (from the prefix's last

@@ -1,4 +1,4 @@
-"""policy_version.sync_timings: how long publishing the version to the engines took, part by part (seed §7.4).
+"""policy_version.sync_timings: how long publishing the version to the engines took, part by part (check, load, swap, confirm).
 
 Revision ID: 4b8e1f2c6d57
 Revises: 7c1d2e9a0b31
