@@ -40,7 +40,7 @@ from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writ
 from loopline.trainer.learner import bf16_supported
 
 @dataclass
-class Prepared:
+class PreparedRun:
     parts: assembly.RunParts
     ctx: LoopContext
     first_step: int
@@ -137,7 +137,7 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
     return ledger.create_run(s, fork, stored, start.uri), forked
 
 
-def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork: str | None = None) -> Prepared:
+def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork: str | None = None) -> PreparedRun:
     """Everything a run needs, from the ledger. From the moment the run's row exists this process drives it
     (`lifecycle` holds that until the flow ends, so an error here is recorded as the run's end too)."""
     database = store_db.make_engine()
@@ -196,7 +196,7 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it
     )
-    return Prepared(parts, ctx, state.next_learner_step)
+    return PreparedRun(parts, ctx, state.next_learner_step)
 
 
 @flow(name="train", **tasks.RESULT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol
 
 from loopline.envregistry import spec as env_spec
 
@@ -132,21 +132,37 @@ class Sandbox(Protocol):
         """Release everything; safe to call twice."""
 
 
+async def _local(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+    from loopline.envregistry.sandbox.local import LocalSandbox
+
+    return LocalSandbox(spec)  # (an agent program's socket is bound in when the program starts)
+
+
+async def _docker(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+    from loopline.envregistry.sandbox.docker import DockerSandbox
+
+    return await DockerSandbox.create(spec, labels, model_socket)
+
+
+async def _e2b(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+    from loopline.envregistry.sandbox.e2b import E2BSandbox
+
+    return await E2BSandbox.create(spec, labels)  # (agent programs are refused for e2b when the spec is read)
+
+
+# The backends by the name a spec's `sandbox.backend` gives; a module is imported only when its backend is used.
+BACKENDS: dict[str, Callable[[env_spec.Sandbox, dict[str, str] | None, str | None], Awaitable[Sandbox]]] = {
+    "local": _local, "docker": _docker, "e2b": _e2b,
+}
+
+
 async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> Sandbox:
     """Start a sandbox of the declared backend and run its setup commands. `model_socket`: the endpoint an
     agent program will call (a container can only have it mounted when it is created)."""
-    if spec.backend == "local":
-        from loopline.envregistry.sandbox.local import LocalSandbox
-
-        sandbox: Sandbox = LocalSandbox(spec)
-    elif spec.backend == "docker":
-        from loopline.envregistry.sandbox.docker import DockerSandbox
-
-        sandbox = await DockerSandbox.create(spec, labels, model_socket)
-    else:
-        from loopline.envregistry.sandbox.e2b import E2BSandbox
-
-        sandbox = await E2BSandbox.create(spec, labels)
+    make = BACKENDS.get(spec.backend)
+    if make is None:
+        raise InfraFailure(f"no sandbox backend {spec.backend!r}; the backends are: {', '.join(BACKENDS)}")
+    sandbox = await make(spec, labels, model_socket)
     try:
         for command in spec.setup:
             result = await sandbox.exec(command, timeout_s=300)
