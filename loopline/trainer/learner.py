@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from loopline.store.records import TrainedSample
-from loopline.trainer import checkpoint, lora, prefix
+from loopline.trainer import checkpoint, losses, lora, prefix
 from loopline.trainer.advantages import compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
@@ -146,38 +146,22 @@ class Learner:
         return out.index_copy(1, positions.to(self.device), picked)
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
-        """Loss and token-weighted statistics over every rank's micro-batches."""
+        """The loss's metrics over every rank's micro-batches, each combined as `losses` declares it."""
+        undeclared = {k for m in step_metrics for k in m} - set(losses.SUMMED + losses.MAXIMA + losses.TOKEN_MEANS)
+        if undeclared:
+            raise LearnerError(f"the loss returned metrics that trainer/losses.py does not declare: {', '.join(sorted(undeclared))}")
         sums = torch.tensor(
-            [
-                sum(m["loss"] for m in step_metrics),
-                sum(m["tokens"] for m in step_metrics),
-                sum(m["ratio_mean"] * m["tokens"] for m in step_metrics),
-                sum(m["clip_fraction"] * m["tokens"] for m in step_metrics),
-                sum(m["correction_capped_fraction"] * m["tokens"] for m in step_metrics),
-                sum(m["kl_ref"] * m["tokens"] for m in step_metrics),
-                sum(m["dual_clip_fraction"] * m["tokens"] for m in step_metrics),
-                sum(m["rejected_fraction"] * m["tokens"] for m in step_metrics),
-                sum(m["correction_weight_mean"] * m["tokens"] for m in step_metrics),
-            ],
+            [sum(m[k] for m in step_metrics) for k in losses.SUMMED]
+            + [sum(m[k] * m["tokens"] for m in step_metrics) for k in losses.TOKEN_MEANS],
             dtype=torch.float64,
         )
-        ratio_max = torch.tensor([max((m["ratio_max"] for m in step_metrics), default=1.0)], dtype=torch.float64)
+        maxima = torch.tensor([max((m[k] for m in step_metrics), default=1.0) for k in losses.MAXIMA], dtype=torch.float64)
         if self.backend.world()[0] > 1:
             torch.distributed.all_reduce(sums)
-            torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
-        loss, tokens, ratio, clip, capped, kl, dual, rejected, weight = sums.tolist()
-        n = max(tokens, 1.0)
-        return {
-            "loss": loss,
-            "kl_ref": kl / n,
-            "ratio_mean": ratio / n,
-            "ratio_max": float(ratio_max),
-            "clip_fraction": clip / n,
-            "correction_capped_fraction": capped / n,
-            "dual_clip_fraction": dual / n,
-            "rejected_fraction": rejected / n,
-            "correction_weight_mean": weight / n,
-        }
+            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        totals = dict(zip(losses.SUMMED + losses.TOKEN_MEANS, sums.tolist()))
+        n = max(totals["tokens"], 1.0)
+        return {"loss": totals["loss"], **{k: totals[k] / n for k in losses.TOKEN_MEANS}, **dict(zip(losses.MAXIMA, maxima.tolist()))}
 
     # ------------------------------------------------------------------ steps
 

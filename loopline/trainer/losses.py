@@ -30,6 +30,17 @@ from loopline.trainer.config import (  # noqa: F401 (re-exported)
 LOG_RATIO_BOUND = 20.0
 
 
+# How the learner combines each metric `policy_loss` returns over a step's micro-batches and ranks: summed (the
+# loss: each micro-batch's is its share of the step's), the maximum, or a mean weighted by the micro-batch's action
+# tokens. A metric must be declared here to be recorded: the learner refuses one that is not, never drops it.
+SUMMED = ("loss", "tokens")
+MAXIMA = ("ratio_max",)
+TOKEN_MEANS = (
+    "ratio_mean", "clip_fraction", "dual_clip_fraction", "behaviour_ratio_mean", "correction_capped_fraction",
+    "correction_weight_mean", "rejected_fraction", "kl_ref",
+)
+
+
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,

@@ -267,3 +267,31 @@ def test_a_non_finite_gradient_norm_is_refused_before_the_optimizer_steps():
         backend.optimise([None], loss_of, ValueError)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing applied
     assert not math.isfinite(backend.last_grad_norm)
+
+
+def test_a_steps_metrics_combine_as_the_loss_declares_them_and_an_undeclared_one_is_refused():
+    """Summed loss, maximum ratio, token-weighted means of the rest (behaviour_ratio_mean was once dropped
+    silently: the learner summed a fixed list). Hand-computed over two micro-batches of 2 and 6 tokens."""
+    from types import SimpleNamespace
+
+    from loopline.trainer import losses
+    from loopline.trainer.learner import Learner, LearnerError
+
+    one_rank = SimpleNamespace(backend=SimpleNamespace(world=lambda: (1, 0)))
+    base = {k: 0.0 for k in losses.TOKEN_MEANS}
+    micro = [
+        {**base, "loss": 0.5, "tokens": 2.0, "ratio_max": 1.2, "ratio_mean": 1.0, "behaviour_ratio_mean": 1.0, "clip_fraction": 0.5},
+        {**base, "loss": 0.25, "tokens": 6.0, "ratio_max": 3.0, "ratio_mean": 2.0, "behaviour_ratio_mean": 1.5, "clip_fraction": 0.0},
+    ]
+    summary = Learner._summarise(one_rank, micro)
+    assert summary["loss"] == pytest.approx(0.75) and summary["ratio_max"] == 3.0
+    assert summary["ratio_mean"] == pytest.approx((2 * 1.0 + 6 * 2.0) / 8)
+    assert summary["behaviour_ratio_mean"] == pytest.approx((2 * 1.0 + 6 * 1.5) / 8)
+    assert summary["clip_fraction"] == pytest.approx(2 * 0.5 / 8)
+    assert set(summary) == {"loss", "ratio_max", *losses.TOKEN_MEANS}
+    with pytest.raises(LearnerError, match="does not declare: entropy"):
+        Learner._summarise(one_rank, [{**micro[0], "entropy": 1.0}])
+    # and what the loss returns is exactly what it declares
+    mask = torch.tensor([[1.0]])
+    returned = policy_loss(_t(0.1), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, LossConfig(kl_coef=0.1), ref_logp=_t(0.0))
+    assert set(returned.metrics) == {*losses.SUMMED, *losses.MAXIMA, *losses.TOKEN_MEANS}
