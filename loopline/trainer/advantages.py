@@ -9,12 +9,11 @@ signal: it is flagged, and either dropped or kept with zero advantage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, get_args
 
 import torch
 
 from loopline.trainer.config import AdvantageConfig, DegenerateHandling, Estimator, StdKind  # noqa: F401 (re-exported)
-
 
 
 @dataclass(frozen=True)
@@ -55,19 +54,28 @@ def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], co
             if config.degenerate == "drop":
                 keep[idx] = False
             continue  # zero advantage
-        if config.estimator == "grpo":
-            stds[idx] = group.std(correction=0 if config.std == "population" else 1)
-        values[idx] = _group_advantage(group, config)
+        values[idx], stds[idx] = ESTIMATORS[config.estimator](group, config)
     return Advantages(values, keep, degenerate, len(order), means, stds, flagged)
 
 
-def _group_advantage(group: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
-    n = group.numel()
-    if config.estimator == "rloo":
-        # each sample's baseline is the mean of the OTHER samples of its group
-        return group - (group.sum() - group) / (n - 1)
-    centred = group - group.mean()
-    if config.estimator == "dr_grpo":
-        return centred
+# Each estimator: a group's rewards (at least 2, not all equal) -> (advantages, the std it divided by, 0 if none).
+
+def _grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     std = group.std(correction=0 if config.std == "population" else 1)
-    return centred / (std + config.eps)
+    return (group - group.mean()) / (std + config.eps), std
+
+
+def _dr_grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return group - group.mean(), group.new_zeros(())  # mean-only: no division by the std
+
+
+def _rloo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    # each sample's baseline is the mean of the OTHER samples of its group
+    return group - (group.sum() - group) / (group.numel() - 1), group.new_zeros(())
+
+
+# By the name `learner.advantage.estimator` gives (the names config.Estimator allows).
+ESTIMATORS: dict[str, Callable[[torch.Tensor, AdvantageConfig], tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo": _grpo, "dr_grpo": _dr_grpo, "rloo": _rloo,
+}
+assert set(ESTIMATORS) == set(get_args(Estimator)), "trainer/config.Estimator and ESTIMATORS must name the same estimators"
