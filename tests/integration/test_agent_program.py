@@ -68,16 +68,19 @@ class Scripted:
         return Generation(tuple(ids), tuple([-1.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
 
 
-def _sandbox_processes() -> list[str]:
-    """Processes running in a local sandbox (bwrap and what it started: their argv names the sandbox directory)."""
+def _sandbox_processes(tmpdir: Path) -> list[str]:
+    """Processes of the local sandboxes made under `tmpdir` (a trainer's TMPDIR): bwrap names its directory in its
+    argv, and a program inside has it as HOME (its argv, `python3 agent.py`, names nothing). Other tests' and
+    users' sandboxes on this machine are not counted."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "loopline-sandbox-" in text or "agent.py" in text:
-            found.append(f"{cmdline.parent.name} {text[:160]}")
+        if f"{tmpdir}/loopline-sandbox-" in text or f"HOME={tmpdir}/loopline-sandbox-".encode() in b" ".join(environ):
+            found.append(f"{proc.name} {text[:160]}")
     return found
 
 
@@ -318,14 +321,19 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
         "concurrency": 8, "lease_seconds": 3, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"},
         "eval": {"every": 2, "tasks": 4},
     }))
-    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    tmpdir = tmp_path / "tmp"  # the trainer's sandboxes are made here: the check below sees only them
+    tmpdir.mkdir()
+    env = {
+        **os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "TMPDIR": str(tmpdir),
+    }
     leftovers: list[str] = []
     log = tmp_path / "killed.log"
     assert _train(config, env, "rollout_commit", log, leftovers) == -9, log.read_text()[-3000:]
     assert leftovers == [], f"the killed trainer left {leftovers} running"
     # sandboxed programs run in sessions of their own (not in the trainer's process group): found by their sandbox
     deadline = time.monotonic() + 15
-    while (programs := _sandbox_processes()) and time.monotonic() < deadline:
+    while (programs := _sandbox_processes(tmpdir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert programs == [], f"agent programs outlived the killed trainer: {programs}"
     log = tmp_path / "final.log"
