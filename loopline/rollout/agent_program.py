@@ -41,7 +41,9 @@ def endpoint() -> OpenAIServer:
     global _endpoint
     with _endpoint_lock:
         if _endpoint is None:
-            directory = Path(tempfile.mkdtemp(prefix="loopline-model-"))
+            # a unix socket's path may hold 107 bytes on Linux: a long TMPDIR (a CI's, a test's) falls back to /tmp
+            short = tempfile.gettempdir() if len(tempfile.gettempdir()) < 70 else "/tmp"
+            directory = Path(tempfile.mkdtemp(prefix="loopline-model-", dir=short))
             directory.chmod(0o755)
             _endpoint = OpenAIServer(unix_path=str(directory / "model.sock")).start()
             atexit.register(_endpoint.stop)

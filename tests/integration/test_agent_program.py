@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -321,8 +322,10 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
         "concurrency": 8, "lease_seconds": 3, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"},
         "eval": {"every": 2, "tasks": 4},
     }))
-    tmpdir = tmp_path / "tmp"  # the trainer's sandboxes are made here: the check below sees only them
-    tmpdir.mkdir()
+    # the trainer's sandboxes are made here: the check below sees only them (not under tmp_path: pytest's
+    # directories are 0700, and bwrap runs as the agent's uid when loopline runs as root)
+    tmpdir = Path(tempfile.mkdtemp(prefix="loopline-kill-test-", dir="/tmp"))
+    tmpdir.chmod(0o755)
     env = {
         **os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "TMPDIR": str(tmpdir),
@@ -343,6 +346,7 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
     assert consumed == distinct == 2 * 4 * 4
     # the episodes in flight at the kill were played again: their first attempts ended without a trajectory
     assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status <> 'ok'", r=run_id)[0][0] > 0
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):

@@ -58,8 +58,7 @@ def test_the_plan_matches_a_tiny_learner_step(tiny_dirs):
 
 
 @pytest.mark.slow
-def test_the_plan_matches_a_smollm2_learner_step(tmp_path):
-    from loopline.flows.starter import pull_smollm2
-
-    model = pull_smollm2(tmp_path / "smollm2-135m")
+def test_the_plan_matches_a_smollm2_learner_step(smollm2_pulled):
+    result, model = smollm2_pulled
+    assert result.returncode == 0, result.stdout + result.stderr
     _calibrate(model, rows_options=(4, 16), prompt=49, generated=32)
