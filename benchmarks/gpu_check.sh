@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU readiness, in one prepared script (under 8 minutes on one NVIDIA GPU):
-#   bash benchmarks/gpu_check.sh            (MODEL=DIR to use another model directory; default: SmolLM2-135M-Instruct)
-# Trains SmolLM2 arithmetic for 2 steps with a launched SGLang server and the DeepSpeed learner in bf16, then
+#   bash benchmarks/gpu_check.sh            (MODEL=DIR to use another model directory; default: SmolLM2-135M-Instruct;
+#                                            DTYPE=fp16 for the fp16 learner with dynamic loss scaling; default bf16)
+# Trains SmolLM2 arithmetic for 2 steps with a launched SGLang server and the DeepSpeed learner in bf16 (or fp16), then
 # prints from the run's ledger: rollout tokens/s, weight-sync seconds, learner seconds, the learner's peak GPU
 # memory against `loopline plan`'s estimate, and the logprob gap between SGLang and the learner (invariant 3).
 # What it needs is checked first; on a machine without it (a CPU machine) it stops with one line saying what.
@@ -12,7 +13,10 @@ die() { echo "gpu_check: $*" >&2; exit 1; }
 command -v nvidia-smi >/dev/null 2>&1 || die "no NVIDIA GPU here (nvidia-smi not found): run it on a machine with one"
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
   || die "torch $(python3 -c 'import torch; print(torch.__version__)') sees no CUDA device: install a CUDA build of torch"
-python3 -c "import torch, sys; sys.exit(not torch.cuda.is_bf16_supported())" || die "this GPU has no bf16 (the check trains in bf16)"
+DTYPE="${DTYPE:-bf16}"
+[[ "$DTYPE" == bf16 || "$DTYPE" == fp16 ]] || die "DTYPE=$DTYPE: expected bf16 or fp16"
+[[ "$DTYPE" != bf16 ]] || python3 -c "import torch, sys; sys.exit(not torch.cuda.is_bf16_supported())" \
+  || die "this GPU has no bf16: run DTYPE=fp16 bash benchmarks/gpu_check.sh"
 python3 -c "import sglang" 2>/dev/null || die "SGLang is not installed in $(command -v python3): pip install 'sglang==0.5.23'"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -33,7 +37,7 @@ groups_per_step: 8
 group_size: 8
 concurrency: 64
 sampling: {temperature: 1.0, max_new_tokens: 48}
-learner: {lr: 3.0e-6, backend: deepspeed, dtype: bf16}
+learner: {lr: 3.0e-6, backend: deepspeed, dtype: $DTYPE}
 eval: {every: 2, tasks: 50, temperature: 0.0}
 engine:
   kind: sglang
@@ -63,5 +67,6 @@ for t in timings:
     print(f"step {t['step']}: rollout {t['tokens']} tokens in {t['rollout_s']:.1f} s = {rate:.0f} tokens/s, "
           f"weight sync {t.get('sync_s') or 0:.2f} s, learner {t.get('learner_s') or 0:.2f} s, "
           f"peak GPU {m.get('peak_gpu_gb', float('nan')):.2f} GB (plan: {learner_total.group(1) if learner_total else '?'} learner), "
-          f"|SGLang - learner| logprob {m.get('logprob_abs_diff', float('nan')):.2e} mean over {m.get('logprob_gap_tokens', 0):.0f} tokens")
+          f"|SGLang - learner| logprob {m.get('logprob_abs_diff', float('nan')):.2e} mean over {m.get('logprob_gap_tokens', 0):.0f} tokens"
+          + (f", fp16 overflow-skipped optimizer steps {m['fp16_skipped_steps']:.0f}" if "fp16_skipped_steps" in m else ""))
 EOF

@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 from sqlmodel import Session
 
+from loopline.envregistry.sandbox.local import agent_cannot_reach
 from loopline.envregistry.spec import MAX_SPEC_BYTES, EnvSpec, JsonlTasks, load_spec, read_text, spec_hash
 from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, load_tasks
 from loopline.errors import LooplineError
@@ -101,6 +104,8 @@ def machine_problems(spec: EnvSpec) -> str | None:
                 "(apt-get install -y bubblewrap); without it they would run unisolated on this host "
                 "(allow that only with `sandbox.unsafe_host: true`)"
             )
+        if os.geteuid() == 0:
+            return agent_cannot_reach(Path(tempfile.gettempdir()))
     return None
 
 

@@ -57,12 +57,17 @@ class LearnerSettings(_Strict):
     backend: Literal["deepspeed", "torch"] = "deepspeed"
     zero_stage: int | None = Field(
         None, ge=0, le=3,
-        description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several",
+        description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several "
+        "or with dtype: fp16",
     )
     micro_batch_tokens: int = Field(16384, ge=64)
     minibatches: int = Field(1, ge=1)
     share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs)")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16: mixed precision on a GPU (fp32 master weights and Adam states)")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="bf16: mixed precision on a GPU (fp32 master weights and Adam states); fp16: the same for GPUs without "
+        "bf16 (V100, T4), with dynamic loss scaling: a step whose gradients overflow is skipped (metric fp16_skipped_steps)",
+    )
     gradient_checkpointing: bool = Field(
         True, description="keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward)"
     )
@@ -91,6 +96,10 @@ class LearnerSettings(_Strict):
     def _ranks_need_deepspeed(self) -> "LearnerSettings":
         if self.launch is not None and self.backend != "deepspeed":
             raise ValueError("launch: several learner ranks need backend: deepspeed")
+        if self.dtype != "fp32" and self.backend != "deepspeed":
+            raise ValueError(f"dtype: {self.dtype} needs backend: deepspeed (the torch backend trains in fp32)")
+        if self.dtype == "fp16" and self.zero_stage == 0:
+            raise ValueError("dtype: fp16 runs under ZeRO (zero_stage: 1 or more, the default with fp16): ZeRO's gradient norm is the unscaled one")
         return self
 
 

@@ -144,7 +144,7 @@ def this_machine() -> Hardware:
 class Workload:
     """The run config's numbers the memory depends on."""
 
-    dtype_bytes: int = 4  # learner: 4 fp32, 2 bf16 (then with fp32 master weights and optimizer states)
+    dtype_bytes: int = 4  # learner: 4 fp32, 2 bf16 or fp16 (then with fp32 master weights and optimizer states)
     zero_stage: int = 0
     data_parallel: int = 1
     gradient_checkpointing: bool = True
@@ -225,7 +225,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     p, b = model.params, work.dtype_bytes
     trained = model.lora_params(*work.lora) if work.lora else p  # with LoRA, only the adapters have gradients and Adam states
     dp = max(work.data_parallel, 1)
-    mixed = b < 4  # bf16 weights and gradients, fp32 master weights and Adam states
+    mixed = b < 4  # bf16 / fp16 weights and gradients, fp32 master weights and Adam states
     optimizer_bytes = trained * (8 + (4 if mixed else 0))
     shard = lambda n, stage: n // dp if work.zero_stage >= stage else n  # noqa: E731
     tokens = min(work.micro_batch_tokens, work.step_tokens)
@@ -319,7 +319,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
     dp = learner.launch.ranks if learner.launch is not None else (hw.devices if hw.gpu else 1)
     stage = learner.zero_stage if learner.zero_stage is not None else (0 if dp == 1 else 1)
     return Workload(
-        dtype_bytes=2 if (hw.gpu and learner.dtype == "bf16") else 4,
+        dtype_bytes=2 if (hw.gpu and learner.dtype in ("bf16", "fp16")) else 4,
         zero_stage=stage,
         data_parallel=dp,
         gradient_checkpointing=learner.gradient_checkpointing,

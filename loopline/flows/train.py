@@ -37,7 +37,7 @@ from loopline.tasks import loop as tasks
 from loopline.tasks import stages
 from loopline.tasks.stages import LoopContext
 from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writes
-from loopline.trainer.learner import bf16_supported
+from loopline.trainer.learner import bf16_supported, fp16_supported
 
 @dataclass
 class PreparedRun:
@@ -104,6 +104,8 @@ def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
         )
     if config.learner.dtype == "bf16" and not bf16_supported():
         raise LooplineError(f"run {config.name}: learner.dtype: bf16 needs a GPU with bf16, and this machine has none; use fp32")
+    if config.learner.dtype == "fp16" and not fp16_supported():
+        raise LooplineError(f"run {config.name}: learner.dtype: fp16 needs a CUDA GPU, and this machine has none; use fp32")
 
 
 def _same_config(stored: dict, config: RunConfig) -> bool:

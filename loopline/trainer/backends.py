@@ -75,6 +75,7 @@ class Backend(Protocol):
         (`NonFiniteGradient`) when the gradient norm is NaN or inf. Sets `last_grad_norm`."""
 
     last_grad_norm: float
+    last_skipped: bool  # fp16: the last step overflowed and was skipped by the loss scaler (nothing applied)
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None: ...
 
@@ -115,18 +116,28 @@ def init_distributed(backend: str) -> None:
 
 
 class DeepSpeedBackend:
-    def __init__(self, model, optimizer, scheduler, grad_clip: float, zero_stage: int | None, bf16: bool):
+    """fp16 (`dtype: fp16`, GPUs without bf16) is DeepSpeed's dynamic loss scaling: a step whose scaled
+    gradients overflow is skipped and the scale lowered, as DeepSpeed, TRL and verl do; overflow there is
+    the scale's business, not a refused update, so the non-finite-gradient refusal does not apply and the
+    skip is counted instead (`last_skipped`). It runs under ZeRO (stage 1 on one rank as well): ZeRO
+    reports the unscaled gradient norm (stage 0's fp16 optimizer reports the scaled one), and the loss
+    scaler keeps fp32 master weights either way, so ZeRO-1 costs nothing more."""
+
+    def __init__(self, model, optimizer, scheduler, grad_clip: float, zero_stage: int | None, dtype: str):
         import deepspeed
 
         init_distributed("nccl" if torch.cuda.is_available() else "gloo")
         if zero_stage is None:  # one rank: ZeRO's flat fp32 copy and gradient buffers (+1.5 GB at 135M) partition nothing
-            zero_stage = 0 if torch.distributed.get_world_size() == 1 else 1
+            zero_stage = 0 if torch.distributed.get_world_size() == 1 and dtype != "fp16" else 1
+        if zero_stage == 0 and dtype == "fp16":
+            raise ValueError("dtype fp16 runs under ZeRO (zero_stage 1 or more), whose gradient norm is the unscaled one")
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage},
-            "bf16": {"enabled": bf16},
+            "bf16": {"enabled": dtype == "bf16"},
+            "fp16": {"enabled": dtype == "fp16"},  # (loss_scale 0: dynamic, from 2**16)
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
@@ -135,8 +146,10 @@ class DeepSpeedBackend:
         )
         self.model = self.engine.module
         self.zero_stage = zero_stage
+        self.loss_scaled = dtype == "fp16"
         self._broken: str | None = None
         self.last_grad_norm = 0.0
+        self.last_skipped = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.engine(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=_keep(keep), use_cache=False).logits
@@ -180,7 +193,10 @@ class DeepSpeedBackend:
                     self._broken = f"gradient norm {self.last_grad_norm}"
                     raise NonFiniteGradient(self.last_grad_norm)
             self.engine.step()
-        if self.zero_stage >= 1:  # ZeRO moves gradients into its own buffers: its norm is known only after its step
+        self.last_skipped = self.loss_scaled and not self.engine.was_step_applied()
+        if self.last_skipped:  # the scale is lowered and the next step tries again; nothing was applied
+            self.last_grad_norm = 0.0
+        elif self.zero_stage >= 1:  # ZeRO moves gradients into its own buffers: its norm is known only after its step
             self.last_grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
             if not math.isfinite(self.last_grad_norm):
                 self._broken = f"gradient norm {self.last_grad_norm}"
@@ -218,6 +234,7 @@ class TorchBackend(Frozen):
         self.model, self.optimizer, self.scheduler = model.to(device), optimizer, scheduler
         self.grad_clip = grad_clip
         self.last_grad_norm = 0.0
+        self.last_skipped = False  # (fp32 only: no loss scale to skip steps)
 
     def world(self) -> tuple[int, int]:
         return 1, 0
@@ -254,7 +271,9 @@ class TorchBackend(Frozen):
 def build_backend(name: BackendName, model, optimizer, scheduler, config, device: torch.device) -> Backend:
     """The backend a run config names (`learner.backend`)."""
     if name == "deepspeed":
-        return DeepSpeedBackend(model, optimizer, scheduler, config.grad_clip, config.zero_stage, config.dtype == "bf16")
+        return DeepSpeedBackend(model, optimizer, scheduler, config.grad_clip, config.zero_stage, config.dtype)
     if name == "torch":
+        if config.dtype != "fp32":
+            raise ValueError(f"dtype {config.dtype} needs backend deepspeed (the torch backend trains in fp32)")
         return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
     raise ValueError(f"unknown learner backend {name!r}: deepspeed or torch")

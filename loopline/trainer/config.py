@@ -94,7 +94,7 @@ class LearnerConfig:
     share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
     gradient_checkpointing: bool = True  # keep each layer's input only, recompute the rest in backward (TRL's default)
     zero_stage: int | None = None  # DeepSpeed ZeRO stage; None: 0 on one rank (nothing to partition), 1 on several
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 / fp16: DeepSpeed's mixed precision (GPU)
     seed: int = 0
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)

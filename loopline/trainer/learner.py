@@ -85,12 +85,18 @@ def bf16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def fp16_supported() -> bool:
+    return torch.cuda.is_available()
+
+
 class Learner:
     def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), backend: BackendName = "deepspeed"):
         from transformers import AutoModelForCausalLM
 
         if config.dtype == "bf16" and not bf16_supported():
             raise LearnerError("bf16 was asked for, but this machine has no bf16-capable GPU; use dtype fp32")
+        if config.dtype == "fp16" and not fp16_supported():
+            raise LearnerError("fp16 was asked for, but this machine has no CUDA GPU; use dtype fp32")
         self.config, self.backend_name, self.model_dir = config, backend, Path(model_dir)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -119,7 +125,7 @@ class Learner:
         if config.loss.kl_coef > 0 and config.lora is not None:
             self.reference = lora.BaseOf(self.model)
         elif config.loss.kl_coef > 0:
-            reference_dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+            reference_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.dtype, torch.float32)
             self.reference = Frozen(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=reference_dtype), self.device)
 
     # ------------------------------------------------------------------ forward
@@ -226,6 +232,7 @@ class Learner:
         groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
         step_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
+        skipped = 0
         for group in (g for g in groups if g):
             if reuse:  # nothing is rejected: the denominators are the action tokens and the rows that have any
                 tokens = float(sum(int(b.target_mask.sum()) for b in group))
@@ -260,6 +267,7 @@ class Learner:
                     {**base, **self._logprob_gaps(micro, old, seqs, trained_version), "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
                 ) from None
             grad_norms.append(self.backend.last_grad_norm)
+            skipped += self.backend.last_skipped
         self.steps_done += 1
         gap = self._logprob_gaps(micro, old, seqs, trained_version)
         samples = self._samples(sequences, adv, keep, seqs, micro, corrections, old)
@@ -268,6 +276,7 @@ class Learner:
             **gap,
             **self._summarise(step_metrics),
             "grad_norm": max(grad_norms, default=0.0),
+            **({"fp16_skipped_steps": float(skipped)} if self.config.dtype == "fp16" else {}),
             "advantage_mean": float(advantages.mean()),
             "advantage_std": float(advantages.std(correction=0)),
             "tokens_trained": float(sum(int(b.target_mask.sum()) for b in micro)),

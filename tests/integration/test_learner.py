@@ -152,7 +152,7 @@ def test_deepspeed_refuses_a_non_finite_gradient_norm(stage):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    backend = DeepSpeedBackend(model, optimizer, scheduler, grad_clip=1.0, zero_stage=stage, bf16=False)
+    backend = DeepSpeedBackend(model, optimizer, scheduler, grad_clip=1.0, zero_stage=stage, dtype="fp32")
 
     def loss_of(_batch):
         w = backend.model.weight.sum()
@@ -246,6 +246,8 @@ def test_bad_batches_and_checkpoints_are_refused(tiny_dirs, batch, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(LearnerError, match="bf16"):
             Learner(tiny_dirs["v0"], LearnerConfig(dtype="bf16"), backend="torch")
+        with pytest.raises(LearnerError, match="fp16 was asked for, but this machine has no CUDA GPU"):
+            Learner(tiny_dirs["v0"], LearnerConfig(dtype="fp16"))
 
 
 DS_WORKER = """

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from loopline.envregistry.calculator import CalculatorError, calculate
+from loopline.envregistry.registry import prepare
 from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.local import AGENT_UID, LocalSandbox
@@ -434,3 +435,31 @@ def test_a_verifier_file_beside_the_spec_is_registered_as_its_text(tmp_path):
     (tmp_path / "twice.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(LooplineError, match="both write 'run_tests.py'; keep one"):
         load_spec(tmp_path / "twice.yaml")
+
+
+@NEEDS_BWRAP
+def test_as_root_a_temp_dir_the_agent_cannot_enter_is_one_line_before_any_episode(monkeypatch):
+    """As root the agent's uid must pass through TMPDIR to its workdir; a 0700 TMPDIR (a CI's, a user's
+    private one) made every command fail with bwrap's `Can't find source path`, and an agent env retried its
+    episodes forever. Both registering the env and opening a sandbox now say what to do."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (loopline as root runs the agent as another uid)")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's tmp_path is itself under a 0700 directory)
+    base.chmod(0o755)
+    private = base / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr("tempfile.tempdir", str(private))
+    with pytest.raises(LooplineError, match=rf"cannot pass through {private} \(mode 700\): set TMPDIR"):
+        prepare(EXAMPLES / "arithmetic_agent_env.yaml")  # (an agent program: runs in the local sandbox)
+    with pytest.raises(InfraFailure, match="set TMPDIR to a directory every user can enter"):
+        _local()
+    private.chmod(0o711)  # passable, not listable: enough
+    box = _local()
+    try:
+        result = asyncio.run(box.exec("id -u", timeout_s=30))
+        assert result.stdout.strip() == str(AGENT_UID), result.stderr
+    finally:
+        asyncio.run(box.close())
+        shutil.rmtree(base)

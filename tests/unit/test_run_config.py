@@ -44,6 +44,17 @@ def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
     assert _config(mode="async", local_rollout=False, rollout_workers=2).exports_every == 1
 
 
+def test_mixed_precision_is_deepspeeds_and_fp16_runs_under_zero():
+    """The torch backend trains in fp32: a dtype there would be dropped silently, so it is refused; fp16's
+    loss scaler needs ZeRO's unscaled gradient norm, so stage 0 is refused with it."""
+    with pytest.raises(LooplineError, match="learner: Value error, dtype: bf16 needs backend: deepspeed"):
+        _config(learner={"dtype": "bf16", "backend": "torch"})
+    with pytest.raises(LooplineError, match="dtype: fp16 runs under ZeRO"):
+        _config(learner={"dtype": "fp16", "zero_stage": 0})
+    config = _config(learner={"dtype": "fp16"}).learner_config()
+    assert (config.dtype, config.zero_stage) == ("fp16", None)  # (the backend picks stage 1 for fp16)
+
+
 def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, tmp_path):
     """A policy's few-shot turns teach one env's tool syntax (smollm2-135m's: the calculator); a run on
     another env names its own, or none."""

@@ -45,8 +45,10 @@ class LocalSandbox:
         self.spec = spec
         self.isolated = not spec.network and shutil.which("bwrap") is not None
         # The owner's pid in the name lets `cleanup_orphans` find directories of processes that crashed.
-        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         self.as_root = self.isolated and os.geteuid() == 0  # then the agent is AGENT_UID, and owns its workdir
+        if self.as_root and (problem := agent_cannot_reach(Path(tempfile.gettempdir()))):
+            raise InfraFailure(problem)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         if self.as_root:
             os.chown(self.root, AGENT_UID, AGENT_UID)
         self._groups: set[int] = set()  # unsafe_host: process groups of commands, killed by end_agent
@@ -185,6 +187,21 @@ class LocalSandbox:
 
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def agent_cannot_reach(directory: Path) -> str | None:
+    """Why the agent's uid could not enter a workdir made under `directory` (None if it can): as root, bwrap
+    binds the workdir as the agent's uid, which must be able to pass through every directory above it."""
+    for step in [directory.resolve(), *directory.resolve().parents]:
+        st = step.stat()
+        bit = 0o100 if st.st_uid == AGENT_UID else 0o010 if st.st_gid == AGENT_UID else 0o001
+        if not st.st_mode & bit:
+            return (
+                f"the local sandbox's workdirs go under {directory}, but its agent (uid {AGENT_UID}, as loopline runs as "
+                f"root) cannot pass through {step} (mode {st.st_mode & 0o777:o}): set TMPDIR to a directory every user "
+                "can enter (e.g. /tmp), or chmod o+x it"
+            )
+    return None
 
 
 def _minimal_system() -> list[str]:
