@@ -8,7 +8,7 @@ import random
 def multi_turn(rng: random.Random, turns: int, first: int, generated: int, observation: int):
     """Each segment's prompt is the whole context so far (the previous prompt, its generated tokens and the
     tool's output): what `TrajectoryRecord.validate` requires, and why stored ids grow with the square of the turns."""
-    from loopline.store.records import SegmentRecord, TrajectoryRecord
+    from loopline.types import SegmentRecord, TrajectoryRecord
 
     context = [rng.randrange(150_000) for _ in range(first)]
     segments = []

@@ -30,7 +30,7 @@ from benchmarks._trajectories import multi_turn
 
 from loopline.store import ledger
 from loopline.store.db import make_engine, session
-from loopline.store.records import TrajectoryRecord
+from loopline.types import TrajectoryRecord
 
 TOKENS = 256
 SEGMENTS = 4

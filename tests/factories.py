@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from loopline.store.records import SegmentRecord, TrajectoryRecord
+from loopline.types import SegmentRecord, TrajectoryRecord
 
 
 def segment(

@@ -12,7 +12,7 @@ from typing import Any
 
 from loopline.envregistry.spec import EnvSpec, GeneratorTasks, JsonlTasks, read_text
 from loopline.errors import LooplineError
-from loopline.store.records import Split
+from loopline.types import Split
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import Engine, EngineError, Generation, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
-from loopline.store.records import TrajectoryRecord
+from loopline.types import TrajectoryRecord
 
 TASK_FILE = "task.json"
 _endpoint: OpenAIServer | None = None

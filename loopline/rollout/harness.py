@@ -20,7 +20,7 @@ from loopline.envregistry.tasks import Task
 from loopline.rollout.actions import Answer, Calls, NoAction, Unparsable, parse_action
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
-from loopline.store.records import SegmentRecord, TrajectoryRecord
+from loopline.types import SegmentRecord, TrajectoryRecord
 
 
 @dataclass(frozen=True)

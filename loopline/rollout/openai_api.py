@@ -34,7 +34,7 @@ from typing import Any
 
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
-from loopline.store.records import SegmentRecord
+from loopline.types import SegmentRecord
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -30,7 +30,8 @@ from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
 from loopline.store.errors import is_outage
-from loopline.store.records import Lease, Split
+from loopline.store.records import Lease
+from loopline.types import Split
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 2.0  # how often an idle worker looks for leases of dead holders

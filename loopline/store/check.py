@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from sqlmodel import Session
 
 from loopline.store._sql import q
-from loopline.store.records import first_chain_break
+from loopline.types import first_chain_break
 
 # What each invariant promises (DESIGN.md's list, as users read it in `loopline check`).
 INVARIANTS = {

@@ -13,7 +13,8 @@ from loopline.errors import LooplineError
 from loopline.store.nul import storable
 from loopline.store._sql import q, transaction
 from loopline.store.models import Segment, Trajectory
-from loopline.store.records import CommitOutcome, StoredSegment, StoredTrajectory, TrajectoryRecord
+from loopline.store.records import CommitOutcome
+from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
 from loopline.store.slots import _NO_LEASE, _end_attempt
 
 BulkMethod = Literal["copy", "executemany"]

@@ -12,7 +12,8 @@ from sqlmodel import Session
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict, LostTheRun
-from loopline.store.records import LearnerBatch, LearnerCommit, Split, TrainedSample
+from loopline.store.records import LearnerBatch, LearnerCommit
+from loopline.types import Split, TrainedSample
 
 
 

@@ -16,7 +16,8 @@ from loopline.errors import LooplineError
 from loopline.store import nul
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
-from loopline.store.records import Lease, Split
+from loopline.store.records import Lease
+from loopline.types import Split
 
 # Slot and group ids are derived from their coordinates: planning the same step twice is a no-op.
 _ID_NAMESPACE = uuid.UUID("6f1c9a52-3f6e-4d0b-9d0e-1c3a0b7e5a11")

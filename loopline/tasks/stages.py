@@ -24,7 +24,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import sqlalchemy.exc
 import torch
@@ -42,7 +42,7 @@ from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
-from loopline.trainer.batch import load_sequences
+from loopline.trainer.batch import TrainSequence, sequence_from_trajectory
 from loopline.trainer.checkpoint import DiskFull
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
@@ -113,6 +113,11 @@ class StopFlag(Protocol):
 
 
 log = logging.getLogger(__name__)
+
+
+def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
+    """The learner's view of a claimed batch, in the batch's order."""
+    return [sequence_from_trajectory(t) for t in ledger.load_trajectories(session, trajectory_ids)]
 
 
 def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from sqlmodel import Session
 
-from loopline.store import ledger
-from loopline.store.records import StoredTrajectory, first_chain_break
+from loopline.types import StoredTrajectory, first_chain_break
 
 
 @dataclass(frozen=True)
@@ -60,11 +58,6 @@ def sequence_from_trajectory(trajectory: StoredTrajectory) -> TrainSequence:
         trajectory.id, trajectory.group_id, trajectory.reward, tuple(ids), tuple(mask), tuple(logprobs),
         trajectory.policy_version_min, trajectory.policy_version_max,
     )
-
-
-def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
-    """The learner's view of a claimed batch, in the batch's order."""
-    return [sequence_from_trajectory(t) for t in ledger.load_trajectories(session, trajectory_ids)]
 
 
 def micro_batches(sequences: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:

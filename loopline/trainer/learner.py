@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from loopline.store.records import TrainedSample
+from loopline.types import TrainedSample
 from loopline.trainer import checkpoint, losses, lora, prefix
 from loopline.trainer.advantages import compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend

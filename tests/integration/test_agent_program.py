@@ -23,7 +23,7 @@ from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.local_engine import LocalEngine
-from loopline.store.records import first_chain_break
+from loopline.types import first_chain_break
 from tests.integration.test_train_flow import STARTER
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from loopline.store import ledger
 from loopline.store.check import check_run
-from loopline.store.records import SegmentRecord, TrajectoryRecord
+from loopline.types import SegmentRecord, TrajectoryRecord
 
 
 def chained_trajectory(reward: float, seed: int) -> TrajectoryRecord:

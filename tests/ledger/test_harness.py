@@ -160,7 +160,7 @@ def test_context_overflow_ends_the_episode_as_truncated(chat):
 
 
 def test_learner_reads_committed_multi_turn_trajectories_token_exact(chat, db, run):
-    from loopline.trainer.batch import load_sequences
+    from loopline.tasks.stages import load_sequences
 
     ledger.plan_step(db, run.id, 1, ["t1"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")

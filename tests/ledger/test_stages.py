@@ -164,7 +164,7 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     so the retry restores them (checkpoint + replay) before training the same batch again."""
     from loopline.store.errors import DatabaseUnavailable
     from loopline.tasks import stages
-    from loopline.trainer.batch import load_sequences
+    from loopline.tasks.stages import load_sequences
 
     spec = load_spec(ARITHMETIC)
     train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:20]

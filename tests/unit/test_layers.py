@@ -8,14 +8,15 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
-NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio"}  # importable from every layer
+# importable from every layer (`types`: the RL vocabulary the rollout records, the ledger stores, the trainer reads)
+NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "types"}
 # layer -> the layers it may import (besides itself and the neutral modules)
 ALLOWED = {
     "store": set(),
     "migrations": {"store"},
     "envregistry": {"store", "cli_support"},
     "rollout": {"store", "envregistry"},
-    "trainer": {"store"},
+    "trainer": set(),  # (its records are `loopline.types`; the tasks load them from the ledger)
     "tasks": {"store", "envregistry", "rollout", "trainer"},
     "flows": {"store", "envregistry", "rollout", "trainer", "tasks"},
     # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers.

@@ -14,7 +14,7 @@ from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
-from loopline.store.records import first_chain_break
+from loopline.types import first_chain_break
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_tool_calls import HERMES_TEMPLATE
 

@@ -1,0 +1,131 @@
+"""loopline's RL vocabulary: what a rollout records, what the learner reads back, what it says each trajectory
+contributed. Plain frozen dataclasses shared by the rollout, the trainer and the ledger (which stores them),
+so that neither the rollout nor the trainer depends on the database layer for its types."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Sequence
+
+from loopline.errors import LooplineError
+
+Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One model call as the model saw it; arrays are aligned with `generated_ids`."""
+
+    request_id: str
+    policy_version: int
+    tokenizer_version: str
+    prompt_ids: Sequence[int]
+    generated_ids: Sequence[int]
+    action_loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
+    logprob_semantics: str
+    sampling_config: dict[str, Any] = field(default_factory=dict)
+    tool_events: Sequence[dict[str, Any]] = ()
+    # Per-token version spans when weights changed mid-request: [{"version": v, "start": i, "end": j}, ...]
+    version_spans: Sequence[dict[str, Any]] | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    def versions(self) -> list[int]:
+        spans = [int(s["version"]) for s in self.version_spans or ()]
+        return [self.policy_version, *spans]
+
+    def validate(self, where: str) -> None:
+        n = len(self.generated_ids)
+        if len(self.action_loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise LooplineError(
+                f"{where}: generated_ids ({n}), action_loss_mask ({len(self.action_loss_mask)}) and "
+                f"rollout_logprobs ({len(self.rollout_logprobs)}) must have the same length"
+            )
+        if any(m not in (0, 1) for m in self.action_loss_mask):
+            raise LooplineError(f"{where}: action_loss_mask holds values other than 0 and 1")
+
+
+@dataclass(frozen=True)
+class TrajectoryRecord:
+    env_name: str
+    env_version: int
+    verifier_version: str
+    harness_version: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    segments: Sequence[SegmentRecord]
+    failure_type: Literal["task_failed", "truncated"] | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.segments:
+            raise LooplineError("a trajectory needs at least one segment")
+        for i, seg in enumerate(self.segments):
+            seg.validate(f"segment {i}")
+        broken = first_chain_break(self.segments)
+        if broken is not None:
+            raise LooplineError(f"segment {broken} does not extend segment {broken - 1} (the history was re-tokenised)")
+
+    def version_range(self) -> tuple[int, int]:
+        versions = [v for seg in self.segments for v in seg.versions()]
+        return min(versions), max(versions)
+
+
+def first_chain_break(segments: Sequence[Any]) -> int | None:
+    """The trajectory rule every reader checks: each model call's prompt starts with exactly the previous
+    call's prompt and generated tokens (the history is never re-tokenised). Returns the index of the first
+    segment that breaks it, or None. Segments are anything with `prompt_ids` and `generated_ids`."""
+    for i in range(1, len(segments)):
+        head = list(segments[i - 1].prompt_ids) + list(segments[i - 1].generated_ids)
+        if list(segments[i].prompt_ids[: len(head)]) != head:
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class StoredSegment:
+    """A committed segment's tokens, as the learner reads them back."""
+
+    seq: int
+    prompt_ids: Sequence[int]
+    generated_ids: Sequence[int]
+    action_loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
+
+
+@dataclass(frozen=True)
+class StoredTrajectory:
+    """A committed trajectory as the learner reads it back: its group, reward, versions and tokens."""
+
+    id: uuid.UUID
+    group_id: uuid.UUID
+    reward: float
+    policy_version_min: int
+    policy_version_max: int
+    segments: tuple[StoredSegment, ...]
+
+
+@dataclass(frozen=True)
+class TrainedSample:
+    """What one consumed trajectory contributed to its learner step, stored with its consumption row so that
+    the inspector shows the numbers the learner used, not a recomputation."""
+
+    advantage: float
+    group_mean: float
+    group_std: float  # the divisor GRPO used (0 for mean-only estimators and degenerate groups)
+    degenerate: bool  # all rewards of its group were equal
+    trained: bool  # False: its group was dropped as degenerate, or it had no action tokens
+    action_tokens: int = 0
+    rejected_tokens: int = 0  # left out by the off-policy correction (MIS / rejection)
+    correction_weight_mean: float | None = None  # mean π_old/μ weight over its kept tokens
+    learner_logprobs: tuple[float, ...] | None = None  # π_old at its action tokens, in order (None: another rank's)
+    logprob_abs_diff_mean: float | None = None  # mean and max |π_old - μ| over its action tokens
+    logprob_abs_diff_max: float | None = None
+
+    def details(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("advantage", "learner_logprobs")}
