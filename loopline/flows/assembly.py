@@ -28,8 +28,8 @@ from loopline.rollout.actions import tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.engines import ENGINES, EngineRequest
 from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
@@ -159,48 +159,9 @@ def build_engine(
     settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path, tag: str | None = None,
     lora: LoraConfig | None = None,
 ) -> EngineThread:
-    """The engine the config names, serving `version` (whose weights are at `weights`), on its own loop thread.
-
-    local: LocalEngine in this process. sglang + servers: a client of running servers; each is asked what
-    it serves, and one serving other weights is brought to `version` by the next weight sync. sglang +
-    launch: replicas started here on `weights` (logs in `log_dir`), stopped when the engine shuts down.
-    `tag` (the run's) goes into every weight version a server is given, so that no server passes another
-    run's weights off as this run's version. `lora` (sglang only): the servers keep `initial` and load each
-    version's adapter; launched ones are started with LoRA enabled for its rank and modules.
-    """
-    if settings.kind == "local":
-        return EngineThread(LocalEngine(weights, version=version, max_batch=concurrency))
-    from loopline.rollout.sglang_engine import SGLangEngine
-    from loopline.rollout.weights import read_layout
-
-    if settings.launch is not None:
-        from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
-
-        launch = settings.launch
-        args = tuple(launch.args) + (lora_server_args(lora) if lora is not None and "--enable-lora" not in launch.args else ())
-        plan = LaunchPlan(launch.replicas, args, launch.module, launch.python, launch.startup_timeout_s)
-        return EngineThread(
-            LaunchedSGLang(plan, log_dir, weights, version, str(initial), timeout_s=settings.timeout_s, tag=tag, adapters=lora is not None)
-        )
-    client = SGLangEngine(
-        settings.servers, initial_version=version, timeout_s=settings.timeout_s, initial_path=str(initial if lora else weights),
-        served_layout=read_layout(initial), tag=tag, adapters=lora is not None,
-    )
-    engine = EngineThread(client)
-    try:
-        engine.call(client.refresh_versions(), timeout_s=60)
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine
-
-
-def lora_server_args(lora: LoraConfig) -> tuple[str, ...]:
-    """SGLang's flags for serving adapters of this rank on these modules (peft's all-linear is SGLang's all).
-    (No --max-loaded-loras: it must be at least --max-loras-per-batch, 8 by default, or the server refuses to
-    start; the client unloads all but the two newest adapters itself.)"""
-    modules = ["all"] if lora.target_modules == "all-linear" else list(lora.target_modules)
-    return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules)
+    """The engine the config names (`rollout/engines.ENGINES`), serving `version` (whose weights are at
+    `weights`), on its own loop thread."""
+    return ENGINES[settings.kind].build(EngineRequest(settings, weights, version, initial, concurrency, log_dir, tag, lora))
 
 
 def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None, adapters: bool = False) -> EngineThread:

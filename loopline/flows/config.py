@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
+from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.trainer.config import AdvantageConfig, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
@@ -113,10 +114,14 @@ class LaunchSettings(_Strict):
     startup_timeout_s: float = Field(900.0, gt=0)
 
 
+EngineKindName = Literal["local", "sglang"]
+assert set(get_args(EngineKindName)) == set(ENGINES), "EngineKindName and rollout/engines.ENGINES must name the same engines"
+
+
 class EngineSettings(_Strict):
     """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
 
-    kind: Literal["local", "sglang"] = "local"
+    kind: EngineKindName = "local"
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
     timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
@@ -125,6 +130,11 @@ class EngineSettings(_Strict):
         description="sglang with learner.lora: each version ships as its adapter alone (the servers keep the base model; "
         "started with --enable-lora) or as the merged model",
     )
+
+    @property
+    def in_process(self) -> bool:
+        """The engine serves from the learner's process (weight syncs from memory, no file per version)."""
+        return ENGINES[self.kind].in_process
 
     @model_validator(mode="after")
     def _one_source(self) -> "EngineSettings":
@@ -210,14 +220,14 @@ class RunConfig(_Strict):
     def _every_version_on_disk_for_other_processes(self) -> "RunConfig":
         every = self.learner.export_every
         if every not in (None, 1) and self.versions_loaded_elsewhere:
-            where = "the SGLang servers load" if self.engine.kind == "sglang" else "rollout workers (local_rollout: false) load"
+            where = f"the {self.engine.kind} servers load" if not self.engine.in_process else "rollout workers (local_rollout: false) load"
             raise ValueError(f"learner.export_every: {every}: {where} every version from disk; leave it unset or set 1")
         return self
 
     @property
     def syncs_adapters(self) -> bool:
         """A LoRA run on SGLang that ships each version as its adapter (the servers keep the base model)."""
-        return self.engine.kind == "sglang" and self.learner.lora is not None and self.engine.lora_sync == "adapter"
+        return not self.engine.in_process and self.learner.lora is not None and self.engine.lora_sync == "adapter"
 
     @property
     def versions_loaded_elsewhere(self) -> bool:
@@ -225,7 +235,7 @@ class RunConfig(_Strict):
         adapter sync the servers and workers load adapters, which are written for every version anyway)."""
         if self.syncs_adapters:
             return False
-        return self.engine.kind == "sglang" or (self.mode == "async" and not self.local_rollout)
+        return not self.engine.in_process or (self.mode == "async" and not self.local_rollout)
 
     @property
     def exports_every(self) -> int:

@@ -193,7 +193,7 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         keep_version=config.evaluates,
         checkpoint_uri=state.last_checkpoint.uri if state.last_checkpoint else "",
         export_version=config.exports,
-        sync_from_memory=config.engine.kind == "local",
+        sync_from_memory=config.engine.in_process,
         learner_version=state.policy_version,
         restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it

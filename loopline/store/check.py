@@ -80,8 +80,8 @@ EXACTLY_ONCE_OFFENDERS = (
      "SELECT s.id FROM slot s LEFT JOIN trajectory t ON t.slot_id = s.id WHERE s.run_id = :r AND s.state = 'done' "
      "AND t.id IS NULL"),
     (5, "consumptions name a policy version other than the one their step trained",
-     "SELECT c.trajectory_id FROM consumption c JOIN checkpoint k ON k.run_id = c.run_id AND k.learner_step = c.learner_step "
-     "WHERE c.run_id = :r AND c.policy_version <> k.policy_version - 1"),
+     "SELECT c.trajectory_id FROM consumption c JOIN policy_version p ON p.run_id = c.run_id AND p.learner_step = c.learner_step "
+     "WHERE c.run_id = :r AND c.policy_version <> p.version - 1"),
 )
 
 
@@ -145,7 +145,7 @@ def _logprob_gap(session: Session, run_id: uuid.UUID, report: CheckReport) -> No
     `logprob_gap_tokens` counts them): there the two must agree. Samples of older versions (async
     staleness) differ by design; their gap is recorded as `logprob_abs_diff_stale`, not judged.
     """
-    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM checkpoint WHERE run_id = :r AND complete", r=run_id)]
+    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM policy_version WHERE run_id = :r AND version > 0", r=run_id)]
     metrics: dict[int, dict[str, float]] = {}
     for step, name, value in _rows(
         session,
@@ -182,7 +182,7 @@ def _exactly_once(session: Session, run_id: uuid.UUID, report: CheckReport) -> N
     versions = [r.version for r in _rows(session, "SELECT version FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)]
     if versions != list(range(len(versions))):
         report.add(5, f"policy versions are not 0..{len(versions) - 1} without gaps: {versions[:12]}")
-    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM checkpoint WHERE run_id = :r ORDER BY learner_step", r=run_id)]
+    steps = [r.learner_step for r in _rows(session, "SELECT learner_step FROM policy_version WHERE run_id = :r AND version > 0 ORDER BY learner_step", r=run_id)]
     if steps != list(range(1, len(steps) + 1)):
         report.add(5, f"learner steps are not 1..{len(steps)} without gaps: {steps[:12]}")
     report.stats["trajectories"] = _rows(session, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run_id)[0][0]

@@ -47,10 +47,9 @@ def _lock_run_progress(session: Session, run_id: uuid.UUID) -> tuple[int, int]:
     """Serialise learner bookkeeping for a run; returns (last committed learner step, latest policy version)."""
     if q(session, "SELECT id FROM run WHERE id = :r FOR UPDATE", r=run_id).first() is None:
         raise LooplineError(f"no run {run_id} in the ledger")
-    last_step = q(
-        session, "SELECT coalesce(max(learner_step), 0) FROM checkpoint WHERE run_id = :r AND complete", r=run_id
-    ).scalar_one()
-    latest = q(session, "SELECT max(version) FROM policy_version WHERE run_id = :r", r=run_id).scalar_one()
+    latest, last_step = q(
+        session, "SELECT max(version), coalesce(max(learner_step), 0) FROM policy_version WHERE run_id = :r", r=run_id
+    ).one()
     if latest is None:
         raise LooplineError(f"run {run_id} has no policy version 0; create it with create_run")
     return last_step, latest
@@ -101,10 +100,7 @@ def claim_learner_batch(
         if learner_step <= last_step:
             groups = _groups_of_step(session, run_id, learner_step, "consumed")
             produced = q(
-                session,
-                "SELECT policy_version FROM checkpoint WHERE run_id = :r AND learner_step = :k",
-                r=run_id,
-                k=learner_step,
+                session, "SELECT version FROM policy_version WHERE run_id = :r AND learner_step = :k", r=run_id, k=learner_step
             ).scalar_one()
             return LearnerBatch(
                 run_id, learner_step, produced - 1, groups, _batch_trajectories(session, groups), True
@@ -149,14 +145,16 @@ def commit_learner_step(
     session: Session,
     batch: LearnerBatch,
     weights_uri: str | None,
-    checkpoint_uri: str,
+    checkpoint_uri: str | None,
     weights_sha256: str | None = None,
     metrics: dict[str, float] | None = None,
     samples: dict[uuid.UUID, TrainedSample] | None = None,
     driver: str | None = None,
     adapter_uri: str | None = None,
 ) -> LearnerCommit:
-    """Record a finished learner step atomically: consumption rows, checkpoint, new policy version, metrics.
+    """Record a finished learner step atomically: consumption rows, the new policy version (whose
+    `learner_step` marks the step committed), the full checkpoint when the step wrote one (`checkpoint_uri`),
+    metrics.
 
     Either all of it is in the ledger or none of it: a learner that dies
     before this returns has consumed nothing, and its retry trains the same
@@ -176,7 +174,7 @@ def commit_learner_step(
                 session, "SELECT count(*) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
             ).scalar_one()
             version = q(
-                session, "SELECT policy_version FROM checkpoint WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
+                session, "SELECT version FROM policy_version WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
             ).scalar_one()
             return LearnerCommit(k, version, consumed, already_committed=True)
         if k != last_step + 1:
@@ -231,15 +229,12 @@ def commit_learner_step(
             adapter=adapter_uri,
             sha=weights_sha256,
         )
-        q(
-            session,
-            "INSERT INTO checkpoint (run_id, learner_step, policy_version, uri, complete) "
-            "VALUES (:r, :k, :v, :uri, true)",
-            r=run_id,
-            k=k,
-            v=new_version,
-            uri=checkpoint_uri,
-        )
+        if checkpoint_uri is not None:
+            q(
+                session,
+                "INSERT INTO checkpoint (run_id, learner_step, policy_version, uri, complete) VALUES (:r, :k, :v, :uri, true)",
+                r=run_id, k=k, v=new_version, uri=checkpoint_uri,
+            )
         lag = q(
             session,
             "SELECT avg(version_lag), max(version_lag) FROM consumption WHERE run_id = :r AND learner_step = :k",

@@ -6,7 +6,7 @@ raises). Exactly-once rests on three things:
 - claims use `FOR UPDATE SKIP LOCKED`, so concurrent workers never share a slot;
 - uniqueness lives in the database (one trajectory per slot, one consumption per trajectory,
   consumption only of train trajectories);
-- a learner step's consumption, checkpoint and new policy version are written in a single
+- a learner step's consumption, new policy version and checkpoint (when one was written) are written in a single
   transaction, and the groups it trains are recorded before training, so a retry trains exactly
   the same set.
 

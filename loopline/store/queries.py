@@ -56,7 +56,7 @@ def shown_status(status: str, holder_name: str | None, silent_s: float | None, l
 def run_progress(session: Session, run_id: uuid.UUID) -> RunProgress:
     row = session.execute(
         sa.text(
-            "SELECT (SELECT coalesce(max(learner_step), 0) FROM checkpoint WHERE run_id = :r) AS step, "
+            "SELECT (SELECT coalesce(max(learner_step), 0) FROM policy_version WHERE run_id = :r) AS step, "
             "(SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r) AS version, "
             "(SELECT count(*) FROM trajectory WHERE run_id = :r AND split = 'train') AS trajectories"
         ),
@@ -88,7 +88,7 @@ def list_runs(session: Session) -> list[RunSummary]:
             "SELECT r.name, r.id, r.status, r.created_at, r.status_reason, r.holder, "
             "extract(epoch FROM now() - r.heartbeat_at) AS silent_s, coalesce((r.config->>'lease_seconds')::float, 60) AS lease, "
             "r.config->'forked_from'->>'run' AS parent, r.config->'forked_from'->>'policy_version' AS parent_version, "
-            "(SELECT coalesce(max(learner_step), 0) FROM checkpoint c WHERE c.run_id = r.id) AS step, "
+            "(SELECT coalesce(max(learner_step), 0) FROM policy_version p WHERE p.run_id = r.id) AS step, "
             "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS version, "
             "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, "
             "(SELECT success_rate FROM eval_result e WHERE e.run_id = r.id ORDER BY policy_version LIMIT 1) AS first_eval, "

@@ -356,7 +356,8 @@ def consumed_trajectory_ids(session: Session, run_id: uuid.UUID) -> set[uuid.UUI
 
 
 def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
-    """Where a run stands in the ledger: the checkpoint to restore and what the next learner step is."""
+    """Where a run stands in the ledger: the newest full checkpoint to restore (the steps after it are replayed)
+    and what the next learner step is."""
     with transaction(session):
         ckpt = q(
             session,
@@ -366,12 +367,12 @@ def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
         ).first()
         latest = q(
             session,
-            "SELECT version, weights_uri, adapter_uri FROM policy_version WHERE run_id = :r ORDER BY version DESC LIMIT 1",
+            "SELECT version, learner_step, weights_uri, adapter_uri FROM policy_version WHERE run_id = :r ORDER BY version DESC LIMIT 1",
             r=run_id,
         ).first()
         if latest is None:
             raise LooplineError(f"run {run_id} has no policy version; create it with create_run")
-        next_step = (ckpt.learner_step if ckpt else 0) + 1
+        next_step = latest.learner_step + 1
         consumed = q(session, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id).scalar_one()
         pending = _groups_of_step(session, run_id, next_step, "claimed")
         states = _group_states(session, run_id)

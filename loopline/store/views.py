@@ -130,7 +130,7 @@ def written_versions(conn: sa.Connection, run: uuid.UUID) -> dict[str, int]:
     return _one(
         conn,
         "SELECT (SELECT count(*) FROM policy_version WHERE run_id = :r AND version > 0 AND weights_uri IS NOT NULL) AS exports, "
-        "(SELECT count(DISTINCT uri) FROM checkpoint WHERE run_id = :r AND uri <> '') AS checkpoints",
+        "(SELECT count(*) FROM checkpoint WHERE run_id = :r) AS checkpoints",
         r=run,
     )
 

@@ -204,7 +204,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     # winner's commits name); only the commit that lands names them, a refused one removes them.
     mine = f".{os.getpid()}"
     written: list[Path] = []
-    checkpoint_uri = ctx.checkpoint_uri  # the newest committed one, until this step's commit names its own
+    checkpoint_uri: str | None = None  # this step's, if it writes one
     try:
         if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
             written.append(ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}{mine}", version, {"learner_step": step}))
@@ -236,7 +236,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         for path in written:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    ctx.checkpoint_uri, ctx.learner_version = checkpoint_uri, committed.policy_version
+    ctx.checkpoint_uri, ctx.learner_version = checkpoint_uri or ctx.checkpoint_uri, committed.policy_version
     prune(ctx)
     return committed
 

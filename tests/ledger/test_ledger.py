@@ -379,9 +379,9 @@ def test_learner_steps_cannot_skip_or_diverge(db, run):
 def test_failed_learner_commit_leaves_nothing_consumed(db, run):
     _complete_step(db, run)
     batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)
-    # A write late in the transaction fails (after the consumption rows were inserted).
-    with pytest.raises(IntegrityError, match="uri"):
-        ledger.commit_learner_step(db, batch, "w", None)
+    # The last write of the transaction fails (the metrics, after consumption, version and checkpoint rows).
+    with pytest.raises(IntegrityError, match='"name"'):
+        ledger.commit_learner_step(db, batch, "w", "c", metrics={None: 1.0})
     assert ledger.consumed_trajectory_ids(db, run.id) == set()
     assert ledger.group_states(db, run.id) == {"claimed": 2}
     assert _scalar(db, "SELECT count(*) FROM checkpoint WHERE run_id = :r", r=run.id) == 0
@@ -441,6 +441,14 @@ def test_resume_state_reports_checkpoint_version_and_pending_batch(db, run):
     assert state.consumed_trajectories == 2
     assert state.pending_learner_groups == pending.group_ids
     assert state.group_states == {"consumed": 1, "claimed": 1}
+    # a step that wrote no full checkpoint (checkpoint_every) commits no checkpoint row: a resume restores
+    # the newest one written and replays the steps since
+    ledger.commit_learner_step(db, pending, "file:///w/v2", None)
+    state = ledger.resume_state(db, run.id)
+    assert state.last_checkpoint == records.CheckpointInfo(1, 1, "file:///ckpt/1")
+    assert (state.policy_version, state.next_learner_step) == (2, 3)
+    assert _scalar(db, "SELECT count(*) FROM checkpoint WHERE run_id = :r", r=run.id) == 1
+    assert ledger.commit_learner_step(db, pending, "file:///w/v2", None).already_committed
 
 
 def test_runs_are_found_by_name_or_id_and_track_status_and_publication(db, run):

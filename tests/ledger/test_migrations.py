@@ -135,3 +135,35 @@ def test_open_ledger_refuses_an_unmigrated_database(scratch_url):
     upgrade(engine)
     open_ledger(scratch_url).dispose()
     engine.dispose()
+
+
+def test_per_step_checkpoint_rows_become_one_per_checkpoint_written_and_back(scratch_url):
+    """Before d7e1b3c9a4f2 every learner step had a checkpoint row naming the newest checkpoint ('' before
+    the first); the upgrade keeps the rows of checkpoints written, the downgrade brings the others back."""
+    engine = make_engine(scratch_url)
+    upgrade(engine, "c3f9a2d5e817")
+    per_step = [(1, ""), (2, "/c/2"), (3, "/c/2"), (4, "/c/4"), (5, "/c/4")]
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO run (id, name, config, config_hash, status) VALUES ('00000000-0000-0000-0000-000000000001', 'r', '{}', 'h', 'running')")
+        for version in range(6):
+            conn.exec_driver_sql(
+                f"INSERT INTO policy_version (run_id, version, learner_step) VALUES ('00000000-0000-0000-0000-000000000001', {version}, {version})"
+            )
+        for step, uri in per_step:
+            conn.exec_driver_sql(
+                "INSERT INTO checkpoint (run_id, learner_step, policy_version, uri, complete) "
+                f"VALUES ('00000000-0000-0000-0000-000000000001', {step}, {step}, '{uri}', true)"
+            )
+    rows = lambda: engine.connect().exec_driver_sql("SELECT learner_step, uri FROM checkpoint ORDER BY learner_step").all()  # noqa: E731
+    upgrade(engine)
+    assert [tuple(r) for r in rows()] == [(2, "/c/2"), (4, "/c/4")]
+    from alembic import command
+
+    from loopline.store.migrate import alembic_config
+
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "c3f9a2d5e817")
+    assert [tuple(r) for r in rows()] == per_step
+    engine.dispose()

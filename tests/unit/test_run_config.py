@@ -31,7 +31,7 @@ def test_every_version_is_exported_when_another_process_loads_it():
 
 
 def test_a_sparse_export_for_a_run_that_other_processes_serve_is_refused():
-    with pytest.raises(LooplineError, match="learner.export_every: 2: the SGLang servers load every version"):
+    with pytest.raises(LooplineError, match="learner.export_every: 2: the sglang servers load every version"):
         _config(engine={"kind": "sglang", "servers": ["http://h:1"]}, learner={"export_every": 2})
     assert _config(learner={"export_every": 3}).exports_every == 3
 
