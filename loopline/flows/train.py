@@ -35,6 +35,7 @@ from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict, is_outage
 from loopline.tasks import loop as tasks
 from loopline.tasks import stages
+from loopline.tasks.learner_side import LearnerSide
 from loopline.tasks.stages import LoopContext
 from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writes
 from loopline.trainer.learner import bf16_supported, fp16_supported
@@ -177,8 +178,21 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         engine=assembly.build_run_engine(parts, weights, state.policy_version, adapters=True),
         adapters=config.syncs_adapters,
         binding=assembly.build_binding(parts),
-        learner=learner,
-        workdir=workdir,
+        learning=LearnerSide(
+            learner=learner,
+            workdir=workdir,
+            version=state.policy_version,
+            restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
+            checkpoint_every=config.learner.checkpoint_every,
+            last_step=config.steps,
+            checkpoint_uri=state.last_checkpoint.uri if state.last_checkpoint else "",
+            keep_checkpoints=config.learner.keep_checkpoints,
+            keep_exports=config.learner.keep_exports,
+            keep_version=config.evaluates,
+            export_version=config.exports,
+            sync_from_memory=config.engine.in_process,
+            adapters=config.syncs_adapters,
+        ),
         groups_per_step=config.groups_per_step,
         group_size=config.group_size,
         concurrency=config.concurrency,
@@ -186,16 +200,6 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         max_attempts=config.max_attempts,
         in_flight=config.in_flight,
         lease_seconds=config.lease_seconds,
-        checkpoint_every=config.learner.checkpoint_every,
-        last_step=config.steps,
-        keep_checkpoints=config.learner.keep_checkpoints,
-        keep_exports=config.learner.keep_exports,
-        keep_version=config.evaluates,
-        checkpoint_uri=state.last_checkpoint.uri if state.last_checkpoint else "",
-        export_version=config.exports,
-        sync_from_memory=config.engine.in_process,
-        learner_version=state.policy_version,
-        restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it
     )
     return PreparedRun(parts, ctx, state.next_learner_step)

@@ -13,17 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import random
-import re
 import resource
-import shutil
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 import sqlalchemy.exc
@@ -43,7 +39,7 @@ from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
 from loopline.trainer.batch import TrainSequence, sequence_from_trajectory
-from loopline.trainer.checkpoint import DiskFull
+from loopline.tasks.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
 
@@ -71,39 +67,19 @@ class RolloutContext:
 
 @dataclass(kw_only=True)
 class LoopContext(RolloutContext):
-    """A whole training process: rollout plus the learner and the plan."""
+    """A whole training process: rollout, the plan, and the learner's side (`learning`)."""
 
-    learner: Learner | None  # None when the run has no step left to train
-    workdir: Path  # checkpoints and exported weights live under here
+    learning: LearnerSide
     groups_per_step: int
     group_size: int
     seed: int = 0
     max_attempts: int = 3  # infra failures of one slot before its group is dropped
-    # A full learner checkpoint every N steps (and at the last); between them a step's ledger row names the
-    # newest one, and a resume replays the recorded batches since it (`replay`). Older ones are deleted.
-    checkpoint_every: int = 1
-    last_step: int | None = None
-    keep_checkpoints: int = 2
-    keep_exports: int = 3  # newest weight exports kept, besides those `keep_version` names (evaluated ones)
-    keep_version: Callable[[int], bool] | None = None
-    checkpoint_uri: str = ""  # the newest full checkpoint on disk ("": none yet, replay from the initial weights)
-    # Which versions are written to disk (for other processes, evaluations, forks); the in-process engine
-    # takes the others from the learner's memory when `sync_from_memory`.
-    export_version: Callable[[int], bool] = lambda version: True
-    sync_from_memory: bool = False
-    # The committed version the learner holds in memory; None from the moment a step changes the weights
-    # until its commit lands. A step retried after a failed commit finds None and restores the learner
-    # with `restore(checkpoint_uri, through_step)` first: it must not train the same batch twice.
-    learner_version: int | None = 0
-    restore: Callable[[str, int], Learner] | None = None
     # The process that drives the run (its holder name): a learner commit is refused once another process has
     # taken the run over (fencing). None: not checked (a learner driven by hand, the tests of the stages).
     driver: str | None = None
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
-        if self.sync_from_memory and self.learner is not None and self.learner_version == version:
-            return self.learner.state_dict()
-        return None
+        return self.learning.held_weights(version)
 
 
 class StopFlag(Protocol):
@@ -174,90 +150,38 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         sequences = load_sequences(s, batch.trajectory_ids)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
-    if ctx.learner_version != batch.policy_version:
-        if ctx.restore is None:
-            raise RuntimeError(
-                f"learner step {step}: the learner holds weights past v{batch.policy_version} (an uncommitted step) "
-                "and cannot restore them here; restart the run to resume from the ledger"
-            )
-        log.warning("learner step %d: an earlier try changed the weights without committing; restoring v%d", step, batch.policy_version)
-        ctx.learner = None  # free the old one before the new one is built
-        ctx.learner = ctx.restore(ctx.checkpoint_uri, step - 1)
-        ctx.learner_version = batch.policy_version
-    clock = [time.monotonic()]
-
-    def lap() -> float:
-        clock.append(time.monotonic())
-        return clock[-1] - clock[-2]
-
-    ctx.learner_version = None
+    side = ctx.learning
+    learner = side.at(batch.policy_version, step)
+    side.version = None  # from here until the commit lands the weights are no committed version's
+    started = time.monotonic()
     try:
-        result = ctx.learner.rl_step(sequences, trained_version=batch.policy_version)
+        result = learner.rl_step(sequences, trained_version=batch.policy_version)
     except RefusedUpdate as refused:
         with ctx.session_factory() as s:  # why the run stopped, in the ledger; the batch stays unconsumed
             ledger.record_refused_step(s, ctx.run_id, step, refused.metrics)
         raise
-    timings = {"learner_s": lap()}
+    learner_s = time.monotonic() - started
     failpoint("learner_step")
     version = batch.policy_version + 1
-    # This process's own directories (a learner that lost the run to another never touches the files the
-    # winner's commits name); only the commit that lands names them, a refused one removes them.
-    mine = f".{os.getpid()}"
-    written: list[Path] = []
-    checkpoint_uri: str | None = None  # this step's, if it writes one
-    try:
-        if step % ctx.checkpoint_every == 0 or step == ctx.last_step:
-            written.append(ctx.learner.save_checkpoint(ctx.workdir / "checkpoints" / f"step-{step:06d}{mine}", version, {"learner_step": step}))
-            checkpoint_uri = str(written[-1])
-        timings["checkpoint_s"] = lap()
-        digest = ctx.learner.weights_sha256()
-        weights = ctx.learner.export_weights(ctx.workdir / "weights" / f"v{version:06d}{mine}") if ctx.export_version(version) else None
-        written += [weights] if weights else []
-        adapter = ctx.learner.export_adapter(ctx.workdir / "adapters" / f"v{version:06d}{mine}") if ctx.adapters else None
-        written += [adapter] if adapter else []
-        timings["export_s"] = lap()
-    except DiskFull:  # (the room this step's checkpoint took is given back: nothing will name it)
-        for path in written:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
+    written = side.write(step, version)
     failpoint("learner_commit")
     # the process's peak so far (learner, and the engine when it runs here): the inspector shows it beside the plan
     peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
     if torch.cuda.is_available():  # the learner's device memory (the plan's estimate is beside it in the inspector)
         peak["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    metrics = {**result.metrics, **timings, **peak, "groups_stale_dropped": batch.stale_dropped}
+    metrics = {**result.metrics, "learner_s": learner_s, **written.timings, **peak, "groups_stale_dropped": batch.stale_dropped}
+    uri = lambda path: str(path) if path else None  # noqa: E731
     try:
         with ctx.session_factory() as s:
             committed = ledger.commit_learner_step(
-                s, batch, str(weights) if weights else None, checkpoint_uri, digest, metrics=metrics, samples=result.samples,
-                driver=ctx.driver, adapter_uri=str(adapter) if adapter else None,
+                s, batch, uri(written.weights), uri(written.checkpoint), written.sha256, metrics=metrics, samples=result.samples,
+                driver=ctx.driver, adapter_uri=uri(written.adapter),
             )
-    except LostTheRun:
-        for path in written:
-            shutil.rmtree(path, ignore_errors=True)
+    except LostTheRun:  # (only a commit that lands names what the step wrote)
+        written.remove()
         raise
-    ctx.checkpoint_uri, ctx.learner_version = checkpoint_uri or ctx.checkpoint_uri, committed.policy_version
-    prune(ctx)
+    side.committed(committed.policy_version, written)
     return committed
-
-
-def prune(ctx: LoopContext) -> None:
-    """Delete checkpoints and exports nobody needs: all but the newest `keep_checkpoints` full checkpoints
-    (never the one the ledger's newest row names) and all but the newest `keep_exports` exports (never one
-    `keep_version` keeps). Disk per step is then about 1/checkpoint_every of a full checkpoint."""
-    checkpoints = sorted((ctx.workdir / "checkpoints").glob("step-*"))
-    for old in checkpoints[: -ctx.keep_checkpoints or None]:
-        if str(old) != ctx.checkpoint_uri and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-    exports = sorted((ctx.workdir / "weights").glob("v*"))
-    for old in exports[: -ctx.keep_exports or None]:
-        number = re.match(r"v(\d+)", old.name)  # v000006 or v000006.PID
-        version = int(number.group(1)) if number else None
-        if version is not None and not (ctx.keep_version and ctx.keep_version(version)):
-            shutil.rmtree(old, ignore_errors=True)
-    adapters = sorted((ctx.workdir / "adapters").glob("v*"))
-    for old in adapters[: -ctx.keep_exports or None]:  # (the servers unload all but the newest two)
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def replay(learner: Learner, session_factory: Callable[[], Session], run_id: uuid.UUID, steps: range) -> None:

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.tasks import loop as tasks
+from loopline.tasks.learner_side import LearnerSide
 from loopline.tasks.stages import LoopContext
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
@@ -39,8 +40,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         session_factory=lambda: new_session(engine),
         engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), {t.id: t for t in train}),
-        learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"),
-        workdir=tmp_path,
+        learning=LearnerSide(learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"), workdir=tmp_path),
         groups_per_step=3,
         group_size=4,
         concurrency=16,
@@ -117,7 +117,7 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=None,
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), {t.id: t for t in train}),
-        learner=None, workdir=tmp_path, groups_per_step=2, group_size=2, max_attempts=7, concurrency=16,
+        learning=LearnerSide(learner=None, workdir=tmp_path), groups_per_step=2, group_size=2, max_attempts=7, concurrency=16,
     )
     tasks.plan_step.fn(ctx, 1)
     attempts = db.execute(sa.text("SELECT DISTINCT max_attempts FROM rollout_group WHERE run_id = :r"), {"r": run.id}).scalars().all()
@@ -126,20 +126,16 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
 
 
 def test_prune_keeps_the_newest_checkpoints_and_exports_and_the_ones_still_needed(tmp_path):
-    from types import SimpleNamespace
-
-    from loopline.tasks.stages import prune
-
     for k in range(1, 6):
         (tmp_path / "checkpoints" / f"step-{k:06d}").mkdir(parents=True)
     for v in range(1, 7):
         (tmp_path / "weights" / f"v{v:06d}").mkdir(parents=True)
-    # the ledger's newest row still names step 2's checkpoint (steps 3-5 were not checkpointed... say)
-    ctx = SimpleNamespace(
-        workdir=tmp_path, keep_checkpoints=2, checkpoint_uri=str(tmp_path / "checkpoints" / "step-000002"),
+    # the newest commit still names step 2's checkpoint (steps 3-5 were written by a process that lost the run, say)
+    side = LearnerSide(
+        learner=None, workdir=tmp_path, keep_checkpoints=2, checkpoint_uri=str(tmp_path / "checkpoints" / "step-000002"),
         keep_exports=3, keep_version=lambda v: v == 2,
     )
-    prune(ctx)
+    side.prune()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000005"]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000004", "v000005", "v000006"]
 
@@ -179,9 +175,10 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), {t.id: t for t in train}),
-        learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, groups_per_step=2, group_size=4, concurrency=16,
-        export_version=lambda v: False,
-        restore=restore,
+        learning=LearnerSide(
+            learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, export_version=lambda v: False, restore=restore,
+        ),
+        groups_per_step=2, group_size=4, concurrency=16,
     )
     commit = ledger.commit_learner_step
 
@@ -202,7 +199,7 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     once.rl_step(load_sequences(db, ledger.trained_batch(db, run.id, 1)), trained_version=0)
     recorded = ledger.version_weights(db, run.id, 1)
     assert recorded.uri is None  # not exported: the engine took it from memory
-    assert ctx.learner.weights_sha256() == once.weights_sha256() == recorded.sha256
+    assert ctx.learning.learner.weights_sha256() == once.weights_sha256() == recorded.sha256
 
 
 def test_directories_no_commit_names_are_removed_once_their_writer_is_gone(tmp_path):
