@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -74,8 +75,13 @@ class Binding:
     tasks: dict[str, Task]
 
 
+# The ledger's calls have threads of their own: a lease renewal must never wait behind an episode's blocking
+# work (a sandbox, a tool), or the leases of live episodes expire and their slots are played again.
+_LEDGER_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loopline-ledger")
+
+
 class _LedgerCalls:
-    """Blocking ledger calls, each in a worker thread with its own session."""
+    """Blocking ledger calls, each in a ledger thread with its own session."""
 
     def __init__(self, session_factory: Callable[[], Session]):
         self.session_factory = session_factory
@@ -85,7 +91,7 @@ class _LedgerCalls:
             with self.session_factory() as s:
                 return fn(s, *args, **kwargs)
 
-        return await asyncio.to_thread(run)
+        return await asyncio.get_running_loop().run_in_executor(_LEDGER_THREADS, run)
 
 
 async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
@@ -138,6 +144,8 @@ class _Renewer:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
             for attempt_id, task in list(self.inflight.items()):
+                if task.done():  # (committed: its slot is no longer leased, and nothing is lost)
+                    continue
                 if not await self.db.call(ledger.renew_lease, attempt_id, self.lease_seconds):
                     stats.lost_leases += 1
                     task.cancel()

@@ -158,3 +158,30 @@ def test_a_trajectory_the_ledger_refuses_counts_toward_max_attempts(tiny_dirs, b
     assert stats.committed == 0 and stats.infra_failed >= 2
     assert ledger.group_states(db, run.id) == {"dropped": 1}
     assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'CommitRefused'", r=run.id) >= 2
+
+
+def test_leases_stay_renewed_while_episodes_block_every_default_thread(tiny_dirs, binding, engine, db, run, monkeypatch):
+    """Docker's sandbox calls block a thread for a whole command (an agent program: its whole episode). When
+    those took every thread of the loop's default executor (min(32, CPUs + 4)), the lease renewals queued
+    behind them, the leases of live episodes expired, and their slots were played again and again (seen in a
+    coding-agent run: 62 `LeaseExpired` attempts, no step trained). Here each episode first holds a default
+    thread for 6 s, 4 more episodes than there are threads, with 3 s leases."""
+    import os
+    import time
+
+    from loopline.rollout import scheduler
+
+    real = scheduler.run_episode
+
+    async def blocking_episode(*args, **kwargs):
+        await asyncio.to_thread(time.sleep, 6)  # a sandbox call on the default executor
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "run_episode", blocking_episode)
+    threads = min(32, (os.cpu_count() or 1) + 4)
+    tasks = {f"b{i}": Task(f"b{i}", "train", f"What is {i} + 2?", {"expression": f"{i} + 2", "answer": i + 2}) for i in range(threads + 4)}
+    ledger.plan_step(db, run.id, 1, list(tasks), group_size=1)
+    cfg = WorkerConfig(run.id, "blocked", concurrency=len(tasks), lease_seconds=3)
+    stats = asyncio.run(run_barrier(LocalEngine(tiny_dirs["v0"]), Binding(binding.setup, tasks), lambda: new_session(engine), cfg))
+    assert (stats.committed, stats.lost_leases, stats.infra_failed) == (len(tasks), 0, 0)
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run.id) == 0

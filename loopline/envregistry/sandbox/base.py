@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from loopline.envregistry import spec as env_spec
+
+
+# A sandbox's blocking calls (Docker's API: an exec blocks a thread for as long as its command, an agent program
+# for its whole episode) get threads of their own: in the event loop's default executor (min(32, CPUs + 4)
+# threads) a few long programs occupied them all, and the ledger's lease renewals queued behind them until
+# the leases of live episodes expired. Threads that wait on a socket cost little.
+_BLOCKING = ThreadPoolExecutor(max_workers=256, thread_name_prefix="loopline-sandbox")
+
+
+async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a sandbox thread (see `_BLOCKING`)."""
+    return await asyncio.get_running_loop().run_in_executor(_BLOCKING, functools.partial(fn, *args, **kwargs))
 
 
 class InfraFailure(Exception):

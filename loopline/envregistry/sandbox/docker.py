@@ -23,7 +23,7 @@ import time
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
 from loopline.envregistry.sandbox.base import (
-    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, program_script, verifier_env,
+    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, blocking, collect_verdict, program_script, verifier_env,
 )
 from loopline.holder import process_alive
 
@@ -64,7 +64,7 @@ class DockerSandbox:
 
     @classmethod
     async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "DockerSandbox":
-        return await asyncio.to_thread(cls._create, spec, labels or {}, model_socket)
+        return await blocking(cls._create, spec, labels or {}, model_socket)
 
     @classmethod
     def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
@@ -176,7 +176,7 @@ class DockerSandbox:
         if stdin is not None:  # written by root where the agent cannot fill the disk, read by the agent
             await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
             command = f"({command}) < {PLUMBING_DIR}/stdin"
-        return await asyncio.to_thread(self._exec, command, timeout_s)
+        return await blocking(self._exec, command, timeout_s)
 
     async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
         """As uid 1000, in a container whose only way out is the endpoint's socket, mounted when the container
@@ -186,9 +186,9 @@ class DockerSandbox:
         await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
         script = f"({program_script(command, MODEL_SOCKET)}) < {PLUMBING_DIR}/stdin"
         try:
-            return await asyncio.to_thread(self._exec, script, MAX_PROGRAM_S, OUTPUT_LIMIT, AGENT, None, {"HOME": self.spec.workdir, **env})
+            return await blocking(self._exec, script, MAX_PROGRAM_S, OUTPUT_LIMIT, AGENT, None, {"HOME": self.spec.workdir, **env})
         except asyncio.CancelledError:  # the episode's budget is spent: the program and what it started go now
-            await asyncio.to_thread(self._kill_agent)
+            await blocking(self._kill_agent)
             raise
 
     async def write_file(self, path: str, content: str, user: str = AGENT) -> None:
@@ -199,14 +199,14 @@ class DockerSandbox:
         parent = shlex.quote(os.path.dirname(path) or ".")
         for i, chunk in enumerate(chunks):
             redirect = ">" if i == 0 else ">>"
-            result = await asyncio.to_thread(
+            result = await blocking(
                 self._exec, f"mkdir -p {parent} && printf %s {chunk} | base64 -d {redirect} {target}", 30, OUTPUT_LIMIT, user
             )
             if not result.ok:
                 raise InfraFailure(f"could not write {path} in the sandbox: {result.stderr.strip()}")
 
     async def read_file(self, path: str, user: str = AGENT) -> str:
-        result = await asyncio.to_thread(self._exec, f"cat {shlex.quote(path)}", 30, None, user)
+        result = await blocking(self._exec, f"cat {shlex.quote(path)}", 30, None, user)
         if not result.ok:
             raise FileNotFoundError(f"{path}: {result.stderr.strip()}")
         return result.stdout
@@ -220,11 +220,11 @@ class DockerSandbox:
             raise InfraFailure(f"sandbox container failed: {exc}") from None
 
     async def end_agent(self) -> None:
-        await asyncio.to_thread(self._kill_agent)
+        await blocking(self._kill_agent)
 
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
         await self.end_agent()
-        cleared = await asyncio.to_thread(
+        cleared = await blocking(
             self._exec, f"find {VERIFY_DIR} /dev/shm -mindepth 1 -delete", 30, OUTPUT_LIMIT, VERIFIER
         )
         if not cleared.ok:
@@ -232,11 +232,11 @@ class DockerSandbox:
         for path, text in files.items():
             await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
         env = verifier_env(VERIFY_DIR, self.spec.workdir, AGENT_EXEC)
-        result = await asyncio.to_thread(self._exec, command, timeout_s, OUTPUT_LIMIT, VERIFIER, VERIFY_DIR, env)
+        result = await blocking(self._exec, command, timeout_s, OUTPUT_LIMIT, VERIFIER, VERIFY_DIR, env)
         return await collect_verdict(self, result, env["LOOPLINE_VERDICT_FILE"], VERIFIER)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._remove)
+        await blocking(self._remove)
 
     def _remove(self) -> None:
         from docker.errors import NotFound
