@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,18 +20,18 @@ from loopline import holder
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.failpoints import failpoint
 from loopline.flows import assembly, learner_launch, plan
 from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.flows.config import RunConfig, config_file, parse_config
+from loopline.flows.evaluations import Evaluations
 from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
 from loopline.flows.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
-from loopline.store.errors import LedgerConflict, is_outage
+from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
 from loopline.tasks import stages
 from loopline.tasks.learner_side import LearnerSide
@@ -228,73 +227,21 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
     log = get_run_logger()
     prepared = prepare(config, base, lifecycle, fork)
     parts, ctx = prepared.parts, prepared.ctx
-    config, eval_tasks = parts.config, parts.eval_tasks()
-    live = quote(ctx)  # see loopline/tasks/loop.py: Prefect must not walk the live context on every call
+    config, live = parts.config, quote(ctx)  # (quote: see loopline/tasks/loop.py, Prefect must not walk the live context)
     trackers = Trackers(config.tracking, config.name, ctx.run_id, parts.workdir(), config.model_dump(mode="json"), warn=log.warning)
     lifecycle.callback(trackers.close)
-
-    def read(query, *args):
-        with ctx.session_factory() as s:
-            return query(s, ctx.run_id, *args)
-
-    def evaluate(engine) -> None:
-        failpoint("evaluate")
-        # async: the local rollout worker starts no episode until the evaluation is done (they share the engine,
-        # or on a resume's owed evaluation of an older version, the machine)
-        ctx.evaluating.set()
-        try:
-            success = tasks.evaluate(
-                ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(eval_tasks),
-                parts.env_version, config.eval.temperature, config.eval.seed, config.concurrency,
-            )
-        finally:
-            ctx.evaluating.clear()
-        log.info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(eval_tasks))
-        trackers.evaluation(engine.version(), success, len(eval_tasks))
-
-    def owed_evaluations() -> None:
-        """Every scheduled evaluation the ledger lacks, up to the served version: also those a crash
-        between a learner commit and its evaluation left behind (older versions get an engine of their own)."""
-        owed = waiting_out_outages(lambda: read(ledger.owed_evaluations, config.evaluates, ctx.engine.version()))
-        for weights in owed:
-            if weights.version == ctx.engine.version():
-                evaluate(ctx.engine)
-                continue
-            if config.engine.servers:
-                log.warning(
-                    "v%d's evaluation is owed (an earlier process stopped before it), but the run's SGLang servers "
-                    "serve v%d: evaluate it with an engine that can load it (loopline eval %s --version %d)",
-                    weights.version, ctx.engine.version(), config.name, weights.version,
-                )
-                continue
-            log.info("evaluating v%d, owed since an earlier process stopped before it", weights.version)
-            engine = assembly.build_run_engine(parts, weights.uri, weights.version)
-            try:
-                evaluate(engine)
-            finally:
-                engine.shutdown()
-
-    reported: set[tuple[str, str]] = set()
-
-    def report_lagging_servers(version: int) -> None:
-        """A server another process syncs (a rollout worker's, on any machine) that fell behind what its
-        worker should have loaded by now: said once, since its process may be gone or stuck."""
-        servers = waiting_out_outages(lambda: read(ledger.serving_servers))
-        for url, syncer, served in servers:
-            if served < version - config.max_staleness - 1 and (url, syncer) not in reported:
-                reported.add((url, syncer))
-                log.warning("server %s (synced by %s) serves v%d while the run is at v%d: is that process gone?", url, syncer, served, version)
+    evaluations, lagging = Evaluations(parts, ctx, trackers), quote(set())
 
     def after_step(step: int) -> None:
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
-        trackers.step(step, waiting_out_outages(lambda: read(queries.step_metrics, step)))
-        report_lagging_servers(version)
-        owed_evaluations()
+        trackers.step(step, tasks.waiting_out_outages(lambda: stages.read(ctx, queries.step_metrics, step)))
+        tasks.report_lagging_servers(live, version, config.max_staleness, lagging)
+        evaluations.owed()  # the scheduled one, and any a crash left owed
 
     try:
         tasks.sync_weights(live)  # a resumed run may have committed a version it never published
-        owed_evaluations()
+        evaluations.owed()
         if config.mode == "sync":
             for step in range(prepared.first_step, config.steps + 1):
                 tasks.plan_step(live, step)
@@ -307,24 +254,17 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
     finally:
         ctx.engine.shutdown()
         stages.release_servers(ctx)
-    history = [(version, rate) for version, _, rate in waiting_out_outages(lambda: read(queries.eval_results))]
+    return _summary(ctx, config, trackers)
+
+
+def _summary(ctx: LoopContext, config: RunConfig, trackers: Trackers) -> dict:
+    """What the flow returns (and persists for `run_deployment` callers); the newest model to the trackers."""
+    history = [(version, rate) for version, _, rate in tasks.waiting_out_outages(lambda: stages.read(ctx, queries.eval_results))]
     if trackers.active:  # the newest model on disk, for the trackers that keep artifacts
         with ctx.session_factory() as s:
             newest = ledger.version_weights(s, ctx.run_id, ledger.exported_versions(s, ctx.run_id)[-1])
         trackers.artifact(Path(newest.uri))
     return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
-
-
-def waiting_out_outages(call):
-    """The flow's own ledger reads (between its tasks) wait out an outage as the tasks do (tasks.RETRY_DELAYS)."""
-    for delay in [*tasks.RETRY_DELAYS, None]:
-        try:
-            return call()
-        except Exception as exc:
-            if delay is None or not is_outage(exc):
-                raise
-            get_run_logger().warning("the ledger is unreachable (%s); retrying in %g s", type(exc).__name__, delay)
-            time.sleep(delay)
 
 
 def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step) -> None:

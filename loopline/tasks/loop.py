@@ -11,9 +11,10 @@ engine cost ~330 ms per task run (measured), a fifth of a quickstart step.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -55,6 +56,18 @@ TASK = dict(cache_policy=NO_CACHE, persist_result=False, **RETRY)
 RESULT = dict(persist_result=True, result_serializer="json")
 
 
+def waiting_out_outages(call):
+    """A flow's own ledger reads (between its tasks) wait out an outage as the tasks do (`RETRY_DELAYS`)."""
+    for delay in [*RETRY_DELAYS, None]:
+        try:
+            return call()
+        except Exception as exc:
+            if delay is None or not is_outage(exc):
+                raise
+            get_run_logger().warning("the ledger is unreachable (%s); retrying in %g s", type(exc).__name__, delay)
+            time.sleep(delay)
+
+
 @task(name="plan_step", **TASK)
 def plan_step(ctx: stages.LoopContext, step: int) -> int:
     return len(stages.plan(ctx, step))
@@ -85,6 +98,11 @@ def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None =
 @task(name="sync_weights", **TASK)
 def sync_weights(ctx: stages.RolloutContext) -> int:
     return aio.run(stages.sync_weights(ctx))
+
+
+@task(name="report_lagging_servers", **TASK)
+def report_lagging_servers(ctx: stages.RolloutContext, version: int, max_staleness: int, reported: set) -> None:
+    stages.report_lagging_servers(ctx, version, max_staleness, reported)
 
 
 @task(name="evaluate", **TASK)

@@ -244,6 +244,21 @@ def _record_servers(ctx: RolloutContext) -> None:
     _recorded[ctx.engine] = (version, time.monotonic())
 
 
+def read(ctx: RolloutContext, query, *args):
+    """`query(session, run_id, *args)` on the run's ledger."""
+    with ctx.session_factory() as s:
+        return query(s, ctx.run_id, *args)
+
+
+def report_lagging_servers(ctx: RolloutContext, version: int, max_staleness: int, reported: set) -> None:
+    """A server another process syncs (a rollout worker's, on any machine) that fell behind what its worker
+    should have loaded by now: said once (`reported` remembers), since its process may be gone or stuck."""
+    for url, syncer, served in read(ctx, ledger.serving_servers):
+        if served < version - max_staleness - 1 and (url, syncer) not in reported:
+            reported.add((url, syncer))
+            log.warning("server %s (synced by %s) serves v%d while the run is at v%d: is that process gone?", url, syncer, served, version)
+
+
 def release_servers(ctx: RolloutContext) -> None:
     """This process no longer generates on its servers (its engine was shut down). Called on the way out,
     from a `finally`: a ledger out of reach then is logged, never raised over the reason the flow stops

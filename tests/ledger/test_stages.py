@@ -217,3 +217,20 @@ def test_directories_no_commit_names_are_removed_once_their_writer_is_gone(tmp_p
     removed = sorted(p.name for p in clean_unnamed_writes(tmp_path, named))
     assert removed == [f"step-000004.{gone.pid}", f"v000004.{gone.pid}"]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", f"v000003.{gone.pid}", f"v000005.{os.getpid()}"]
+
+
+def test_a_server_that_fell_behind_is_reported_once(db, run, engine, caplog):
+    """A rollout worker's server (any machine) still serving a version older than the staleness allows: the
+    train flow says so once per server, since that process may be gone or stuck."""
+    import logging
+    from types import SimpleNamespace
+
+    ledger.record_served(db, run.id, "other-host:42:1", ["http://w1:30000"], 1)
+    ledger.record_served(db, run.id, "other-host:43:1", ["http://w2:30000"], 5)
+    ctx = SimpleNamespace(run_id=run.id, session_factory=lambda: new_session(engine))
+    reported: set = set()
+    with caplog.at_level(logging.WARNING):
+        for version in (6, 7):
+            tasks.report_lagging_servers.fn(ctx, version, 2, reported)
+    said = [r.getMessage() for r in caplog.records if "serves v" in r.getMessage()]
+    assert said == ["server http://w1:30000 (synced by other-host:42:1) serves v1 while the run is at v6: is that process gone?"]
