@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.sandbox.base import PROGRAM_PORT, InfraFailure
@@ -26,7 +27,7 @@ from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
 from loopline.envregistry.spec import ANSWER_FILE
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import Engine, EngineError, Generation, SamplingParams, VersionSpan
+from loopline.rollout.engine import EngineError, Generation, Sampler, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
 from loopline.types import TrajectoryRecord
@@ -50,7 +51,7 @@ def endpoint() -> OpenAIServer:
         return _endpoint
 
 
-async def run_agent_program(engine: Engine, setup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
+async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
     spec, budgets = setup.spec, setup.spec.budgets
     server = endpoint()
     started = time.monotonic()
@@ -95,7 +96,7 @@ async def run_agent_program(engine: Engine, setup, task: Task, request_id: str, 
         await env_episode.close()
     if end == "exit" and calls.exhausted:
         end = calls.exhausted
-    failure = "truncated" if end != "exit" else (None if verdict.passed else "task_failed")
+    failure: Literal["task_failed", "truncated"] | None = "truncated" if end != "exit" else (None if verdict.passed else "task_failed")
     return TrajectoryRecord(
         env_name=spec.name,
         env_version=setup.env_version,

@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
 _OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"
@@ -21,7 +22,7 @@ _OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"
 
 @dataclass(frozen=True)
 class ChatFormat:
-    tokenizer: object  # a transformers tokenizer with a chat template
+    tokenizer: Any  # a transformers tokenizer with a chat template
     turn_close: str  # what the template writes after an assistant message, e.g. "<|im_end|>\n"
     observation_prefix: str  # from the end of an assistant turn to the observation text
     observation_suffix: str  # from the observation text to the start of the next assistant message

@@ -99,14 +99,18 @@ class ContextOverflow(ValueError):
 WeightsSource = Union[str, Path, Mapping[str, "torch.Tensor"]]
 
 
-class Engine(Protocol):
+class Sampler(Protocol):
+    """What an episode needs of an engine (`envreg test` plays one against scripted replies)."""
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation: ...
 
+    def version(self) -> int: ...
+
+
+class Engine(Sampler, Protocol):
     async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
         """Serve `version` from now on; in-flight requests finish on the old weights, are aborted, or continue.
         Returns how long its parts took, in seconds (recorded with the published version)."""
-
-    def version(self) -> int: ...
 
     def server_urls(self) -> list[str]:
         """The URLs of the inference servers it generates on ([] in-process): registered in the ledger."""

@@ -19,7 +19,7 @@ from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.actions import Answer, Calls, NoAction, Unparsable, parse_action
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
+from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
 from loopline.types import SegmentRecord, TrajectoryRecord
 
 
@@ -35,7 +35,7 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-async def run_episode(engine: Engine, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
+async def run_episode(engine: Sampler, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
     """Play one task to the end and return its trajectory (the caller commits it). An env with `agent:` is
     played by the user's program instead (`agent_program`)."""
     if setup.spec.agent is not None:

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, Engine, EngineError, SamplingParams
+from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
 from loopline.types import SegmentRecord
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -120,7 +120,7 @@ class AgentEpisode:
     """One episode's model calls, recorded as segments. Calls are served one at a time (an agent that calls
     concurrently gets them in arrival order: an episode is one conversation)."""
 
-    engine: Engine
+    engine: Sampler
     chat: ChatFormat
     sampling: SamplingParams
     budget: Budget

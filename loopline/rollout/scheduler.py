@@ -14,12 +14,13 @@ Ledger calls are blocking SQL; they run in threads with a session each.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 from sqlmodel import Session
 
@@ -80,6 +81,12 @@ class Binding:
 _LEDGER_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loopline-ledger")
 
 
+class StopFlag(Protocol):
+    """threading.Event or asyncio.Event: the worker only polls it."""
+
+    def is_set(self) -> bool: ...
+
+
 class _LedgerCalls:
     """Blocking ledger calls, each in a ledger thread with its own session."""
 
@@ -138,7 +145,8 @@ class _Renewer:
     """Keeps the leases of in-flight episodes alive; cancels an episode whose lease was lost."""
 
     def __init__(self, db: _LedgerCalls, lease_seconds: float):
-        self.db, self.lease_seconds, self.inflight = db, lease_seconds, {}
+        self.db, self.lease_seconds = db, lease_seconds
+        self.inflight: dict[uuid.UUID, asyncio.Task] = {}
 
     async def run(self, stats: RolloutStats) -> None:
         while True:
@@ -178,8 +186,12 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
     return stats
 
 
+def _forget(inflight: dict, attempt_id: uuid.UUID, _task: asyncio.Task) -> None:
+    inflight.pop(attempt_id, None)
+
+
 async def run_continuous(
-    engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: asyncio.Event | None = None,
+    engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig, stop: StopFlag | None = None,
     paused: Callable[[], bool] | None = None,
 ) -> RolloutStats:
     """Keep `concurrency` episodes in flight until no slot is pending (or `stop` is set).
@@ -205,7 +217,7 @@ async def run_continuous(
                 ):
                     task = asyncio.create_task(_play(engine, binding, lease, db, stats))
                     inflight[lease.attempt_id] = task
-                    task.add_done_callback(lambda _, a=lease.attempt_id: inflight.pop(a, None))
+                    task.add_done_callback(functools.partial(_forget, inflight, lease.attempt_id))
             if inflight:
                 await asyncio.wait(list(inflight.values()), timeout=cfg.poll_s, return_when=asyncio.FIRST_COMPLETED)
             elif not cfg.wait_for_work and not await _unfinished(db, cfg):

@@ -51,6 +51,7 @@ from loopline.rollout.engine import (
     InFlightPolicy,
     SamplingParams,
     VersionSpan,
+    WeightsSource,
 )
 from loopline.errors import LooplineError
 from loopline.rollout.weights import Layout, check_adapter, check_weights
@@ -206,6 +207,7 @@ class SGLangEngine:
         if finish not in ("stop", "length", "abort"):
             raise EngineError(f"SGLang response for {request_id}: unknown finish reason {finish!r}")
         spans = meta.get("weight_versions") or []
+        version_spans: tuple[VersionSpan, ...]
         if adapter is not None:  # the adapter named when the request started, for all of it
             version_spans = (VersionSpan(adapter, 0, len(ids)),) if ids else ()
         elif spans:
@@ -234,13 +236,14 @@ class SGLangEngine:
             if response.status_code != 200:
                 raise EngineError(f"SGLang at {replica.url} refused /abort_request: {self._error_text(response)}")
 
-    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
-        """Load `weights_dir` as `version` on every replica that does not serve it yet, one at a time; raises
+    async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+        """Load the directory `weights` as `version` on every replica that does not serve it yet, one at a time; raises
         on the first that fails. Returns the seconds spent: check (the files, before any server sees them),
         load (every replica's update, which in `finish` mode includes waiting for its requests in flight)
         and confirm (asking every replica what it serves)."""
-        if not isinstance(weights_dir, (str, os.PathLike)):
+        if not isinstance(weights, (str, os.PathLike)):
             raise LooplineError("SGLang servers load weights from an exported directory, not from the learner's memory")
+        weights_dir = str(weights)
         if self.adapters:
             return await self._load_adapter(version, str(weights_dir), in_flight)
         started = time.monotonic()

@@ -25,7 +25,7 @@ from typing import Sequence
 import httpx
 
 from loopline.holder import die_with_parent
-from loopline.rollout.engine import EngineError, Generation, InFlightPolicy, SamplingParams
+from loopline.rollout.engine import EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
 from loopline.rollout.sglang_engine import SGLangEngine
 from loopline.rollout.weights import read_layout
 from loopline.ports import free_port
@@ -168,15 +168,15 @@ class LaunchedSGLang:
             await self._revive_dead()
             raise
 
-    async def update_weights(self, version: int, weights_dir: str, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
+    async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
         try:
-            timings = await self.client.update_weights(version, weights_dir, in_flight)
+            timings = await self.client.update_weights(version, weights, in_flight)
         except EngineError as exc:
             revived = await self._revive_dead()
             if revived:
                 raise EngineError(f"{exc}; replicas {revived} died and were restarted on v{self.good[0]}") from None
             raise
-        self.good = (version, str(weights_dir))
+        self.good = (version, str(weights))
         return timings
 
     async def refresh_versions(self) -> list[int]:

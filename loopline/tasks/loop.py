@@ -22,6 +22,7 @@ from loopline import aio
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup
+from loopline.rollout.scheduler import StopFlag
 from loopline.store import queries
 from loopline.store.errors import is_outage
 from loopline.tasks import stages
@@ -81,7 +82,7 @@ def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
 
 @task(name="rollout_worker", **TASK)
 def rollout_worker(
-    ctx: stages.RolloutContext, stop: stages.StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
+    ctx: stages.RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
 ) -> dict:
     """The async producer: runs until `stop`, beside the learner steps or in a `rollout_worker` flow elsewhere."""
     stats = aio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))

@@ -20,7 +20,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
 import sqlalchemy.exc
 import torch
@@ -34,7 +34,7 @@ from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineError, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.scheduler import Binding, RolloutStats, WorkerConfig, run_barrier, run_continuous
+from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
@@ -80,12 +80,6 @@ class LoopContext(RolloutContext):
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         return self.learning.held_weights(version)
-
-
-class StopFlag(Protocol):
-    """threading.Event or asyncio.Event: the worker only polls it."""
-
-    def is_set(self) -> bool: ...
 
 
 log = logging.getLogger(__name__)

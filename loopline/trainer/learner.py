@@ -130,7 +130,7 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
-    def _logprobs(self, batch: Padded, model: Frozen | None = None) -> torch.Tensor:
+    def _logprobs(self, batch: Padded, model: Frozen | lora.BaseOf | None = None) -> torch.Tensor:
         """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
         0 elsewhere), of the policy (or of `model`, the reference). Only those positions go through the LM
         head (`logits_to_keep`): the prompt's and the tool outputs' logits over the whole vocabulary are never
@@ -378,10 +378,11 @@ class Learner:
     def export_adapter(self, directory: str | Path) -> Path:
         """A LoRA policy's adapter alone (peft format, a few % of the weights): what SGLang servers load per
         version instead of the merged model."""
-        if self.config.lora is None:
+        adapters = self.config.lora
+        if adapters is None:
             raise LearnerError("export_adapter: this learner trains every weight (learner.lora is not set)")
         return checkpoint.write_complete(
-            directory, lambda tmp: lora.save_adapter(self.model, self.config.lora, tmp, str(self.model_dir)), need_bytes=checkpoint.parameter_bytes(self.model, trained_only=True)
+            directory, lambda tmp: lora.save_adapter(self.model, adapters, tmp, str(self.model_dir)), need_bytes=checkpoint.parameter_bytes(self.model, trained_only=True)
         )
 
     def weights_sha256(self) -> str:

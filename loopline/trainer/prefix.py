@@ -17,14 +17,14 @@ DynamicCache would append the replayed keys a second time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from loopline.trainer.batch import Padded
 
-ModelCall = Callable[..., object]  # the model (or the DeepSpeed engine) called with keyword arguments
+ModelCall = Callable[..., Any]  # the model (or the DeepSpeed engine) called with keyword arguments
 
 
 @dataclass(frozen=True)

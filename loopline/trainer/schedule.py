@@ -12,7 +12,7 @@ def lr_factor(step: int, warmup_steps: int = 0, schedule: LRSchedule = "constant
     (constant), or a decay from 1.0 that reaches `min_ratio` at step `decay_steps` and stays there."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
-    if schedule == "constant":
+    if schedule == "constant" or decay_steps is None:
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
