@@ -17,6 +17,7 @@ Every tensor here is [batch, tokens] with a 0/1 `mask` marking action tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, get_args
 
 import torch
 
@@ -41,6 +42,49 @@ TOKEN_MEANS = (
 )
 
 
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+    """Every action token weighs the same: long trajectories weigh more."""
+    return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
+
+
+def _sequences(per_token: torch.Tensor, mask: torch.Tensor, total_sequences) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
+    """Per trajectory with action tokens: its token sum and token count; and the number of trajectories."""
+    tokens = mask.sum(-1)
+    has_tokens = tokens > 0
+    count = total_sequences if total_sequences is not None else has_tokens.sum().clamp(min=1)
+    return per_token.sum(-1)[has_tokens], tokens[has_tokens], count
+
+
+def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+    """Each trajectory weighs its token count (unnormalised length bias)."""
+    sums, _, count = _sequences(per_token, mask, total_sequences)
+    return sums.sum() / count
+
+
+def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+    """Each trajectory weighs the same, whatever its length."""
+    sums, tokens, count = _sequences(per_token, mask, total_sequences)
+    return (sums / tokens).sum() / count
+
+
+def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+    """Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)."""
+    if norm_length is None:
+        raise ValueError("seq_mean_token_sum_norm needs norm_length (a constant number of tokens)")
+    sums, _, count = _sequences(per_token, mask, total_sequences)
+    return sums.sum() / (count * norm_length)
+
+
+# `loss.aggregation` by name: adding one is a function and its entry here (and in config.Aggregation).
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+assert set(AGGREGATIONS) == set(get_args(Aggregation)), "trainer/config.Aggregation and AGGREGATIONS must name the same ones"
+
+
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
@@ -56,34 +100,24 @@ def aggregate(
     """
     per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))  # padding may hold anything
     mask = mask.to(per_token.dtype)
-    if how == "token_mean":  # every action token weighs the same: long trajectories weigh more
-        return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
-    tokens = mask.sum(-1)
-    sums = per_token.sum(-1)
-    has_tokens = tokens > 0
-    count = total_sequences if total_sequences is not None else has_tokens.sum().clamp(min=1)
-    if how == "seq_mean_token_sum":  # each trajectory weighs its token count (unnormalised length bias)
-        return sums[has_tokens].sum() / count
-    if how == "seq_mean_token_mean":  # each trajectory weighs the same, whatever its length
-        return (sums[has_tokens] / tokens[has_tokens]).sum() / count
-    if how == "seq_mean_token_sum_norm":  # Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)
-        if norm_length is None:
-            raise ValueError("seq_mean_token_sum_norm needs norm_length (a constant number of tokens)")
-        return sums[has_tokens].sum() / (count * norm_length)
-    raise ValueError(f"unknown aggregation {how!r}")
+    return AGGREGATIONS[how](per_token, mask, total_tokens, total_sequences, norm_length)
 
 
 # k3 per token is capped at 10, as verl's `low_var_kl` (kl_penalty in core_algos.py): unbounded it reaches e^20
 # where the policy has left the reference far behind, and one such token would outweigh the whole batch.
 K3_BOUND = 10.0
 
+# `loss.kl_estimator` by name (Schulman's k1 and k3), each of log(π_ref / π_θ) per token.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda log_ratio: -log_ratio,
+    "k3": lambda log_ratio: (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_BOUND),
+}
+assert set(KL_ESTIMATORS) == set(get_args(KLEstimator)), "trainer/config.KLEstimator and KL_ESTIMATORS must name the same ones"
+
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ (Schulman's k1 and k3)."""
-    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    if estimator == "k1":
-        return -log_ratio
-    return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_BOUND)
+    """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ."""
+    return KL_ESTIMATORS[estimator]((ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 @dataclass(frozen=True)
