@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from loopline.envregistry.sandbox.local import agent_cannot_reach
-from loopline.envregistry.spec import MAX_SPEC_BYTES, EnvSpec, JsonlTasks, load_spec, read_text, spec_hash
+from loopline.envregistry.spec import EnvSpec, JsonlTasks, load_spec, spec_hash
 from loopline.envregistry.tasks import Task, check_disjoint, file_sha256, jsonl_path, load_tasks
 from loopline.errors import LooplineError
 from loopline.store import environments
@@ -76,14 +76,6 @@ def prepare(path: str | Path) -> Prepared:
     file = Path(path)
     spec = load_spec(file)
     tasks = load_tasks(spec, file.parent)
-    if spec.agent is not None:  # the program's text is part of the env: a changed agent is a new version
-        sources = {}
-        for path, source in spec.agent.files.items():
-            try:
-                sources[path] = read_text(file.parent / source, MAX_SPEC_BYTES, "an agent file")
-            except LooplineError as exc:
-                raise LooplineError(f"{file}: agent.files[{path!r}]: {exc}") from None
-        spec = spec.model_copy(update={"agent": spec.agent.model_copy(update={"sources": sources})})
     stored = spec.canonical()
     if isinstance(spec.tasks, JsonlTasks):
         stored["tasks"]["sha256"] = file_sha256(jsonl_path(spec.tasks, file.parent))

@@ -624,9 +624,23 @@ def read_text(file: Path, limit: int, what: str) -> str:
 
 
 def load_spec(path: str | Path) -> EnvSpec:
+    """A spec file with the files it names beside it read in (`verifier.files`, `agent.files`): their text is
+    part of the env, so a changed verifier or agent program is a new env version."""
     file = Path(path)
     spec = parse_spec(read_text(file, MAX_SPEC_BYTES, "an environment spec"), file)
-    return _with_verifier_files(spec, file) if spec.verifier.files else spec
+    spec = _with_verifier_files(spec, file) if spec.verifier.files else spec
+    return _with_agent_sources(spec, file) if spec.agent is not None else spec
+
+
+def _with_agent_sources(spec: EnvSpec, file: Path) -> EnvSpec:
+    assert spec.agent is not None
+    sources = {}
+    for path, source in spec.agent.files.items():
+        try:
+            sources[path] = read_text(file.parent / source, MAX_SPEC_BYTES, "an agent file")
+        except LooplineError as exc:
+            raise LooplineError(f"{file}: agent.files[{path!r}]: {exc}") from None
+    return spec.model_copy(update={"agent": spec.agent.model_copy(update={"sources": sources})})
 
 
 def _with_verifier_files(spec: EnvSpec, file: Path) -> EnvSpec:
