@@ -82,7 +82,10 @@ def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, 
         _config(few_shot=[{"role": "robot", "content": "x"}])
 
 
-@pytest.mark.parametrize("name", ["arithmetic_quickstart.yaml", "smollm2_arithmetic.yaml", "coding_quickstart.yaml", "plan_7b_coding.yaml"])
+RUN_CONFIGS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.yaml") if not p.name.endswith("_env.yaml"))
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
 def test_the_example_run_configs_load(name):
     from loopline.flows.config import load_config
 
