@@ -161,7 +161,8 @@ def claim_slots(
 
 
 def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = 120.0) -> bool:
-    """Extend a lease; False means it was lost (expired and reclaimed) and the work should stop."""
+    """Extend a lease; False means it was lost (expired and reclaimed) and the work should stop. An attempt
+    whose trajectory was committed meanwhile (a renewal racing the commit) lost nothing: True."""
     with transaction(session):
         row = q(
             session,
@@ -170,6 +171,8 @@ def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = 
             a=attempt_id,
             secs=lease_seconds,
         ).first()
+        if row is None:
+            row = q(session, "SELECT id FROM attempt WHERE id = :a AND status IN ('ok', 'task_failed')", a=attempt_id).first()
     return row is not None
 
 

@@ -87,6 +87,9 @@ def test_expired_lease_is_retried_with_a_new_attempt(db, run):
     assert not ledger.renew_lease(db, old.attempt_id)
     (new,) = ledger.claim_slots(db, run.id, "w2", 1, split="train")
     assert new.slot_id == old.slot_id and new.attempt_id != old.attempt_id
+    # a renewal that races the new attempt's commit finds it committed, not lost (it once cancelled the episode)
+    assert ledger.commit_trajectory(db, new.attempt_id, trajectory(1.0)).committed
+    assert ledger.renew_lease(db, new.attempt_id) and not ledger.renew_lease(db, old.attempt_id)
     status, error = db.execute(
         sa.text("SELECT status, error_class FROM attempt WHERE id = :a"), {"a": old.attempt_id}
     ).one()
