@@ -11,10 +11,18 @@ sampled ids are never decoded and encoded again. A call whose messages do not ex
 (the agent rewrote or trimmed its history) starts a new chain of segments: the episode's trajectory is then
 its last chain, and the calls before it are counted (`discarded_calls`), not trained.
 
+`/v1/completions` (a prompt the agent builds itself, as ReAct loops do) chains the same way: a prompt that
+starts with the previous call's prompt and the text of the ids it generated continues those ids, and only the
+text after them is tokenised; a prompt given as token ids is taken as it is.
+
 Sampling is the run's, whatever the request asks (`temperature`, `top_p`, ...): the learner's ratios are
 computed against the behaviour policy the run names. `max_tokens` is honoured within the episode's token
-budget; the episode's call budget is its `max_turns`. A call past a budget gets HTTP 400 with an error the
-SDK raises, and the episode ends as truncated.
+budget; the episode's call budget is its `max_turns`. `stop` strings end a reply where one first appears:
+the agent gets the text before it (as OpenAI returns it) and the trajectory keeps the tokens sampled up to
+and including the stop string's, never those after (the engine still generated them: up to `max_tokens`
+are spent). A call past a budget gets HTTP 400 with an error the SDK raises, and the episode ends as
+truncated. `n` is 1: an episode is one line of play; more samples of a prompt are more episodes (the
+group).
 
 Each episode is reached through its own base URL (`/episodes/KEY/v1`) or with its key as the API key on
 `/v1`; a key belongs to one episode and dies with it.
@@ -33,7 +41,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
+from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams, VersionSpan
 from loopline.types import SegmentRecord
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -134,6 +142,7 @@ class AgentEpisode:
     engine_error: str | None = None  # the engine failed a call: the episode is an infra failure, retried
     model_seconds: float = 0.0  # time the agent spent waiting for its calls (not its own: the wall-time budget excludes it)
     _last: tuple[list[dict], list[dict], list[int], list[int]] | None = None  # messages (ours), tools, ids, generated
+    _last_text: tuple[str | None, list[int], list[int]] | None = None  # /v1/completions: prompt, ids, generated
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
@@ -158,79 +167,190 @@ class AgentEpisode:
                 full = self._render(conversation, tools, True)
                 if full.startswith(head) and head.endswith(self.chat.turn_close):
                     return ids + self.chat.continuation_ids(full[len(head) :], generated)
-            self.discarded_calls += len(self.segments)
-            self.segments = []
         return self.chat.tokenizer.encode(self._render(messages, tools, True), add_special_tokens=False)
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`/v1/chat/completions` (without streaming: `stream` is the server's framing of the same answer)."""
+    def _chained(self, ids: list[int]) -> list[int]:
+        """`ids`, after ending the chain of segments when they do not extend its last call's ids."""
+        if self.segments:
+            last = self.segments[-1]
+            head = list(last.prompt_ids) + list(last.generated_ids)
+            if ids[: len(head)] != head:
+                self.discarded_calls += len(self.segments)
+                self.segments = []
+        return ids
+
+    async def _timed(self, serve, body: dict[str, Any]) -> dict[str, Any]:
         arrived = time.monotonic()
         try:
-            return await self._complete(body)
+            return await serve(body)
         finally:
             self.model_seconds += time.monotonic() - arrived
 
-    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`/v1/chat/completions` (without streaming: `stream` is the server's framing of the same answer)."""
+        return await self._timed(self._chat, body)
+
+    async def complete_text(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`/v1/completions`: the agent's own prompt, chained to the previous call's ids where it extends them."""
+        return await self._timed(self._text, body)
+
+    async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
         messages, tools = body.get("messages"), body.get("tools") or []
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise RequestError("messages: a non-empty list of {role, content} objects")
-        if int(body.get("n") or 1) != 1:
-            raise RequestError("n: an episode samples one reply per call (n: 1); sample more episodes for more samples")
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise RequestError("tool_choice: only 'auto' and 'none' (the policy decides whether to call a tool)")
         if body.get("tool_choice") == "none":
             tools = []
+        call = _Call.of(body)
         async with self._lock:
-            if self.exhausted:
-                raise RequestError(f"the episode's budget is spent ({self.exhausted}); the agent should give its answer", "budget_exhausted")
-            if self.calls >= self.budget.max_calls:
-                self.exhausted = "turns"
-                raise RequestError(f"the episode's {self.budget.max_calls} model calls are spent", "budget_exhausted")
-            remaining = self.budget.max_tokens - self.generated
-            if remaining <= 0:
-                self.exhausted = "tokens"
-                raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
-            ids = self.prompt_ids(messages, tools)
-            asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_new_tokens
-            sampling = replace(self.sampling, max_new_tokens=max(1, min(int(asked), self.sampling.max_new_tokens, remaining)))
-            rid = f"{self.request_id}/c{self.calls}/"  # prefix-free (SGLang aborts by prefix)
-            self.calls += 1
-            started = _now()
-            try:
-                gen = await self.engine.generate(ids, sampling, rid)
-            except ContextOverflow:
-                self.exhausted = "context"
-                raise RequestError("the conversation is longer than the model's context", "context_length_exceeded") from None
-            if gen.finish_reason == "abort":
-                raise EngineError(f"request {rid} was aborted by the engine (weight update or shutdown)")
-            generated = list(gen.token_ids)
-            self.generated += len(generated)
-            text = self.chat.decode(generated)
-            content, calls = parse_tool_calls(text, tools) if tools else (text, [])
-            self.segments.append(SegmentRecord(
-                request_id=rid, policy_version=gen.policy_version, tokenizer_version=self.chat.version, prompt_ids=ids,
-                generated_ids=generated, action_loss_mask=[1] * len(generated), rollout_logprobs=list(gen.logprobs),
-                logprob_semantics=gen.logprob_semantics, sampling_config=sampling.to_dict(),
-                tool_events=[{"openai_tool_calls": [c["function"] for c in calls]}] if calls else [],
-                version_spans=[vars(s) for s in gen.version_spans] if gen.mixed_versions else None, started_at=started, ended_at=_now(),
-            ))
-            reply = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
-            self._last = (list(messages) + [reply], tools, ids + generated, generated)
-        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
-        choice: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": finish}
-        if body.get("logprobs"):
+            reply = await self._sample(call, lambda: self.prompt_ids(messages, tools))
+            content, calls = parse_tool_calls(reply.text, tools) if tools else (reply.text, [])
+            if calls:
+                self.segments[-1] = replace(self.segments[-1], tool_events=[{"openai_tool_calls": [c["function"] for c in calls]}])
+            message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+            self._last = (list(messages) + [message], tools, reply.ids + reply.kept, reply.kept)
+            self._last_text = None
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else reply.finish}
+        if call.logprobs:
             choice["logprobs"] = {"content": [
-                {"token": self.chat.tokenizer.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(generated, gen.logprobs)
+                {"token": token, "logprob": lp, "bytes": None, "top_logprobs": []} for token, lp in zip(reply.tokens(self.chat), reply.logprobs)
             ]}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated), "total_tokens": len(ids) + len(generated)},
+            "choices": [choice], "usage": reply.usage(),
         }
 
+    async def _text(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) != 1:
+                raise RequestError("prompt: one prompt per call (an episode is one line of play); a batch of prompts is several episodes")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and (not prompt or not all(isinstance(t, int) and 0 <= t < len(self.chat.tokenizer) for t in prompt)):
+            raise RequestError(f"prompt: a string or one list of token ids below the vocabulary size {len(self.chat.tokenizer)}")
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise RequestError("prompt: a non-empty string or one list of token ids")
+        if body.get("echo"):
+            raise RequestError("echo: not served (the prompt is the agent's own text)")
+        call = _Call.of(body)
+        async with self._lock:
+            reply = await self._sample(call, lambda: self.text_prompt_ids(prompt))
+            self._last_text = ((prompt if isinstance(prompt, str) else None), reply.ids + reply.kept, reply.kept)
+            self._last = None
+        choice: dict[str, Any] = {"index": 0, "text": reply.text, "finish_reason": reply.finish, "logprobs": None}
+        if call.logprobs:
+            tokens = reply.tokens(self.chat)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None, "text_offset": None}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+            "choices": [choice], "usage": reply.usage(),
+        }
 
-def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
+    def text_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's ids: given ids as they are; a string that starts with the previous call's
+        prompt and the text of every id it generated continues those ids; any other string is tokenised
+        whole, starting a new chain."""
+        if isinstance(prompt, list):
+            return list(prompt)
+        if self._last_text is not None and self._last_text[0] is not None:
+            previous, previous_ids, generated = self._last_text
+            head = previous + self.chat.tokenizer.decode(generated)  # (special tokens too: an eos the agent dropped breaks the chain)
+            if prompt.startswith(head):
+                return previous_ids + self.chat.tokenizer.encode(prompt[len(head) :], add_special_tokens=False)
+        return self.chat.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def _sample(self, call: "_Call", prompt_ids) -> "_Reply":
+        """One model call within the episode's budgets, recorded as a segment (under the episode's lock)."""
+        if self.exhausted:
+            raise RequestError(f"the episode's budget is spent ({self.exhausted}); the agent should give its answer", "budget_exhausted")
+        if self.calls >= self.budget.max_calls:
+            self.exhausted = "turns"
+            raise RequestError(f"the episode's {self.budget.max_calls} model calls are spent", "budget_exhausted")
+        remaining = self.budget.max_tokens - self.generated
+        if remaining <= 0:
+            self.exhausted = "tokens"
+            raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
+        ids = self._chained(prompt_ids())
+        asked = call.max_tokens or self.sampling.max_new_tokens
+        sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)))
+        rid = f"{self.request_id}/c{self.calls}/"  # prefix-free (SGLang aborts by prefix)
+        self.calls += 1
+        started = _now()
+        try:
+            gen = await self.engine.generate(ids, sampling, rid)
+        except ContextOverflow:
+            self.exhausted = "context"
+            raise RequestError("the conversation is longer than the model's context", "context_length_exceeded") from None
+        if gen.finish_reason == "abort":
+            raise EngineError(f"request {rid} was aborted by the engine (weight update or shutdown)")
+        generated = list(gen.token_ids)
+        self.generated += len(generated)  # (all of it: the engine spent them)
+        kept, text, stopped = cut_at_stop(self.chat, generated, call.stop)
+        logprobs = list(gen.logprobs[: len(kept)])
+        spans = [vars(VersionSpan(s.version, s.start, min(s.end, len(kept)))) for s in gen.version_spans if s.start < len(kept)]
+        self.segments.append(SegmentRecord(
+            request_id=rid, policy_version=gen.policy_version, tokenizer_version=self.chat.version, prompt_ids=ids,
+            generated_ids=kept, action_loss_mask=[1] * len(kept), rollout_logprobs=logprobs,
+            logprob_semantics=gen.logprob_semantics, sampling_config=sampling.to_dict(),
+            version_spans=spans if gen.mixed_versions else None, started_at=started, ended_at=_now(),
+        ))
+        finish = "stop" if stopped else ("length" if gen.finish_reason == "length" else "stop")
+        return _Reply(ids, kept, text, logprobs, finish)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a request asks of its one sample."""
+
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    logprobs: bool
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> "_Call":
+        if int(body.get("n") or 1) != 1:
+            raise RequestError("n: an episode samples one reply per call (n: 1); sample more episodes for more samples")
+        stop = body.get("stop")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop: a non-empty string or a list of up to 4 of them")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None and (not isinstance(asked, int) or asked < 1):
+            raise RequestError("max_tokens: a positive integer")
+        return cls(asked, stop, bool(body.get("logprobs")))
+
+
+@dataclass(frozen=True)
+class _Reply:
+    ids: list[int]  # the prompt
+    kept: list[int]  # what the trajectory keeps of the sample (through a stop string)
+    text: str  # what the agent gets
+    logprobs: list[float]
+    finish: str
+
+    def tokens(self, chat: ChatFormat) -> list[str]:
+        return [chat.tokenizer.convert_ids_to_tokens(t) for t in self.kept]
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": len(self.ids), "completion_tokens": len(self.kept), "total_tokens": len(self.ids) + len(self.kept)}
+
+
+def cut_at_stop(chat: ChatFormat, generated: list[int], stop: tuple[str, ...]) -> tuple[list[int], str, bool]:
+    """The sample up to the first stop string: the ids through the one that completes it (what the model
+    sampled before it stopped), the text before it (what OpenAI returns) and whether one was found."""
+    text = chat.decode(generated)
+    found = [(text.find(s), s) for s in stop if s in text]
+    if not found:
+        return generated, text, False
+    at, s = min(found)
+    for n in range(1, len(generated) + 1):
+        if len(chat.decode(generated[:n])) >= at + len(s):
+            return generated[:n], text[:at], True
+    return generated, text[:at], True
+
+
+def chat_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
     """A finished completion as `chat.completion.chunk`s: the role, the content, each tool call, the finish."""
     base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
     choice = response["choices"][0]
@@ -246,3 +366,13 @@ def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
         last["logprobs"] = choice["logprobs"]
     chunks.append({**base, "choices": [last], "usage": response["usage"]})
     return chunks
+
+
+def text_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished text completion as streamed `text_completion`s: the text, then the finish."""
+    base = {k: response[k] for k in ("id", "object", "created", "model")}
+    choice = response["choices"][0]
+    return [
+        {**base, "choices": [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": choice["logprobs"]}]},
+        {**base, "choices": [{"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}], "usage": response["usage"]},
+    ]

@@ -1,4 +1,4 @@
-"""The HTTP side of `openai_api`: `/v1/chat/completions` and `/v1/models` for every open episode, served by
+"""The HTTP side of `openai_api`: `/v1/chat/completions`, `/v1/completions` and `/v1/models` for every open episode, served by
 uvicorn on a thread of its own (the engine is an `EngineThread`, callable from any loop).
 
 An episode is addressed by its key: in the path (`/episodes/KEY/v1`, what `base_url(key)` gives: an agent
@@ -19,7 +19,7 @@ import threading
 import time
 
 from loopline.rollout.engine import EngineError
-from loopline.rollout.openai_api import AgentEpisode, RequestError, stream_chunks
+from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
 
 
 def _error(message: str, kind: str, status: int):
@@ -76,7 +76,13 @@ class OpenAIServer:
             key = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         return self.episodes.get(key) if key else None
 
-    async def _completions(self, request):
+    async def _chat(self, request):
+        return await self._serve(request, lambda episode: episode.complete, chat_chunks)
+
+    async def _text(self, request):
+        return await self._serve(request, lambda episode: episode.complete_text, text_chunks)
+
+    async def _serve(self, request, method, chunks):
         from starlette.responses import JSONResponse, StreamingResponse
 
         episode = self._episode(request)
@@ -89,7 +95,7 @@ class OpenAIServer:
         if not isinstance(body, dict):
             return _error("the request body must be a JSON object", "invalid_request_error", 400)
         try:
-            response = await episode.complete(body)
+            response = await method(episode)(body)
         except RequestError as exc:
             return _error(str(exc), exc.code, exc.status)
         except EngineError as exc:  # the engine failed: the agent sees a server error, the episode is retried as infra
@@ -100,7 +106,7 @@ class OpenAIServer:
             return JSONResponse(response)
 
         async def events():
-            for chunk in stream_chunks(response):
+            for chunk in chunks(response):
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -119,8 +125,10 @@ class OpenAIServer:
         from starlette.routing import Route
 
         return Starlette(routes=[
-            Route("/episodes/{key}/v1/chat/completions", self._completions, methods=["POST"]),
-            Route("/v1/chat/completions", self._completions, methods=["POST"]),
+            Route("/episodes/{key}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/episodes/{key}/v1/completions", self._text, methods=["POST"]),
+            Route("/v1/completions", self._text, methods=["POST"]),
             Route("/episodes/{key}/v1/models", self._models, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
         ])

@@ -138,3 +138,48 @@ def test_a_rewritten_history_starts_a_new_chain_and_budgets_end_the_episode(toke
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="ep-nosuch").chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         assert [m.id for m in client.models.list()] == ["policy"]
     assert a.usage.completion_tokens == len(tokenizer.encode("first", add_special_tokens=False)) + 1  # (+ the eos it sampled)
+
+
+def test_a_react_loop_on_v1_completions_chains_through_its_stop_strings_and_trains_what_was_sampled_up_to_them(tokenizer):
+    """A text-completion agent builds its own prompt and stops the model at "Observation:", as ReAct loops do."""
+    act = tokenizer.encode("Action: calc[12+3]\nObservation: I guess 16\n", add_special_tokens=False)  # runs past its stop
+    answer = tokenizer.encode("Final Answer: 15", add_special_tokens=False)
+    episode, engine, chat = _episode(tokenizer, [act, answer])
+    prompt = "Question: what is 12+3?\n"
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        first = client.completions.create(model="policy", prompt=prompt, stop=["Observation:"], max_tokens=64, logprobs=1)
+        assert first.choices[0].text == "Action: calc[12+3]\n" and first.choices[0].finish_reason == "stop"
+        prompt += first.choices[0].text + "Observation: 15\n"  # the agent's tool result, after the stop string
+        chunks = list(client.completions.create(model="policy", prompt=prompt, stop=["Observation:"], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "Final Answer: 15" and chunks[-1].choices[0].finish_reason == "stop"
+    one, two = episode.segments
+    # the first call keeps what the model sampled through the stop string's last token, never what came after it
+    assert chat.tokenizer.decode(one.generated_ids) == "Action: calc[12+3]\nObservation:"
+    assert list(one.generated_ids) == engine.returned[0][: len(one.generated_ids)] and len(one.generated_ids) < len(engine.returned[0])
+    assert list(one.rollout_logprobs) == [-0.5 - i / 100 for i in range(len(one.generated_ids))]
+    assert first.choices[0].logprobs.token_logprobs == list(one.rollout_logprobs)
+    # the second prompt continues those ids: only the agent's " 15\n" after them was tokenised
+    assert first_chain_break(episode.segments) is None and engine.prompts[1] == list(two.prompt_ids)
+    head = list(one.prompt_ids) + list(one.generated_ids)
+    assert chat.tokenizer.decode(two.prompt_ids[len(head) :]) == " 15\n"
+    assert list(two.generated_ids) == engine.returned[1] and first.usage.completion_tokens == len(one.generated_ids)
+
+
+def test_completion_prompts_given_as_ids_are_taken_as_they_are_and_an_unrelated_prompt_starts_a_new_chain(tokenizer):
+    replies = [tokenizer.encode(t, add_special_tokens=False) for t in (" four", " five", " six")]
+    episode, engine, chat = _episode(tokenizer, replies)
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        client.completions.create(model="policy", prompt=ids)
+        client.completions.create(model="policy", prompt=ids + engine.returned[0] + ids)  # extends the ids: one chain
+        assert episode.discarded_calls == 0 and len(episode.segments) == 2 and first_chain_break(episode.segments) is None
+        client.completions.create(model="policy", prompt="something else")
+        assert episode.discarded_calls == 2 and len(episode.segments) == 1
+        for bad, said in ((["a", "b"], "a batch of prompts"), ([10**9], "below the vocabulary size"), ("", "non-empty")):
+            with pytest.raises(openai.BadRequestError, match=said):
+                client.completions.create(model="policy", prompt=bad)
+        with pytest.raises(openai.BadRequestError, match="stop: a non-empty string"):
+            client.completions.create(model="policy", prompt="x", stop=["a", "b", "c", "d", "e"])
+    assert engine.prompts[0] == ids
