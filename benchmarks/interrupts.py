@@ -111,9 +111,11 @@ def main() -> None:
                                    capture_output=True, text=True)
             status, version, rebuilds = _state(engine, name)
             check = subprocess.run([sys.executable, "-m", "loopline.cli", "check", name], env=env, cwd=ROOT, capture_output=True, text=True)
-            code = (
+            code = (  # every step: a replay of step k compares the steps since the checkpoint it starts from too
                 "import json\nfrom loopline.flows.replay import replay_step\n"
-                f"print(json.dumps([replay_step({name!r}, k)['reproduced'] for k in range(1, {version} + 1)]))"
+                f"k, seen = {version}, []\n"
+                f"while k > 0:\n    r = replay_step({name!r}, k)\n    seen, k = r['steps'] + seen, r['from_step']\n"
+                "print(json.dumps([s['reproduced'] for s in seen]))"
             )
             replays = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
             matched = json.loads(replays.stdout.strip().splitlines()[-1]) if replays.returncode == 0 else []

@@ -232,11 +232,14 @@ def replay(
     with step_progress(f"replaying {run} step {step}"):
         result = replay_step(run, step)
     start = f"checkpoint of step {result['from_step']}" if result["from_step"] else "the initial weights"
-    verdict = "[red]DIFFERENT[/]"
-    if result["reproduced"]:
-        verdict = "[green]reproduced[/]" + (" (the rebuild a resume recorded and the run went on from)" if result["rebuilt"] else "")
-    console.print(f"{run} step {step} from {start}: sha256 {result['sha256'][:16]}… vs recorded {(result['recorded_sha256'] or '-')[:16]}… {verdict}")
-    if not result["reproduced"]:
+    for each in result["steps"]:  # (the steps replayed on the way to `step` are compared too)
+        verdict = "[red]DIFFERENT[/]"
+        if each["reproduced"]:
+            verdict = "[green]reproduced[/]" + (" (the rebuild a resume recorded and the run went on from)" if each["rebuilt"] else "")
+        console.print(
+            f"{run} step {each['step']} from {start}: sha256 {each['sha256'][:16]}… vs recorded {(each['recorded_sha256'] or '-')[:16]}… {verdict}"
+        )
+    if not all(each["reproduced"] for each in result["steps"]):
         raise typer.Exit(1)
 
 

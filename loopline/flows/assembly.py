@@ -217,9 +217,12 @@ def resume_learner(parts: RunParts, checkpoint: str | Path | None, through_step:
     return learner
 
 
-def restore_learner(parts: RunParts, checkpoint: str | Path | None, through_step: int) -> Learner:
+def restore_learner(
+    parts: RunParts, checkpoint: str | Path | None, through_step: int, after_each: Callable[[Learner, int], None] | None = None
+) -> Learner:
     """A learner as it was after learner step `through_step`: the full checkpoint given (else the run's
-    initial weights), then the recorded batches of the steps after the checkpoint's own step, replayed."""
+    initial weights), then the recorded batches of the steps after the checkpoint's own step, replayed
+    (`after_each(learner, step)` after each)."""
     config = parts.config
     learner = ranks.build_learner(parts.initial, config.learner_config(), backend=config.learner.backend)
     restored = 0
@@ -228,5 +231,6 @@ def restore_learner(parts: RunParts, checkpoint: str | Path | None, through_step
         if step is None:
             raise LooplineError(f"{checkpoint}: the checkpoint does not say which learner step it holds")
         restored = int(step)
-    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, through_step + 1))
+    each = (lambda step: after_each(learner, step)) if after_each is not None else None
+    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, through_step + 1), each)
     return learner

@@ -227,7 +227,8 @@ def replay_step(run: str, last_step: int) -> None:
             [sys.executable, "-m", "loopline.cli", "replay", run, "--step", str(step)], capture_output=True, text=True, timeout=3600,
             env={**os.environ, "COLUMNS": "400"},  # the verdict on one line
         )
-    verdict = next((line for line in reversed(done.stdout.splitlines()) if line.rstrip().endswith(("reproduced", "DIFFERENT"))), None)
+    # one line per step replayed (those on the way from the checkpoint are compared too)
+    verdict = "\n\n".join(line.strip() for line in done.stdout.splitlines() if line.startswith(f"{run} step ") and ": sha256 " in line)
     if done.returncode == 0 and verdict:
         st.success(verdict)
     elif verdict:

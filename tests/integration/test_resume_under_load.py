@@ -22,15 +22,12 @@ from tests.helpers import cpu_load
 from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run, _train
 
 
-def _replay(env: dict, name: str, steps: range) -> list[dict]:
-    """`replay_step` for each step, in one process (one temporary Prefect server)."""
-    code = (
-        "import json, sys\nfrom loopline.flows.replay import replay_step\n"
-        f"print(json.dumps([replay_step({name!r}, k) for k in {list(steps)!r}]))"
-    )
+def _replay(env: dict, name: str, step: int) -> list[dict]:
+    """`replay_step` of `step`, in its own process: the verdict of every step replayed on the way."""
+    code = f"import json\nfrom loopline.flows.replay import replay_step\nprint(json.dumps(replay_step({name!r}, {step})))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
 
 
 @pytest.mark.slow
@@ -70,7 +67,10 @@ def test_unexported_versions_rebuild_exactly_under_load_and_a_differing_rebuild_
     assert _rows(db, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0] == 4 * 8 * 8
 
     with cpu_load(2):
-        replays = _replay(env, name, range(1, 5))
-    assert [r["reproduced"] for r in replays] == [True] * 4, replays
+        replays = _replay(env, name, 4)  # from the initial weights (the one checkpoint is step 4's): steps 1-4
+    # (on a failure: the thread counts each step was trained and rebuilt with, and which digest each replay made)
+    threads = _rows(db, "SELECT step, value FROM metric WHERE run_id = :r AND name = 'learner_threads' ORDER BY 1", r=run_id)
+    rebuilt_with = _rows(db, "SELECT version, learner_threads FROM weight_rebuild WHERE run_id = :r", r=run_id)
+    assert [r["reproduced"] for r in replays] == [True] * 4, (replays, threads, rebuilt_with)
     assert [r["rebuilt"] for r in replays] == [False, True, False, False]  # step 2: equal to the rebuild the run went on from
     assert replays[1]["sha256"] == rebuilds[0][2]
