@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from benchmarks._scratch import scratch_database
 from loopline.envregistry.spec import load_spec
-from loopline.flows.plan import ModelShape, size
+from loopline.plan import ModelShape, size
 from loopline.envregistry.tasks import load_tasks
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams

@@ -112,7 +112,7 @@ def train(
     if steps is not None and (resume is None or path is not None):
         raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
     if path is not None:  # a bad config file is refused in a second, before Prefect and torch load
-        from loopline.flows.config import load_config
+        from loopline.config import load_config
 
         load_config(path)
     server_ready = _prefect_server()
@@ -338,6 +338,41 @@ def inspect(
         raise typer.Exit(code)
 
 
+def _policy_shape(policy: str, base: Path):
+    """The shape of a run config's `policy`, from its config.json alone (no weights needed)."""
+    from loopline import plan
+    from loopline.flows.starter import HUB_ID, SHIPPED_STARTERS, hub_policy
+    from loopline.store.db import loopline_home
+
+    if policy == "tiny":  # every tiny starter has the recipe's shape
+        shipped = sorted(SHIPPED_STARTERS.glob("*/config.json"))
+        return plan.ModelShape.from_dir(shipped[0].parent)
+    if policy == "smollm2-135m":
+        pulled = loopline_home() / "models" / policy
+        if not (pulled / "config.json").is_file():
+            raise LooplineError("smollm2-135m is not pulled yet: `loopline models pull smollm2-135m` (or pass its directory)")
+        return plan.ModelShape.from_dir(pulled)
+    path = Path(policy).expanduser()
+    path = path if path.is_absolute() else base / path
+    if HUB_ID.fullmatch(policy) and not path.exists():  # a Hub id: its config.json is enough
+        return plan.ModelShape.from_dir(hub_policy(policy, files=["config.json"]))
+    return plan.ModelShape.from_dir(path)
+
+
+def _plan_run(config, base: Path, hw, prompt_tokens: int = 512):
+    """`loopline plan`: the plan of a run config (relative paths from `base`)."""
+    from loopline import plan
+    from loopline.envregistry import registry
+    from loopline.envregistry.spec import load_spec
+
+    if config.env_is_file:
+        spec = load_spec(base / config.env)
+    else:
+        with store_db.session(migrate.open_ledger()) as s:
+            spec = registry.spec_of(registry.get(s, config.env))
+    return plan.estimate(_policy_shape(config.policy, base), plan.workload(config, spec.budgets, prompt_tokens, hw), hw)
+
+
 @app.command("plan")
 @friendly_errors
 def plan(
@@ -347,11 +382,11 @@ def plan(
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, help="A task's prompt, tokenised (system prompt and few-shot turns included)"),
 ) -> None:
     """Memory before launch: the learner's and the engine's bytes for CONFIG on the hardware, and whether it fits."""
-    from loopline.flows import plan as planning
-    from loopline.flows.config import load_config
+    from loopline import plan as planning
+    from loopline.config import load_config
 
     run, base = load_config(config)
-    result = planning.plan_run(run, base, planning.hardware(gpu, gpus), prompt_tokens)
+    result = _plan_run(run, base, planning.hardware(gpu, gpus), prompt_tokens)
     console.print(result.table(), markup=False, highlight=False)
     if not result.fits:
         raise typer.Exit(1)

@@ -23,7 +23,7 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
-from loopline.flows.config import EngineSettings, RunConfig, load_config, parse_config
+from loopline.config import EngineSettings, RunConfig, load_config, parse_config
 from loopline.rollout.actions import tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams

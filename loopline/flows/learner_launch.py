@@ -28,7 +28,7 @@ from pathlib import Path
 
 from loopline import holder
 from loopline.errors import LooplineError
-from loopline.flows.config import RankLaunch
+from loopline.config import RankLaunch
 from loopline.store import db as store_db
 from loopline.ports import free_port
 

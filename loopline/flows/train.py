@@ -20,10 +20,11 @@ from loopline import holder
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.flows import assembly, learner_launch, plan
+from loopline import plan
+from loopline.flows import assembly, learner_launch
 from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
-from loopline.flows.config import RunConfig, config_file, parse_config
+from loopline.config import RunConfig, config_file, parse_config
 from loopline.flows.evaluations import Evaluations
 from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
 from loopline.flows.tracking import Trackers

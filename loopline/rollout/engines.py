@@ -14,7 +14,7 @@ from loopline.rollout.engine_thread import EngineThread
 class EngineRequest:
     """What the run asks of its engine: serve `version`, whose weights are at `weights`."""
 
-    settings: Any  # the run config's `engine:` section (flows.config.EngineSettings)
+    settings: Any  # the run config's `engine:` section (config.EngineSettings)
     weights: str
     version: int
     initial: Path  # the run's initial weights (a LoRA run's servers keep them as the base)

@@ -71,7 +71,7 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
             loop_tasks.sync_weights.fn(ctx)
     finally:
         ctx.engine.shutdown()
-    from loopline.flows import plan
+    from loopline import plan
 
     cpu = plan.hardware("cpu")
     memory = plan.estimate(plan.ModelShape.from_dir(tiny_dirs["v0"]), plan.Workload(), cpu)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from loopline.flows.plan import ModelShape
+from loopline.plan import ModelShape
 from loopline.trainer.batch import TrainSequence, pad
 from loopline.trainer.learner import Learner, LearnerConfig
 from tests.factories import kept_for_backward

@@ -15,7 +15,7 @@ import yaml
 
 from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
-from loopline.flows.config import load_config
+from loopline.config import load_config
 from loopline.flows.starter import SHIPPED_STARTERS, tiny_policy_name
 from loopline.trainer.checkpoint import weights_sha256
 
@@ -342,7 +342,7 @@ def test_a_hugging_face_id_is_read_from_the_local_cache_and_a_missing_one_is_one
     found = plan("someone/tiny-calc")
     assert found.returncode == 0 and "fits" in found.stdout, found.stdout + found.stderr
     probe = (  # what the train flow starts from
-        "import sys\nfrom loopline.flows.config import parse_config\nfrom loopline.flows.train import resolve_policy\n"
+        "import sys\nfrom loopline.config import parse_config\nfrom loopline.flows.train import resolve_policy\n"
         "print(resolve_policy(parse_config({'name': 'hub', 'env': 'e.yaml', 'policy': sys.argv[1]}, 'run.yaml'), None, [], ''))"
     )
     resolved = subprocess.run([sys.executable, "-c", probe, "someone/tiny-calc"], env=env, capture_output=True, text=True, timeout=120)

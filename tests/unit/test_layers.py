@@ -17,8 +17,10 @@ ALLOWED = {
     "envregistry": {"store", "cli_support"},
     "rollout": {"store", "envregistry"},
     "trainer": set(),  # (its records are `loopline.types`; the tasks load them from the ledger)
-    "tasks": {"store", "envregistry", "rollout", "trainer"},
-    "flows": {"store", "envregistry", "rollout", "trainer", "tasks"},
+    "plan": set(),  # memory before launch: arithmetic on a model's shape and a run's workload
+    "config": {"rollout", "trainer"},  # the run config: its sections name their engines and learner settings
+    "tasks": {"store", "envregistry", "rollout", "trainer", "config"},
+    "flows": {"store", "envregistry", "rollout", "trainer", "tasks", "config", "plan"},
     # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers.
     # Advantages come from the store as the learner used them (never recomputed with the trainer's code).
     "ui": {"store", "envregistry"},

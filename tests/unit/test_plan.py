@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loopline.flows.plan import GiB, Hardware, ModelShape, Workload, estimate, size, workload
+from loopline.plan import GiB, Hardware, ModelShape, Workload, estimate, size, workload
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QWEN_7B = json.loads((EXAMPLES / "shapes" / "qwen2.5-7b" / "config.json").read_text())
@@ -98,7 +98,7 @@ def test_what_the_verdict_suggests_fits_and_one_more_does_not():
 
 def test_a_step_of_trajectories_the_learner_cannot_hold_is_refused_with_what_to_change():
     from loopline.envregistry.spec import Budgets
-    from loopline.flows.config import RunConfig
+    from loopline.config import RunConfig
 
     shape, host = ModelShape.from_config(SMOLLM2), Hardware("cpu", 24 * GiB)
     rows = {r.part: r.bytes for r in estimate(shape, Workload(step_tokens=10_000), host).learner}
@@ -111,7 +111,7 @@ def test_a_step_of_trajectories_the_learner_cannot_hold_is_refused_with_what_to_
 def test_learner_ranks_on_one_cpu_host_each_need_their_own_memory():
     """`learner.launch` on CPU: every rank holds its replica in the same host memory; the plan counts them all."""
     from loopline.envregistry.spec import Budgets
-    from loopline.flows.config import RunConfig
+    from loopline.config import RunConfig
 
     shape = ModelShape.from_config(SMOLLM2)
     host = Hardware("cpu", 64 * GiB)

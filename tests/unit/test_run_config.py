@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from loopline.errors import LooplineError
-from loopline.flows.config import parse_config
+from loopline.config import parse_config
 
 BASE = {"name": "r", "env": "arithmetic@1", "steps": 10, "eval": {"every": 5}}
 
@@ -87,7 +87,7 @@ RUN_CONFIGS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "exa
 
 @pytest.mark.parametrize("name", RUN_CONFIGS)
 def test_the_example_run_configs_load(name):
-    from loopline.flows.config import load_config
+    from loopline.config import load_config
 
     config, _ = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
     assert config.name
@@ -200,7 +200,7 @@ def test_train_takes_a_config_as_a_dict_or_a_runconfig_from_python(tmp_path, mon
     policy paths made absolute: the file lives elsewhere), and Prefect accepts it as the flow's parameter."""
     import yaml
 
-    from loopline.flows.config import RunConfig, config_file, load_config
+    from loopline.config import RunConfig, config_file, load_config
     from loopline.flows.train import train
 
     ROOT = Path(__file__).resolve().parents[2]

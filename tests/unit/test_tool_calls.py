@@ -123,7 +123,7 @@ def test_an_env_that_asks_for_hermes_with_a_policy_without_it_is_refused_before_
 
     from loopline.errors import LooplineError
     from loopline.flows.assembly import build_setup
-    from loopline.flows.config import RunConfig
+    from loopline.config import RunConfig
 
     data = yaml.safe_load(ARITHMETIC.read_text()) | {"tool_calls": "hermes"}
     (tmp_path / "env.yaml").write_text(yaml.safe_dump(data))

@@ -312,7 +312,7 @@ def _largest(fits, high: int = 1 << 30) -> int:
 
 
 def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
-    """The Workload of a run config (`flows.config.RunConfig`) and its environment's budgets."""
+    """The Workload of a run config (`config.RunConfig`) and its environment's budgets."""
     learner = config.learner
     new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.sampling.max_new_tokens)
     sequence = prompt_tokens + new_tokens
@@ -339,40 +339,3 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
 def require_fits(plan: Plan, config_name: str) -> None:
     if not plan.fits:
         raise LooplineError(f"run {config_name!r} would run out of memory; refused before any work:\n{plan.table()}")
-
-
-
-
-def policy_shape(policy: str, base: Path) -> ModelShape:
-    """The shape of a run config's `policy`, from its config.json alone (no weights needed)."""
-    from loopline.flows.starter import HUB_ID, SHIPPED_STARTERS, hub_policy
-    from loopline.store.db import loopline_home
-
-    if policy == "tiny":  # every tiny starter has the recipe's shape
-        shipped = sorted(SHIPPED_STARTERS.glob("*/config.json"))
-        return ModelShape.from_dir(shipped[0].parent)
-    if policy == "smollm2-135m":
-        pulled = loopline_home() / "models" / policy
-        if not (pulled / "config.json").is_file():
-            raise LooplineError("smollm2-135m is not pulled yet: `loopline models pull smollm2-135m` (or pass its directory)")
-        return ModelShape.from_dir(pulled)
-    path = Path(policy).expanduser()
-    path = path if path.is_absolute() else base / path
-    if HUB_ID.fullmatch(policy) and not path.exists():  # a Hub id: its config.json is enough
-        return ModelShape.from_dir(hub_policy(policy, files=["config.json"]))
-    return ModelShape.from_dir(path)
-
-
-def plan_run(config, base: Path, hw: Hardware, prompt_tokens: int = 512) -> Plan:
-    """The plan of a run config (`flows.config.RunConfig`, relative paths from `base`)."""
-    from loopline.envregistry import registry
-    from loopline.envregistry.spec import load_spec
-    from loopline.store import db as store_db
-    from loopline.store import migrate
-
-    if config.env_is_file:
-        spec = load_spec(base / config.env)
-    else:
-        with store_db.session(migrate.open_ledger()) as s:
-            spec = registry.spec_of(registry.get(s, config.env))
-    return estimate(policy_shape(config.policy, base), workload(config, spec.budgets, prompt_tokens, hw), hw)
