@@ -138,7 +138,9 @@ class OpenAIServer:
     def start(self) -> "OpenAIServer":
         import uvicorn
 
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        # (log_config None: uvicorn's own dictConfig would install handlers on the process's logging, bound
+        # to the stream of the moment; its records go where the process sends warnings)
+        config = uvicorn.Config(self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=lambda: asyncio.run(self._server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True
