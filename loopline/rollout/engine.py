@@ -32,6 +32,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k truncation
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    # Text that ends a generation once the sampled tokens spell it (an OpenAI client's `stop`). An engine
+    # that cannot check it generates on; the caller cuts the sample after it either way.
+    stop: tuple[str, ...] = ()
     seed: int | None = None
 
     @property

@@ -26,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,7 @@ class _Request:
     future: asyncio.Future
     generator: torch.Generator
     stop_ids: frozenset[int]
+    stop_text: Callable[[list[int]], bool] | None = None  # whether the tokens so far end with a stop string
     kv: KV | None = None  # its prompt's cache, from the prefill until the slab takes it
     kv_version: int = -1  # the weights its prompt's cache was computed with
     next_logits: torch.Tensor | None = None
@@ -204,6 +205,8 @@ class LocalEngine:
         prefix_cache_mb: float = 1024.0,
     ):
         self.model = load_model(model_dir)
+        self.model_dir = Path(model_dir)
+        self._tokenizer = None  # loaded by the first request with stop strings
         self._version = version
         self.max_batch = max_batch
         self.request_timeout_s = request_timeout_s
@@ -245,7 +248,7 @@ class LocalEngine:
         generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else next(self._seeds))
         request = _Request(
             request_id, list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), generator,
-            frozenset(sampling.stop_token_ids) | self.eos_ids,
+            frozenset(sampling.stop_token_ids) | self.eos_ids, self._stop_text(sampling.stop) if sampling.stop else None,
         )
         self._pending.append(request)
         self._kick()
@@ -253,6 +256,22 @@ class LocalEngine:
             return await asyncio.wait_for(asyncio.shield(request.future), self.request_timeout_s)
         except asyncio.TimeoutError:
             raise EngineError(f"request {request_id} did not finish within {self.request_timeout_s:g} s") from None
+
+    def _stop_text(self, stop: tuple[str, ...]) -> Callable[[list[int]], bool] | None:
+        """A check that the text of a request's newest tokens holds one of `stop`: decoded over a window wide
+        enough for the longest (a character is at most 4 bytes, a byte-level token at least one), so a
+        step's check costs the same however long the generation is. None where the weights came without
+        their tokenizer: the request then runs to its length and its caller cuts it."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError) as exc:
+                log.warning("stop strings are checked after generation: no tokenizer in %s (%s)", self.model_dir, exc)
+                return None
+        tokenizer, window = self._tokenizer, 4 * max(len(s) for s in stop) + 1
+        return lambda tokens: any(s in tokenizer.decode(tokens[-window:]) for s in stop)
 
     async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float]:
         """Returns the seconds spent loading the weights and waiting to swap them in (after the batch in flight).
@@ -371,7 +390,7 @@ class LocalEngine:
             if truncated is not None:
                 request.sampling_logprobs.append(truncated)
             request.versions.append(request.logits_version)
-            if token in request.stop_ids:
+            if token in request.stop_ids or (request.stop_text is not None and request.stop_text(request.tokens)):
                 request.finish = "stop"
             elif len(request.tokens) >= request.sampling.max_new_tokens:
                 request.finish = "length"

@@ -19,8 +19,8 @@ Sampling is the run's, whatever the request asks (`temperature`, `top_p`, ...): 
 computed against the behaviour policy the run names. `max_tokens` is honoured within the episode's token
 budget; the episode's call budget is its `max_turns`. `stop` strings end a reply where one first appears:
 the agent gets the text before it (as OpenAI returns it) and the trajectory keeps the tokens sampled up to
-and including the stop string's, never those after (the engine still generated them: up to `max_tokens`
-are spent). A call past a budget gets HTTP 400 with an error the SDK raises, and the episode ends as
+and including the stop string's, never those after (the LocalEngine stops there; an engine that does not
+check stop strings generates on, up to `max_tokens`, and what follows is dropped). A call past a budget gets HTTP 400 with an error the SDK raises, and the episode ends as
 truncated. `n` is 1: an episode is one line of play; more samples of a prompt are more episodes (the
 group).
 
@@ -273,7 +273,7 @@ class AgentEpisode:
             raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
         ids = self._chained(prompt_ids())
         asked = call.max_tokens or self.sampling.max_new_tokens
-        sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)))
+        sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)), stop=call.stop)
         rid = f"{self.request_id}/c{self.calls}/"  # prefix-free (SGLang aborts by prefix)
         self.calls += 1
         started = _now()

@@ -106,6 +106,34 @@ def test_same_seed_same_sample(tiny_dirs):
     assert a.token_ids == b.token_ids
 
 
+def test_a_stop_string_ends_the_generation_at_the_token_that_completes_it(tiny_dirs):
+    """The same seeded sample, once run to its length and once told to stop at a piece of its own text: the
+    second is the first cut at the token whose text completes that piece (the endpoint's cut then keeps it all)."""
+    from transformers import AutoTokenizer
+
+    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.openai_api import cut_at_stop
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["v0"])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)
+
+    async def go(stop):
+        engine = LocalEngine(tiny_dirs["v0"])
+        return await engine.generate(PROMPTS[1], SamplingParams(**{**vars(sampling), "stop": stop}), "r")
+
+    whole = _run(go(()))
+    text = tokenizer.decode(whole.token_ids)
+    piece = text[len(tokenizer.decode(whole.token_ids[:8])) :][:3]  # 3 characters from the 9th token's text on
+    assert len(piece) == 3 and whole.finish_reason == "length", text
+    at = text.index(piece) + len(piece)
+    expected = next(n for n in range(1, len(whole.token_ids) + 1) if len(tokenizer.decode(whole.token_ids[:n])) >= at)
+    stopped = _run(go((piece,)))
+    assert stopped.finish_reason == "stop" and list(stopped.token_ids) == list(whole.token_ids[:expected]) and expected < len(whole.token_ids)
+    assert stopped.logprobs == whole.logprobs[:expected]
+    kept, said, found = cut_at_stop(ChatFormat.from_tokenizer(tokenizer), list(stopped.token_ids), (piece,))
+    assert found and kept == list(stopped.token_ids) and said == text[: text.index(piece)]
+
+
 @pytest.mark.parametrize("policy", ["finish", "abort", "continue"])
 def test_weight_update_policies_never_mix_versions_silently(tiny_dirs, policy):
     long = SamplingParams(temperature=0.0, max_new_tokens=200, stop_token_ids=())
