@@ -19,8 +19,8 @@ Sampling is the run's, whatever the request asks (`temperature`, `top_p`, ...): 
 computed against the behaviour policy the run names. `max_tokens` is honoured within the episode's token
 budget; the episode's call budget is its `max_turns`. `stop` strings end a reply where one first appears:
 the agent gets the text before it (as OpenAI returns it) and the trajectory keeps the tokens sampled up to
-and including the stop string's, never those after (the LocalEngine stops there; an engine that does not
-check stop strings generates on, up to `max_tokens`, and what follows is dropped). A call past a budget gets HTTP 400 with an error the SDK raises, and the episode ends as
+and including the stop string's, never those after (both engines stop there; were one to generate on,
+what follows would be dropped). A call past a budget gets HTTP 400 with an error the SDK raises, and the episode ends as
 truncated. `n` is 1: an episode is one line of play; more samples of a prompt are more episodes (the
 group).
 

@@ -80,6 +80,8 @@ def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
         body["top_k"] = sampling.top_k
     if sampling.stop_token_ids:
         body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.stop:  # (its output ids run through the token that completes the string; only its text is trimmed)
+        body["stop"] = list(sampling.stop)
     if sampling.seed is not None:
         body["sampling_seed"] = sampling.seed
     return body

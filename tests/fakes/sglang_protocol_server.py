@@ -10,7 +10,9 @@ change); updates that wait for in-flight requests unless paused; pause modes abo
 in_place (in_place + flush_cache -> 400 without advancing the version); `/abort_request` matching
 the exact rid; a missing weights directory answered 400 "Failed to get weights iterator ... Name or
 service not known" (it is tried as a hub id); `/model_info`'s weight_version ("default" until the
-first update). LoRA (`--enable-lora`), as observed on a real server on 2026-12-02: `/load_lora_adapter`
+first update); a `stop` string ends a generation whose `output_ids` (and logprobs) run through the token that
+completes it, with finish_reason {type: stop, matched: THE STRING} (checked on 2026-12-02: 9 ids where the stop
+"\n\nT" was completed by the 9th; the real server trims only its `text`, which this stand-in leaves empty). LoRA (`--enable-lora`), as observed on a real server on 2026-12-02: `/load_lora_adapter`
 {lora_name, lora_path} answers `loaded_adapters`; a name loaded once cannot be loaded again (400 "already
 loaded"), even after `/unload_lora_adapter`, and a request naming an unloaded adapter is still served by
 it; a missing path is 400 "Repo id must be in the form ..." (tried as a hub id); a request naming an
@@ -72,6 +74,9 @@ class RandomTokens:
     def next(self, rng, generated: list[int]) -> tuple[int, float]:
         return rng.randrange(self.vocab), -3 * rng.random()
 
+    def decode(self, ids: list[int]) -> str:
+        return ""  # (no text: a stop string never matches)
+
     def load(self, path: str) -> None:
         pass
 
@@ -94,7 +99,16 @@ class ModelTokens:
     """A transformers model sampled token by token, one KV cache per request (recomputed when the weights change)."""
 
     def __init__(self, path: str):
+        self.path, self.tokenizer = path, None
         self.load(path)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (the first weights' tokenizer: updates keep the vocabulary), loaded on first use."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return self.tokenizer.decode(ids)
 
     def load(self, path: str) -> None:
         from loopline.rollout.local_engine import load_model
@@ -236,6 +250,7 @@ class SGLangProtocolServer:
         seed = sampling.sampling_seed if self.deterministic or isinstance(self.tokens, RandomTokens) else None
         state = self.tokens.start(ids, sampling, seed, self.adapter_models[adapter]) if adapter else self.tokens.start(ids, sampling, seed)
         stop_ids = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(self.tokens.eos_ids))
+        stop_strings = [sampling.stop] if isinstance(sampling.stop, str) else list(sampling.stop or ())
         out, logprobs, finish = [], [], None
         try:
             for _ in range(sampling.max_new_tokens):
@@ -251,6 +266,10 @@ class SGLangProtocolServer:
                 running.versions.append(self.weight_version)
                 if token in stop_ids:
                     finish = self.api.FinishStop(matched=token)
+                    break
+                matched = next((s for s in stop_strings if s in self.tokens.decode(out)), None) if stop_strings else None
+                if matched is not None:  # the ids keep the token that completed it
+                    finish = self.api.FinishStop(matched=matched)
                     break
             else:
                 finish = self.api.FinishLength(length=len(out))

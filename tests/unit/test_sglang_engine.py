@@ -165,3 +165,30 @@ def test_sglang_client_does_not_trust_a_version_of_another_run(tmp_path):
         before, after = _run(_with([other.url, bare.url, ours.url], body, initial_version=0, tag="bbbb2222"))
     assert before == [-1, -1, 5] and after == [5, 5, 5]
     assert other.weight_version == bare.weight_version == "5@bbbb2222"
+
+
+def test_a_stop_string_ends_an_sglang_generation_at_the_token_that_completes_it(tmp_path):
+    """SGLang checks `stop` itself (observed on a real 0.5.23 server: its output ids run through the token
+    that completes the string, only its text is trimmed): the client passes it, and the same seeded sample cut
+    there is what comes back."""
+    from transformers import AutoTokenizer
+
+    from loopline.flows.starter import SHIPPED_STARTERS
+    from tests.fakes.sglang_protocol_server import serving
+
+    model = next(p for p in SHIPPED_STARTERS.iterdir() if (p / "config.json").is_file())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with serving(token_delay_s=0.0, model_path=str(model), deterministic=True) as server:
+        def generate(stop):
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7, stop=stop)
+            return _run(_with([server.url], lambda engine: engine.generate([1, 87, 85, 261], sampling, "ep/t0/")))
+
+        whole = generate(())
+        text = tokenizer.decode(whole.token_ids)
+        piece = text[len(tokenizer.decode(whole.token_ids[:3])) :][:3]  # 3 characters from the 4th token's text on
+        stopped = generate((piece,))
+        assert server.requests[-1]["sampling_params"]["stop"] == [piece]
+    at = text.index(piece) + len(piece)
+    expected = next(n for n in range(1, len(whole.token_ids) + 1) if len(tokenizer.decode(whole.token_ids[:n])) >= at)
+    assert stopped.finish_reason == "stop" and expected < len(whole.token_ids)
+    assert list(stopped.token_ids) == list(whole.token_ids[:expected]) and stopped.logprobs == whole.logprobs[:expected]
