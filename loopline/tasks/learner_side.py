@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from loopline.config import RunConfig
 from loopline.trainer.checkpoint import DiskFull
 from loopline.trainer.learner import Learner
 
@@ -64,6 +65,20 @@ class LearnerSide:
     export_version: Callable[[int], bool] = field(default=lambda version: True)
     sync_from_memory: bool = False
     adapters: bool = False  # write each version's adapter (LoRA on SGLang)
+
+    @classmethod
+    def for_run(
+        cls, config: RunConfig, learner: Learner | None, workdir: Path, version: int, checkpoint_uri: str,
+        restore: Callable[[str, int], Learner],
+    ) -> "LearnerSide":
+        """The learner side of a run: what to keep, write and sync as its config says, around the live state."""
+        return cls(
+            learner=learner, workdir=workdir, version=version, restore=restore, checkpoint_uri=checkpoint_uri,
+            checkpoint_every=config.learner.checkpoint_every, last_step=config.steps,
+            keep_checkpoints=config.learner.keep_checkpoints, keep_exports=config.learner.keep_exports,
+            keep_version=config.evaluates, export_version=config.exports,
+            sync_from_memory=config.engine.in_process, adapters=config.syncs_adapters,
+        )
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         """`version`'s weights when the learner holds them in memory; None: the engine loads them from disk."""
