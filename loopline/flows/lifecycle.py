@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 from prefect.exceptions import TerminationSignal
 from sqlmodel import Session
 
-from loopline import holder
+from loopline import holder, stop_signals
 from loopline.store import ledger
 from loopline.store.errors import LostTheRun
 from loopline.store.queries import HEARTBEAT_S
@@ -38,9 +38,10 @@ def how_it_ended(exc: BaseException | None, cancelled: bool) -> tuple[str, str |
         return "completed", None
     if cancelled:
         return "cancelled", "cancelled (loopline cancel)"
-    if isinstance(exc, KeyboardInterrupt):
+    # (a stop signal whose exception was replaced on its way up, by a cleanup that failed, is still a stop)
+    if isinstance(exc, KeyboardInterrupt) or stop_signals.received() == signal.SIGINT:
         return "interrupted", "interrupted (Ctrl-C); resume with loopline train --resume RUN"
-    if isinstance(exc, TerminationSignal):
+    if isinstance(exc, TerminationSignal) or stop_signals.received() == signal.SIGTERM:
         return "interrupted", "terminated (SIGTERM); resume with loopline train --resume RUN"
     first = (str(exc).strip().splitlines() or [""])[0]
     return "failed", f"{type(exc).__name__}: {first}"[:500]
@@ -77,7 +78,7 @@ def driving(session_factory: Callable[[], Session], run_id: uuid.UUID, every_s: 
         yield
     except BaseException as exc:
         error = exc
-        if lost.is_set() and isinstance(exc, KeyboardInterrupt):  # (its status is the new holder's to write)
+        if lost.is_set():  # stopped by the heartbeat's Ctrl-C, whatever surfaced: its status is the new holder's to write
             with session_factory() as s:
                 run = ledger.get_run(s, str(run_id))
             raise LostTheRun.of(run.name, me, run.holder) from None

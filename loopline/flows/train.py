@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from loopline import holder
+from loopline import holder, stop_signals
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
@@ -209,7 +209,8 @@ def train(
     if config.learner.launch is not None and not learner_launch.launched():
         log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", config.learner.launch.ranks)
         return learner_launch.run(config.learner.launch, config_path, resume, fork)
-    with contextlib.ExitStack() as lifecycle:  # the run's status records how this ends, whatever the way
+    # the run's status records how this ends, whatever the way (a stop signal even if its exception is lost)
+    with stop_signals.noted(), contextlib.ExitStack() as lifecycle:
         return _train(config, base, fork, lifecycle)
 
 
@@ -234,6 +235,7 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
         evaluations.owed()
         if config.mode == "sync":
             for step in range(prepared.first_step, config.steps + 1):
+                stop_signals.raise_if_received()
                 tasks.plan_step(live, step)
                 rolled = tasks.rollout_batch(live, step)
                 log.info("step %d: %d trajectories, %d infra failures", step, rolled["committed"], rolled["infra_failed"])
@@ -272,6 +274,7 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
         producing = deployed.alive
     try:
         for step in range(first_step, config.steps + 1):
+            stop_signals.raise_if_received()
             tasks.learner_step(live, step, max_staleness=staleness, producing=producing)
             if step + 1 + staleness <= config.steps:  # version `step` may now start slots of step `step + 1 + staleness`
                 tasks.plan_step(live, step + 1 + staleness)

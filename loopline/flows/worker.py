@@ -18,7 +18,7 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.annotations import quote
 
-from loopline import aio, holder
+from loopline import aio, holder, stop_signals
 from loopline.errors import LooplineError
 from loopline.flows import assembly
 from loopline.store import ledger
@@ -70,7 +70,8 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
         staleness = config.max_staleness if config.mode == "async" else 0
-        stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
+        with stop_signals.noted():  # (no retry once told to stop)
+            stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
     finally:
         stop.set()
         follower.join(timeout=10)

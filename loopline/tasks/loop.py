@@ -18,7 +18,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from loopline import aio
+from loopline import aio, stop_signals
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineError
 from loopline.rollout.harness import EpisodeSetup
@@ -33,7 +33,10 @@ TRANSIENT = (EngineError, InfraFailure)
 
 
 def transient(task, task_run, state) -> bool:
-    """Prefect's `retry_condition_fn`: retry a task only when it failed for a transient reason."""
+    """Prefect's `retry_condition_fn`: retry a task only when it failed for a transient reason, and never once the
+    process was told to stop (the failure may be the stop signal's exception, replaced by a cleanup's)."""
+    if stop_signals.received() is not None:
+        return False
     return isinstance(state.data, TRANSIENT) or is_outage(state.data)
 
 
