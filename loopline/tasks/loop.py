@@ -61,12 +61,13 @@ RESULT = dict(persist_result=True, result_serializer="json")
 
 
 def waiting_out_outages(call):
-    """A flow's own ledger reads (between its tasks) wait out an outage as the tasks do (`RETRY_DELAYS`)."""
+    """A flow's own ledger reads (between its tasks) wait out an outage as the tasks do (`RETRY_DELAYS`), and
+    likewise not once the process was told to stop."""
     for delay in [*RETRY_DELAYS, None]:
         try:
             return call()
         except Exception as exc:
-            if delay is None or not is_outage(exc):
+            if delay is None or not is_outage(exc) or stop_signals.received() is not None:
                 raise
             get_run_logger().warning("the ledger is unreachable (%s); retrying in %g s", type(exc).__name__, delay)
             time.sleep(delay)

@@ -18,7 +18,7 @@ import pytest
 
 from loopline import stop_signals
 from loopline.flows.lifecycle import how_it_ended
-from loopline.tasks.loop import transient
+from loopline.tasks.loop import transient, waiting_out_outages
 
 
 class Bridge(BaseException):
@@ -27,6 +27,10 @@ class Bridge(BaseException):
 
 def _bridge(signum, frame):
     raise Bridge(signum)
+
+
+def _raise(exc: BaseException):
+    raise exc
 
 
 def _signal_lost_in_a_cleanup(sig: int) -> BaseException:
@@ -53,6 +57,10 @@ def test_a_sigterm_replaced_by_an_outage_error_is_not_retried_says_terminated_an
     with stop_signals.noted():
         error = _signal_lost_in_a_cleanup(signal.SIGTERM)
         assert transient(None, None, SimpleNamespace(data=error)) is False  # (an outage error: retried when not told to stop)
+        calls = []
+        with pytest.raises(psycopg.OperationalError):  # nor waited out by the flow's own reads
+            waiting_out_outages(lambda: calls.append(1) or _raise(error))
+        assert calls == [1]
         assert how_it_ended(error, cancelled=False) == ("interrupted", "terminated (SIGTERM); resume with loopline train --resume RUN")
         with pytest.raises(Bridge):
             stop_signals.raise_if_received()  # the loop's next step: the handler's own exception again
