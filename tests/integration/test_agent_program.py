@@ -294,6 +294,7 @@ def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(d
         "concurrency": 16, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 8},
     }))
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server, as a user without one stands
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "View at http" not in done.stdout + done.stderr  # no link to the temporary Prefect server that died with the command
