@@ -150,6 +150,16 @@ def tiny_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def agent_image(docker_image):
+    """The sandbox image plus the openai SDK (`envreg image build --pip openai`), for agent programs in Docker."""
+    from loopline.envregistry.images import AGENT_IMAGE, add_pip_packages, image_exists
+
+    if not image_exists(AGENT_IMAGE):
+        add_pip_packages(docker_image, AGENT_IMAGE, ("openai",))
+    return AGENT_IMAGE
+
+
+@pytest.fixture(scope="session")
 def local_envd(docker_image):
     """E2B's in-sandbox daemon stood in by `tests/envd_over_docker.py`; the real SDK in debug mode talks to it."""
     from tests.fakes.envd_over_docker import EnvdOverDocker

@@ -15,7 +15,7 @@ from typing import Any
 
 from loopline.envregistry import verifiers
 from loopline.envregistry.calculator import CalculatorError, calculate, format_number
-from loopline.envregistry.sandbox.base import InfraFailure, Sandbox, open_sandbox
+from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox, open_sandbox
 from loopline.envregistry.spec import EnvSpec, Tool
 from loopline.envregistry.tasks import Task
 
@@ -63,8 +63,8 @@ class Episode:
         self.tools = {t.name: t for t in spec.tools}
 
     @classmethod
-    async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "Episode":
-        return cls(spec, task, await open_sandbox(spec.sandbox, labels, model_socket))
+    async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "Episode":
+        return cls(spec, task, await open_sandbox(spec.sandbox, labels, model))
 
     async def reset(self) -> ResetResult:
         for path, task_field in self.spec.reset.files.items():

@@ -407,9 +407,8 @@ class EnvSpec(_Strict):
             )
         if self.smoke_test is not None and self.agent is None and self.smoke_test.replies:
             raise ValueError("smoke_test.replies are for envs with `agent`; script tool `steps` here")
-        if self.agent is not None and (self.sandbox.backend not in ("local", "docker") or self.sandbox.network):
-            raise ValueError("an agent program runs in a sandbox whose only way out is the model endpoint (backend: local or "
-                             "docker, network: false); e2b is not supported for it yet (its cloud sandboxes cannot reach the endpoint)")
+        if self.agent is not None and self.sandbox.network:
+            raise ValueError("an agent program runs in a sandbox whose only way out is the model endpoint: set `sandbox.network: false`")
         if self.smoke_test is not None:
             low, high = self.verifier.reward_range
             if not low <= self.smoke_test.expect_reward <= high:

@@ -29,6 +29,7 @@ from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineRequest
+from loopline.rollout import agent_program
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
@@ -148,6 +149,7 @@ def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Pat
             chat = chat.with_tools(tool_schemas(spec.tools))
         except ValueError as exc:
             raise LooplineError(f"policy {config.policy} with env {spec.name} (tool_calls: hermes): {exc}") from None
+    agent_program.check_reachable(spec)
     return EpisodeSetup(spec, env_version, chat, sampling)
 
 

@@ -8,6 +8,11 @@ prints is never read. Failure classes as for the built-in harness: a spent budge
 truncated; a program that fails after calling the model failed its task (a real reward); an engine fault,
 or a program that never called the model (nothing to train, e.g. a missing library), is an infrastructure
 failure, retried.
+
+Local and Docker sandboxes reach this process's endpoint through its unix socket. An E2B sandbox runs in the
+cloud and reaches it over the internet: LOOPLINE_AGENT_ENDPOINT_LISTEN (HOST:PORT) is where the endpoint
+listens and LOOPLINE_AGENT_ENDPOINT_URL the URL at which the cloud reaches that (through your TLS proxy or
+tunnel); the sandbox's network allows that URL's host and nothing else.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import os
 import tempfile
 import threading
 import time
@@ -22,9 +28,10 @@ from pathlib import Path
 from typing import Literal
 
 from loopline.envregistry.episode import Episode
-from loopline.envregistry.sandbox.base import PROGRAM_PORT, InfraFailure
+from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint
 from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
-from loopline.envregistry.spec import ANSWER_FILE
+from loopline.envregistry.spec import ANSWER_FILE, EnvSpec
+from loopline.errors import LooplineError
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import EngineError, Generation, Sampler, SamplingParams, VersionSpan
@@ -33,8 +40,33 @@ from loopline.rollout.openai_server import OpenAIServer
 from loopline.types import TrajectoryRecord
 
 TASK_FILE = "task.json"
+LISTEN_VAR, URL_VAR = "LOOPLINE_AGENT_ENDPOINT_LISTEN", "LOOPLINE_AGENT_ENDPOINT_URL"
 _endpoint: OpenAIServer | None = None
 _endpoint_lock = threading.Lock()
+
+
+def _listen_address() -> tuple[str, int]:
+    """Where the endpoint listens on TCP: LISTEN_VAR's HOST:PORT, else a free port on the loopback."""
+    listen = os.environ.get(LISTEN_VAR, "")
+    if not listen:
+        return "127.0.0.1", 0
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise LooplineError(f"{LISTEN_VAR}={listen!r}: give HOST:PORT where the agent endpoint listens, e.g. 0.0.0.0:8765")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(spec: EnvSpec) -> None:
+    """Before any episode: an agent program in a cloud sandbox needs this process's endpoint on the internet."""
+    if spec.agent is None or spec.sandbox.backend != "e2b":
+        return
+    if not os.environ.get(URL_VAR) or not os.environ.get(LISTEN_VAR):
+        raise LooplineError(
+            f"env {spec.name} runs its agent program in E2B's cloud, which reaches the model endpoint over the internet: "
+            f"set {LISTEN_VAR}=HOST:PORT (where this process listens) and {URL_VAR}=URL (where E2B reaches it, "
+            "e.g. https://trainer.example.com:8443 through your TLS proxy)"
+        )
+    endpoint()  # (listening now: an address in use is this one line, not a failure of every episode)
 
 
 def endpoint() -> OpenAIServer:
@@ -46,16 +78,27 @@ def endpoint() -> OpenAIServer:
             short = tempfile.gettempdir() if len(tempfile.gettempdir()) < 70 else "/tmp"
             directory = Path(tempfile.mkdtemp(prefix="loopline-model-", dir=short))
             directory.chmod(0o755)
-            _endpoint = OpenAIServer(unix_path=str(directory / "model.sock")).start()
+            host, port = _listen_address()
+            try:
+                server = OpenAIServer(host, port, unix_path=str(directory / "model.sock"))
+            except OSError as exc:
+                raise LooplineError(f"the agent endpoint cannot listen on {host}:{port} ({exc}): set {LISTEN_VAR} to a free HOST:PORT") from None
+            _endpoint = server.start()
             atexit.register(_endpoint.stop)
         return _endpoint
 
 
+def model_endpoint() -> ModelEndpoint:
+    server = endpoint()
+    assert server.unix_path is not None
+    return ModelEndpoint(server.unix_path, os.environ.get(URL_VAR) or None)
+
+
 async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
     spec, budgets = setup.spec, setup.spec.budgets
-    server = endpoint()
+    server, model = endpoint(), model_endpoint()
     started = time.monotonic()
-    env_episode = await Episode.start(spec, task, labels, model_socket=server.unix_path)
+    env_episode = await Episode.start(spec, task, labels, model=model)
     start_seconds = time.monotonic() - started
     calls = AgentEpisode(engine, setup.chat, setup.sampling, Budget(budgets.max_turns, budgets.max_generated_tokens), request_id)
     key = server.open(calls)
@@ -67,11 +110,11 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
         shown = json.dumps({"id": task.id, "system_prompt": reset.system_prompt, "prompt": reset.prompt})
         await env_episode.sandbox.write_file(TASK_FILE, shown)
         env = {
-            **spec.agent.env, "OPENAI_BASE_URL": f"http://127.0.0.1:{PROGRAM_PORT}/episodes/{key}/v1", "OPENAI_API_KEY": key,
+            **spec.agent.env, "OPENAI_BASE_URL": f"{env_episode.sandbox.model_url(model)}/episodes/{key}/v1", "OPENAI_API_KEY": key,
             "LOOPLINE_TASK_FILE": TASK_FILE,
         }
         program_started = time.monotonic()
-        run = asyncio.ensure_future(env_episode.sandbox.run_program(spec.agent.command, shown, env, server.unix_path))
+        run = asyncio.ensure_future(env_episode.sandbox.run_program(spec.agent.command, shown, env, model))
         while not run.done():  # the program's own time: what it spent waiting for the model is the engine's
             await asyncio.wait({run}, timeout=0.2)
             if not run.done() and time.monotonic() - program_started - calls.model_seconds > budgets.wall_time_s:
@@ -123,6 +166,7 @@ async def play_scripted(spec, task: Task) -> SmokeResult:
     `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's)."""
     from loopline.rollout.harness import EpisodeSetup
 
+    check_reachable(spec)
     starter = Path(__file__).resolve().parent.parent / "starters"
     chat = ChatFormat.for_policy(next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file()))
     replies = [fill(reply, task) for reply in spec.smoke_test.replies]

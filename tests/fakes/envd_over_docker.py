@@ -80,13 +80,15 @@ class EnvdOverDocker:
         self.image = image
         self.requests: list[str] = []
 
-    def _new_container(self) -> DockerSandbox:
-        spec = Sandbox(backend="docker", image=self.image)
+    def _new_container(self, image: str | None = None, network: bool = False) -> DockerSandbox:
+        spec = Sandbox(backend="docker", image=image or self.image, network=network)
         return asyncio.run(DockerSandbox.create(spec, {"loopline.purpose": "envd-shim"}))
 
-    def reset(self) -> None:
-        """A fresh container: debug-mode sandboxes are never created or killed through the API, so they share one."""
-        old, self.box = self.box, self._new_container()
+    def reset(self, image: str | None = None, network: bool = False) -> None:
+        """A fresh container: debug-mode sandboxes are never created or killed through the API, so they share one.
+        `network`: on Docker's bridge, where an agent program reaches loopline's endpoint by its public URL (the
+        allow list E2B's cloud would apply to it is not stood in)."""
+        old, self.box = self.box, self._new_container(image, network)
         self.process.box = self.box
         asyncio.run(old.close())
 

@@ -85,16 +85,6 @@ def _sandbox_processes(tmpdir: Path) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def agent_image(docker_image):
-    """The sandbox image plus the openai SDK (`envreg image build --pip openai`), for programs in Docker."""
-    from loopline.envregistry.images import AGENT_IMAGE, add_pip_packages, image_exists
-
-    if not image_exists(AGENT_IMAGE):
-        add_pip_packages(docker_image, AGENT_IMAGE, ("openai",))
-    return AGENT_IMAGE
-
-
 def _docker(env_file: Path, image: str) -> Path:
     spec = yaml.safe_load(env_file.read_text())
     spec["sandbox"] = {"backend": "docker", "image": image}

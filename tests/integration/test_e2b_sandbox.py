@@ -85,3 +85,72 @@ def test_e2b_without_credentials_is_an_infra_failure(monkeypatch):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     with pytest.raises(InfraFailure, match="could not create an E2B sandbox .*API key"):
         asyncio.run(open_sandbox(Sandbox(backend="e2b", template="anything")))
+
+
+@pytest.fixture
+def public_endpoint(monkeypatch, local_envd, agent_image):
+    """This process's agent endpoint listening on Docker's bridge, at the URL given as its public one, and the
+    stand-in's sandbox on that bridge with the openai SDK (as an E2B template for agents would have it)."""
+    import socket
+
+    from loopline.rollout import agent_program
+
+    gateway = "172.17.0.1"  # the host on Docker's default bridge
+    with socket.socket() as probe:
+        probe.bind((gateway, 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv(agent_program.LISTEN_VAR, f"{gateway}:{port}")
+    monkeypatch.setenv(agent_program.URL_VAR, f"http://{gateway}:{port}")
+    monkeypatch.setattr(agent_program, "_endpoint", None)
+    local_envd.reset(image=agent_image, network=True)
+    yield f"http://{gateway}:{port}"
+    if agent_program._endpoint is not None:
+        agent_program._endpoint.stop()
+    local_envd.reset()
+
+
+PRINTS_ITS_BASE_URL = """
+import json, os, sys
+from openai import OpenAI
+task = json.load(sys.stdin)
+said = OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+open("answer.txt", "w").write(os.environ["OPENAI_BASE_URL"] + " " + said.choices[0].message.content)
+"""
+
+
+def test_e2b_sdk_against_local_envd_runs_an_agent_program_that_reaches_the_model_at_its_public_url(public_endpoint, tmp_path, monkeypatch):
+    """The program in the (stood-in) E2B sandbox gets OPENAI_BASE_URL under the endpoint's public URL and its calls
+    are served there; the cloud's allow list itself is `test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint`."""
+    from loopline.rollout.chat import ChatFormat
+    from tests.integration.test_agent_program import Scripted, _env, _play
+    from tests.integration.test_train_flow import STARTER
+
+    def on_e2b(env_file):
+        import yaml
+
+        spec = yaml.safe_load(env_file.read_text()) | {"sandbox": {"backend": "e2b", "template": "loopline-agent"}}
+        env_file.write_text(yaml.safe_dump(spec))
+        return env_file
+
+    chat = ChatFormat.for_policy(STARTER)
+    answers = {}
+    original = Episode.verify
+
+    async def keep_answer(self, final):
+        answers[self.task.id] = final
+        return await original(self, final)
+
+    monkeypatch.setattr(Episode, "verify", keep_answer)
+    (probe,) = _play(on_e2b(_env(tmp_path / "probe", PRINTS_ITS_BASE_URL)), Scripted(chat, ["hello"]))
+    assert not isinstance(probe, Exception), probe
+    url, said = answers[next(iter(answers))].split(" ", 1)
+    assert url.startswith(f"{public_endpoint}/episodes/ep-") and url.endswith("/v1") and said == "hello"
+
+    # `envreg test` of the example agent, unchanged: the scripted model calls the calculator, then answers
+    from loopline.envregistry.registry import prepare
+    from loopline.rollout.agent_program import play_scripted
+
+    prepared = prepare(on_e2b(_env(tmp_path / "example", None)))
+    task = next(t for t in prepared.tasks if t.split == "train")
+    result = asyncio.run(play_scripted(prepared.spec, task))
+    assert result.infra_error is None and result.reward == 1.0 and len(result.steps) == 2, result

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -392,7 +393,8 @@ def test_a_field_added_later_at_its_default_leaves_a_specs_hash_as_it_was(tmp_pa
         ({"backend": "local"}, None),
         ({"backend": "docker", "image": "loopline-agent:bookworm"}, None),
         ({"backend": "docker", "image": "loopline-agent:bookworm", "network": True}, "network: false"),
-        ({"backend": "e2b", "template": "base"}, "e2b is not supported for it yet"),
+        ({"backend": "e2b", "template": "base"}, None),
+        ({"backend": "e2b", "template": "base", "network": True}, "network: false"),
     ],
 )
 def test_an_agent_program_runs_only_where_its_only_way_out_is_the_endpoint(tmp_path, sandbox, refused):
@@ -463,3 +465,86 @@ def test_as_root_a_temp_dir_the_agent_cannot_enter_is_one_line_before_any_episod
     finally:
         asyncio.run(box.close())
         shutil.rmtree(base)
+
+
+def _agent_on_e2b(tmp_path):
+    import yaml
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    spec = yaml.safe_load((examples / "arithmetic_agent_env.yaml").read_text()) | {"sandbox": {"backend": "e2b", "template": "base"}}
+    spec["agent"]["files"] = {"agent.py": str(examples / "arithmetic_agent.py")}
+    (tmp_path / "env.yaml").write_text(yaml.safe_dump(spec))
+    return load_spec(tmp_path / "env.yaml")
+
+
+def test_an_agent_program_on_e2b_needs_the_endpoints_public_url_before_any_episode(tmp_path, monkeypatch):
+    """E2B's cloud reaches the endpoint over the internet: without where it listens and where the cloud reaches
+    it, the run stops at once with one line naming both variables (not an infra failure retried per episode)."""
+    from loopline.rollout import agent_program
+
+    spec = _agent_on_e2b(tmp_path)
+    monkeypatch.delenv(agent_program.URL_VAR, raising=False)
+    monkeypatch.delenv(agent_program.LISTEN_VAR, raising=False)
+    with pytest.raises(LooplineError, match=f"set {agent_program.LISTEN_VAR}=HOST:PORT .* and {agent_program.URL_VAR}=URL"):
+        agent_program.check_reachable(spec)
+    monkeypatch.setenv(agent_program.URL_VAR, "https://trainer.example.com:8443")
+    monkeypatch.setenv(agent_program.LISTEN_VAR, "8765")
+    with pytest.raises(LooplineError, match="give HOST:PORT"):
+        agent_program.check_reachable(spec)
+    monkeypatch.setattr(agent_program, "_endpoint", None)
+    monkeypatch.setenv(agent_program.LISTEN_VAR, "127.0.0.1:0")
+    agent_program.check_reachable(spec)
+    assert agent_program._endpoint is not None and agent_program._endpoint.host == "127.0.0.1"
+    agent_program._endpoint.stop()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(agent_program, "_endpoint", None)
+        monkeypatch.setenv(agent_program.LISTEN_VAR, f"127.0.0.1:{taken.getsockname()[1]}")
+        with pytest.raises(LooplineError, match="cannot listen on 127.0.0.1:.*set LOOPLINE_AGENT_ENDPOINT_LISTEN to a free HOST:PORT"):
+            agent_program.check_reachable(spec)
+    monkeypatch.delenv(agent_program.URL_VAR)
+    agent_program.check_reachable(load_spec(Path(__file__).resolve().parents[2] / "examples" / "arithmetic_agent_env.yaml"))  # local
+
+
+def test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint(tmp_path, monkeypatch):
+    """What the real SDK sends E2B's control plane for an agent program's sandbox (its create call captured: the
+    cloud is not reachable here): every outbound address denied but the public URL's host, which E2B's allow
+    list lets through (allowed entries take precedence); without a model, `network` maps to internet access."""
+    import e2b
+
+    from loopline.envregistry.sandbox.base import ModelEndpoint, open_sandbox
+
+    asked = []
+
+    class Ran:
+        exit_code, stdout, stderr = 0, "", ""
+
+    class Box:
+        class commands:
+            @staticmethod
+            async def run(*args, **kwargs):
+                return Ran()
+
+        @staticmethod
+        async def kill():
+            return True
+
+    async def create(**kwargs):
+        asked.append(kwargs)
+        return Box()
+
+    monkeypatch.setattr(e2b.AsyncSandbox, "create", create)
+    spec = _agent_on_e2b(tmp_path).sandbox
+
+    async def both():
+        with_model = await open_sandbox(spec, model=ModelEndpoint("/unused.sock", "https://trainer.example.com:8443"))
+        plain = await open_sandbox(spec)
+        assert with_model.model_url(ModelEndpoint("/unused.sock", "https://trainer.example.com:8443/")) == "https://trainer.example.com:8443"
+        await with_model.close()
+        await plain.close()
+
+    asyncio.run(both())
+    assert asked[0]["network"] == {"deny_out": ["0.0.0.0/0"], "allow_out": ["trainer.example.com"]}
+    assert "allow_internet_access" not in asked[0]
+    assert asked[1]["allow_internet_access"] is False and "network" not in asked[1]

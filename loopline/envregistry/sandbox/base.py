@@ -85,7 +85,18 @@ async def collect_verdict(sandbox, result: ExecResult, verdict_path: str, user: 
     return VerifierRun(result, verdict)
 
 
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """Where an agent program's sandbox reaches the model: local and Docker sandboxes have no network and get
+    the endpoint's unix socket mounted; a cloud sandbox (E2B) reaches it over the internet at `public_url`,
+    the only address its network allows."""
+
+    socket: str
+    public_url: str | None = None
+
+
 PROGRAM_PORT = 8000  # an agent program reaches the model at http://127.0.0.1:PORT on its sandbox's own loopback
+LOOPBACK_URL = f"http://127.0.0.1:{PROGRAM_PORT}"
 MAX_PROGRAM_S = 24 * 3600.0  # (the caller enforces the episode's budget; this only bounds a forgotten one)
 # Runs inside the sandbox with its python3: accepts on 127.0.0.1:PORT and relays each connection to the socket.
 FORWARDER = """
@@ -131,10 +142,13 @@ class Sandbox(Protocol):
 
     async def read_file(self, path: str) -> str: ...
 
-    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
-        """Run the user's agent program (an env's `agent`) to its end, with `env` set and the model endpoint
-        listening on the unix socket `endpoint` reachable at http://127.0.0.1:PROGRAM_PORT, and nothing else
-        on the network. Its time limit is the caller's: it cancels the call, which kills the program."""
+    def model_url(self, endpoint: ModelEndpoint) -> str:
+        """The base URL at which a program in this sandbox reaches `endpoint` (its only way out)."""
+
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: ModelEndpoint) -> ExecResult:
+        """Run the user's agent program (an env's `agent`) to its end, with `env` set, the model `endpoint`
+        reachable at `model_url(endpoint)` and nothing else on the network (the sandbox was opened with
+        it). Its time limit is the caller's: it cancels the call, which kills the program."""
 
     async def end_agent(self) -> None:
         """Kill every process the agent started (a background process must not outlive its episode)."""
@@ -147,37 +161,37 @@ class Sandbox(Protocol):
         """Release everything; safe to call twice."""
 
 
-async def _local(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+async def _local(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.local import LocalSandbox
 
     return LocalSandbox(spec)  # (an agent program's socket is bound in when the program starts)
 
 
-async def _docker(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+async def _docker(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.docker import DockerSandbox
 
-    return await DockerSandbox.create(spec, labels, model_socket)
+    return await DockerSandbox.create(spec, labels, model.socket if model else None)
 
 
-async def _e2b(spec: env_spec.Sandbox, labels: dict[str, str] | None, model_socket: str | None) -> Sandbox:
+async def _e2b(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.e2b import E2BSandbox
 
-    return await E2BSandbox.create(spec, labels)  # (agent programs are refused for e2b when the spec is read)
+    return await E2BSandbox.create(spec, labels, model)
 
 
 # The backends by the name a spec's `sandbox.backend` gives; a module is imported only when its backend is used.
-BACKENDS: dict[str, Callable[[env_spec.Sandbox, dict[str, str] | None, str | None], Awaitable[Sandbox]]] = {
+BACKENDS: dict[str, Callable[[env_spec.Sandbox, dict[str, str] | None, ModelEndpoint | None], Awaitable[Sandbox]]] = {
     "local": _local, "docker": _docker, "e2b": _e2b,
 }
 
 
-async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> Sandbox:
-    """Start a sandbox of the declared backend and run its setup commands. `model_socket`: the endpoint an
-    agent program will call (a container can only have it mounted when it is created)."""
+async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> Sandbox:
+    """Start a sandbox of the declared backend and run its setup commands. `model`: the endpoint an agent
+    program will call (a container gets its socket, a cloud sandbox its network rule, only when made)."""
     make = BACKENDS.get(spec.backend)
     if make is None:
         raise InfraFailure(f"no sandbox backend {spec.backend!r}; the backends are: {', '.join(BACKENDS)}")
-    sandbox = await make(spec, labels, model_socket)
+    sandbox = await make(spec, labels, model)
     try:
         for command in spec.setup:
             result = await sandbox.exec(command, timeout_s=300)

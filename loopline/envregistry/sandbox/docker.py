@@ -23,7 +23,8 @@ import time
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
 from loopline.envregistry.sandbox.base import (
-    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, blocking, collect_verdict, program_script, verifier_env,
+    LOOPBACK_URL, MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, blocking, collect_verdict, program_script,
+    verifier_env,
 )
 from loopline.holder import process_alive
 
@@ -178,10 +179,13 @@ class DockerSandbox:
             command = f"({command}) < {PLUMBING_DIR}/stdin"
         return await blocking(self._exec, command, timeout_s)
 
-    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
+    def model_url(self, endpoint: ModelEndpoint) -> str:
+        return LOOPBACK_URL
+
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: ModelEndpoint) -> ExecResult:
         """As uid 1000, in a container whose only way out is the endpoint's socket, mounted when the container
-        was made (`open_sandbox(model_socket=...)`)."""
-        if self.model_socket != endpoint:
+        was made (`open_sandbox(model=...)`)."""
+        if self.model_socket != endpoint.socket:
             raise InfraFailure("this sandbox was made without the model endpoint mounted; an agent program cannot reach it")
         await self.write_file(f"{PLUMBING_DIR}/stdin", stdin, user=VERIFIER)
         script = f"({program_script(command, MODEL_SOCKET)}) < {PLUMBING_DIR}/stdin"

@@ -8,16 +8,25 @@ abandoned by the client. The agent's commands run as E2B's unprivileged
 `user`; the verifier runs as `root` in `/verify` (mode 0700, a tmpfs of its
 own where the sandbox allows mounting), after every process of `user` has
 been killed, and runs the agent's code only through `setpriv` back to `user`.
+
+An agent program (an env's `agent`) reaches the model over the internet: its sandbox is made with every
+outbound address denied but the host of the endpoint's public URL (E2B's `network` allow list, which
+takes precedence over the deny list), and the episode's unguessable key in the URL is what admits it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 import shlex
 import time
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import UTF8, ExecResult, InfraFailure, VerifierRun, collect_verdict, verifier_env
+from urllib.parse import urlsplit
+
+from loopline.envregistry.sandbox.base import (
+    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, collect_verdict, verifier_env,
+)
 
 AGENT = "user"  # E2B's default unprivileged user
 VERIFIER = "root"
@@ -34,17 +43,18 @@ class E2BSandbox:
         self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, asked on first verification
 
     @classmethod
-    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None) -> "E2BSandbox":
-        from e2b import AsyncSandbox
+    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "E2BSandbox":
+        from e2b import ALL_TRAFFIC, AsyncSandbox
         from e2b.exceptions import AuthenticationException, SandboxException, ServiceBusyException
 
+        if model is None:
+            network: dict = {"allow_internet_access": spec.network}
+        elif not model.public_url:
+            raise InfraFailure("an agent program in an E2B sandbox needs the model endpoint's public URL (LOOPLINE_AGENT_ENDPOINT_URL)")
+        else:  # (the spec has `network: false` for an agent program: the endpoint is its only way out)
+            network = {"network": {"deny_out": [ALL_TRAFFIC], "allow_out": [urlsplit(model.public_url).hostname]}}
         try:
-            sandbox = await AsyncSandbox.create(
-                template=spec.template,
-                timeout=SANDBOX_LIFETIME_S,
-                metadata=labels or {},
-                allow_internet_access=spec.network,
-            )
+            sandbox = await AsyncSandbox.create(template=spec.template, timeout=SANDBOX_LIFETIME_S, metadata=labels or {}, **network)
         except (SandboxException, AuthenticationException, ServiceBusyException) as exc:
             raise InfraFailure(f"could not create an E2B sandbox from template {spec.template!r}: {exc}") from None
         box = cls(spec, sandbox)
@@ -128,6 +138,18 @@ class E2BSandbox:
             raise FileNotFoundError(path) from None
         except SandboxException as exc:
             raise InfraFailure(f"could not read {path} in the E2B sandbox: {exc}") from None
+
+    def model_url(self, endpoint: ModelEndpoint) -> str:
+        assert endpoint.public_url is not None  # (checked when the sandbox was made)
+        return endpoint.public_url.rstrip("/")
+
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: ModelEndpoint) -> ExecResult:
+        """As `user`, in a sandbox whose network reaches only the endpoint's host (`create(model=...)`)."""
+        try:
+            return await self.exec(command, MAX_PROGRAM_S, stdin=stdin, envs={"HOME": self.spec.workdir, **env})
+        except asyncio.CancelledError:  # the episode's budget is spent: the program and what it started go now
+            await asyncio.shield(self.end_agent())
+            raise
 
     async def end_agent(self) -> None:
         # As `user`, `kill -1` reaches every process of the agent (and this command itself: its exit

@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
-from loopline.envregistry.sandbox.base import MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, VerifierRun, program_script, verifier_env
+from loopline.envregistry.sandbox.base import (
+    LOOPBACK_URL, MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, program_script, verifier_env,
+)
 from loopline.holder import process_alive
 
 OUTPUT_LIMIT = 64 * 1024
@@ -130,7 +132,10 @@ class LocalSandbox:
         argv = [*self.agent_prefix(), "/bin/sh", "-c", command]  # (isolated: the limits are in the prefix)
         return await self._run(argv, self.root, timeout_s, stdin, {"HOME": str(self.root)}, limited=not self.isolated)
 
-    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: str) -> ExecResult:
+    def model_url(self, endpoint: ModelEndpoint) -> str:
+        return LOOPBACK_URL
+
+    async def run_program(self, command: str, stdin: str, env: dict[str, str], endpoint: ModelEndpoint) -> ExecResult:
         """In bwrap's empty network namespace the endpoint's socket is bound in as one file (the agent can
         neither replace it nor reach any other socket) and a forwarder on the sandbox's own loopback gives the
         program a plain http://127.0.0.1:PORT, so that any HTTP client works unchanged."""
@@ -138,7 +143,7 @@ class LocalSandbox:
             raise InfraFailure("an agent program runs only in the local backend's isolated sandbox (bubblewrap, network off)")
         prefix = self.agent_prefix()
         at = prefix.index("--chdir")
-        prefix[at:at] = ["--bind", endpoint, PROGRAM_SOCKET]  # (a bind mount: not removable from inside)
+        prefix[at:at] = ["--bind", endpoint.socket, PROGRAM_SOCKET]  # (a bind mount: not removable from inside)
         script = program_script(command, PROGRAM_SOCKET)
         return await self._run([*prefix, "/bin/sh", "-c", script], self.root, MAX_PROGRAM_S, stdin, {"HOME": str(self.root), **env})
 
