@@ -26,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -206,7 +206,7 @@ class LocalEngine:
     ):
         self.model = load_model(model_dir)
         self.model_dir = Path(model_dir)
-        self._tokenizer = None  # loaded by the first request with stop strings
+        self._tokenizer: Any = None  # loaded by the first request with stop strings
         self._version = version
         self.max_batch = max_batch
         self.request_timeout_s = request_timeout_s
@@ -217,7 +217,7 @@ class LocalEngine:
         self._active: list[_Request] = []
         self._slab = KVSlab(max_batch)  # the running requests' caches
         self._update: _WeightUpdate | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # (a new one with each scheduling task: `_kick`)
         self._task: asyncio.Task | None = None
         self._seeds = itertools.count(1)
         self.batch_sizes: list[int] = []  # per decode step, for benchmarks and tests
@@ -378,11 +378,13 @@ class LocalEngine:
         if admit:
             self._prefill(admit)
             for request in admit:
+                assert request.kv is not None  # (the prefill gave it)
                 self._slab.place(request, request.kv)
                 request.kv = None  # the slab's row holds it now
         self._active.extend(admit)
 
-        finished, running = [], []
+        finished: list[_Request] = []
+        running: list[_Request] = []
         for request in self._active:
             token, logprob, truncated = sample_token(request.next_logits, request.sampling, request.generator)
             request.tokens.append(token)
@@ -433,7 +435,7 @@ class LocalEngine:
             request.kv, request.next_logits = kv, logits
             request.logits_version = request.kv_version = self._version
 
-    def _forward(self, rows: list[tuple[Sequence[int], int, KV | None]]) -> list[tuple[KV, torch.Tensor]]:
+    def _forward(self, rows: Sequence[tuple[Sequence[int], int, Any]]) -> list[tuple[KV, torch.Tensor]]:
         """Run each row's ids after its first `cached` ones, whose keys and values `kv` holds; return each
         row's whole cache and last logits. Layout per row: [pad][cached][pad][new], the pads masked out."""
         from transformers import DynamicCache
@@ -454,12 +456,12 @@ class LocalEngine:
                 cache.update(parts[0], parts[1], layer)
         ids, mask, positions = [], [], []
         for prompt, cached, _ in rows:
-            new = len(prompt) - cached
-            pad = longest_new - new
+            fresh = len(prompt) - cached
+            pad = longest_new - fresh
             ids.append([0] * pad + list(prompt[cached:]))
-            mask.append([0] * (longest_cached - cached) + [1] * cached + [0] * pad + [1] * new)
+            mask.append([0] * (longest_cached - cached) + [1] * cached + [0] * pad + [1] * fresh)
             positions.append([0] * pad + list(range(cached, len(prompt))))
-            self.prefill_tokens["computed"] += new
+            self.prefill_tokens["computed"] += fresh
             self.prefill_tokens["reused"] += cached
         out = self.model(
             torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions), cache=cache,

@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+from typing import Any
 
 from loopline.rollout.engine import EngineError
 from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
@@ -48,7 +49,7 @@ class OpenAIServer:
             os.chmod(unix_path, 0o777)  # (an agent runs as another uid when loopline runs as root)
             unix.listen(128)
             self._sockets.append(unix)
-        self._server = None
+        self._server: Any = None  # a uvicorn.Server once started
         self._thread: threading.Thread | None = None
 
     @property
@@ -141,13 +142,11 @@ class OpenAIServer:
         # (log_config None: uvicorn's own dictConfig would install handlers on the process's logging, bound
         # to the stream of the moment; its records go where the process sends warnings)
         config = uvicorn.Config(self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True
-        )
+        server = self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 10
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the OpenAI-compatible endpoint did not start on {self.url}")
             time.sleep(0.01)

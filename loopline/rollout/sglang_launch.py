@@ -188,7 +188,7 @@ class LaunchedSGLang:
 
     def stop(self) -> None:
         for server in self.servers:
-            if server.alive():
+            if server.process is not None and server.alive():
                 server.process.terminate()
         for server in self.servers:
             if server.process is None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from loopline.trainer.backends import init_distributed
+from loopline.trainer.backends import BackendName, init_distributed
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, StepResult, computing_threads
 
@@ -43,7 +43,7 @@ def _announce(*command) -> None:
 class LeadingLearner(Learner):
     """Rank 0's learner: every call the other ranks must make too is announced to them first."""
 
-    def __init__(self, model_dir: str | Path, config: LearnerConfig, backend: str = "deepspeed"):
+    def __init__(self, model_dir: str | Path, config: LearnerConfig, backend: BackendName = "deepspeed"):
         _announce("new", str(model_dir), config, backend)
         super().__init__(model_dir, config, backend)
 
@@ -61,7 +61,7 @@ class LeadingLearner(Learner):
         return super().load_checkpoint(directory)
 
 
-def build_learner(model_dir: str | Path, config: LearnerConfig, backend: str = "deepspeed") -> Learner:
+def build_learner(model_dir: str | Path, config: LearnerConfig, backend: BackendName = "deepspeed") -> Learner:
     """This process's learner; on rank 0 of a launched learner, one the other ranks follow."""
     return (LeadingLearner if _channel is not None else Learner)(model_dir, config, backend)
 
@@ -71,7 +71,7 @@ def follow() -> None:
     too (same batch, same reduced gradients); what happens next is rank 0's to decide."""
     learner: Learner | None = None
     while True:
-        box = [None]
+        box: list[Any] = [None]
         torch.distributed.broadcast_object_list(box, src=0, group=_channel)
         kind, *args = box[0]
         if kind == "stop":
@@ -79,6 +79,8 @@ def follow() -> None:
         if kind == "new":
             learner = None  # the old replica goes before the new one is built, as on rank 0
             learner = Learner(*args)
+        elif learner is None:
+            raise RuntimeError(f"learner command {kind!r} from rank 0 before any learner was built")
         elif kind == "rl_step":
             *step, threads = args
             try:

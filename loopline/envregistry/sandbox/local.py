@@ -120,8 +120,10 @@ class LocalSandbox:
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise
+        code = 137 if timed_out else proc.returncode
+        assert code is not None  # (communicate() waited for the process)
         return ExecResult(
-            exit_code=proc.returncode if not timed_out else 137,
+            exit_code=code,
             stdout=out[:OUTPUT_LIMIT].decode(errors="replace"),
             stderr=err[:OUTPUT_LIMIT].decode(errors="replace"),
             seconds=time.monotonic() - start,
