@@ -172,23 +172,14 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         if learner is None:
             raise LooplineError(f"run {config.name}: v{state.policy_version} was never exported and the run has no step left to rebuild it")
         weights = assembly.export_restored(parts, learner, state.policy_version)
-    ctx = LoopContext(
-        run_id=run_id,
-        session_factory=parts.session_factory(),
+    ctx = LoopContext.for_run(
+        config, run_id, parts.session_factory(),
         engine=assembly.build_run_engine(parts, weights, state.policy_version, adapters=True),
-        adapters=config.syncs_adapters,
         binding=assembly.build_binding(parts),
         learning=LearnerSide.for_run(
             config, learner, workdir, state.policy_version, state.last_checkpoint.uri if state.last_checkpoint else "",
             restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
         ),
-        groups_per_step=config.groups_per_step,
-        group_size=config.group_size,
-        concurrency=config.concurrency,
-        seed=config.seed,
-        max_attempts=config.max_attempts,
-        in_flight=config.in_flight,
-        lease_seconds=config.lease_seconds,
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it
     )
     return PreparedRun(parts, ctx, state.next_learner_step)

@@ -29,6 +29,7 @@ from sqlmodel import Session
 
 from loopline import activity, holder
 from loopline.envregistry.tasks import Task
+from loopline.config import RunConfig
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
@@ -77,6 +78,18 @@ class LoopContext(RolloutContext):
     # The process that drives the run (its holder name): a learner commit is refused once another process has
     # taken the run over (fencing). None: not checked (a learner driven by hand, the tests of the stages).
     driver: str | None = None
+
+    @classmethod
+    def for_run(
+        cls, config: RunConfig, run_id: uuid.UUID, session_factory: Callable[[], Session], engine: Engine, binding: Binding,
+        learning: LearnerSide, driver: str | None,
+    ) -> "LoopContext":
+        """A run's loop: its sizes and policies as its config says, around the live handles."""
+        return cls(
+            run_id=run_id, session_factory=session_factory, engine=engine, binding=binding, learning=learning, driver=driver,
+            groups_per_step=config.groups_per_step, group_size=config.group_size, concurrency=config.concurrency, seed=config.seed,
+            max_attempts=config.max_attempts, in_flight=config.in_flight, lease_seconds=config.lease_seconds, adapters=config.syncs_adapters,
+        )
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         return self.learning.held_weights(version)
