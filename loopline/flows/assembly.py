@@ -233,6 +233,5 @@ def restore_learner(
         if step is None:
             raise LooplineError(f"{checkpoint}: the checkpoint does not say which learner step it holds")
         restored = int(step)
-    each = (lambda step: after_each(learner, step)) if after_each is not None else None
-    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, through_step + 1), each)
+    stages.replay(learner, parts.session_factory(), parts.run_id, range(restored + 1, through_step + 1), after_each)
     return learner

@@ -78,6 +78,13 @@ class Generation:
     def mixed_versions(self) -> bool:
         return len({s.version for s in self.version_spans}) > 1
 
+    def recorded_spans(self, kept: int | None = None) -> list[dict[str, int]] | None:
+        """A segment's `version_spans` for the first `kept` tokens (all by default): None when one version
+        generated them all (the segment's `policy_version` says which)."""
+        n = len(self.token_ids) if kept is None else kept
+        spans = [{"version": s.version, "start": s.start, "end": min(s.end, n)} for s in self.version_spans if s.start < n]
+        return spans if len({s["version"] for s in spans}) > 1 else None
+
 
 def spans_from_versions(token_versions: Sequence[int]) -> tuple[VersionSpan, ...]:
     spans: list[VersionSpan] = []

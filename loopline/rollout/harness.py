@@ -116,7 +116,7 @@ async def _turns(engine, setup: EpisodeSetup, episode: Episode, ids, request_id,
             logprob_semantics=gen.logprob_semantics,
             sampling_config=sampling.to_dict(),
             tool_events=events,
-            version_spans=[vars(s) for s in gen.version_spans] if gen.mixed_versions else None,
+            version_spans=gen.recorded_spans(),
             started_at=started,
             ended_at=_now(),
         )

@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams, VersionSpan
+from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
 from loopline.types import SegmentRecord
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -288,15 +288,13 @@ class AgentEpisode:
         self.generated += len(generated)  # (all of it: the engine spent them)
         kept, text, stopped = cut_at_stop(self.chat, generated, call.stop)
         logprobs = list(gen.logprobs[: len(kept)])
-        spans = [vars(VersionSpan(s.version, s.start, min(s.end, len(kept)))) for s in gen.version_spans if s.start < len(kept)]
         self.segments.append(SegmentRecord(
             request_id=rid, policy_version=gen.policy_version, tokenizer_version=self.chat.version, prompt_ids=ids,
             generated_ids=kept, action_loss_mask=[1] * len(kept), rollout_logprobs=logprobs,
             logprob_semantics=gen.logprob_semantics, sampling_config=sampling.to_dict(),
-            version_spans=spans if gen.mixed_versions else None, started_at=started, ended_at=_now(),
+            version_spans=gen.recorded_spans(len(kept)), started_at=started, ended_at=_now(),
         ))
-        finish = "stop" if stopped else ("length" if gen.finish_reason == "length" else "stop")
-        return _Reply(ids, kept, text, logprobs, finish)
+        return _Reply(ids, kept, text, logprobs, "length" if gen.finish_reason == "length" and not stopped else "stop")
 
 
 @dataclass(frozen=True)

@@ -193,12 +193,12 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
 
 def replay(
     learner: Learner, session_factory: Callable[[], Session], run_id: uuid.UUID, steps: range,
-    after_each: Callable[[int], None] | None = None,
+    after_each: Callable[[Learner, int], None] | None = None,
 ) -> None:
     """Bring a learner restored from an older checkpoint (or from the initial weights) up to the last
     committed step: retrain each step's recorded batch, in the order it was trained, with the thread count
     it was trained with. On CPU this gives the same weights bit for bit, under any load (the chaos tests
-    compare them). `after_each(step)`: called with each step's weights in the learner (`loopline replay`
+    compare them). `after_each(learner, step)`: called with each step's weights in the learner (`loopline replay`
     compares every step on the way)."""
     for step in steps:
         with session_factory() as s:
@@ -208,7 +208,7 @@ def replay(
         with computing_threads(threads):
             learner.rl_step(sequences, trained_version=step - 1)
         if after_each is not None:
-            after_each(step)
+            after_each(learner, step)
 
 
 async def sync_weights(ctx: RolloutContext) -> int:

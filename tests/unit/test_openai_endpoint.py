@@ -183,3 +183,13 @@ def test_completion_prompts_given_as_ids_are_taken_as_they_are_and_an_unrelated_
         with pytest.raises(openai.BadRequestError, match="stop: a non-empty string"):
             client.completions.create(model="policy", prompt="x", stop=["a", "b", "c", "d", "e"])
     assert engine.prompts[0] == ids
+
+
+def test_a_segment_records_version_spans_only_over_the_tokens_it_keeps():
+    """A weight sync mid-generation: v3 made tokens 0-1, v4 tokens 2-4. Cut after 2 tokens (a stop string) the
+    segment is all v3 (no spans: its policy_version says it); cut after 3 it names both, the second span cut."""
+    gen = Generation((5, 6, 7, 8, 9), (-0.1,) * 5, "stop", (VersionSpan(3, 0, 2), VersionSpan(4, 2, 5)))
+    assert gen.recorded_spans() == [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2, "end": 5}]
+    assert gen.recorded_spans(3) == [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2, "end": 3}]
+    assert gen.recorded_spans(2) is None
+    assert Generation((5,), (-0.1,), "stop", (VersionSpan(3, 0, 1),)).recorded_spans() is None
