@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 from rich.console import Console
 from rich.text import Text
 
+from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.errors import LooplineError
 from loopline.rollout.engine import EngineError
 from loopline.store.errors import is_database_outage
@@ -33,7 +34,8 @@ class _UserErrorsOnce(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], LooplineError):
             return False
-        if record.exc_info and is_database_outage(record.exc_info[1]):  # each retry's line, without its traceback
+        # each retry's line, without its traceback: failures outside loopline's code, which `friendly_errors` says once
+        if record.exc_info and (is_database_outage(record.exc_info[1]) or isinstance(record.exc_info[1], (EngineError, InfraFailure))):
             record.exc_info, record.exc_text = None, None
         message = record.getMessage()
         return not any(f"{name}:" in message or f"{name}(" in message for name in _user_error_names())
@@ -66,6 +68,14 @@ def friendly_errors(fn: F) -> F:
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             print_error(f"{exc}; fix that and run the command again (nothing committed is lost; a run resumes where it stopped)")
+            sys.exit(1)
+        except InfraFailure as exc:  # a sandbox still failing after the retries (an evaluation's episode)
+            if os.environ.get("LOOPLINE_DEBUG"):
+                raise
+            print_error(
+                f"a sandbox kept failing: {str(exc).strip()}; check the environment on its own (`envreg test ENV`), then run "
+                "the command again (nothing committed is lost; a run resumes where it stopped)"
+            )
             sys.exit(1)
         except Exception as exc:
             if os.environ.get("LOOPLINE_DEBUG") or not is_database_outage(exc):

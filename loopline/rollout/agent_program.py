@@ -125,7 +125,7 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
         if calls.engine_error:
             raise EngineError(f"episode {request_id}: {calls.engine_error}")
         if not calls.segments and not calls.discarded_calls:
-            detail = f"exit {result.exit_code}: {(result.stderr or result.stdout)[-400:]}" if result else "stopped by the wall-time budget"
+            detail = f"exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-400:]}" if result else "stopped by the wall-time budget"
             raise InfraFailure(f"the agent program `{spec.agent.command}` never called the model ({detail})")
         try:
             final = await env_episode.sandbox.read_file(ANSWER_FILE)

@@ -38,6 +38,19 @@ def group_states(session: Session, run_id: uuid.UUID) -> dict[str, int]:
     return states
 
 
+def last_infra_failure(session: Session, run_id: uuid.UUID) -> str | None:
+    """What the run's newest infra-failed attempt said (`error_class: error_text`): why a step may have no
+    group left to train on."""
+    row = q(
+        session,
+        "SELECT error_class, error_text FROM attempt WHERE run_id = :r AND status = 'infra_failed' "
+        "ORDER BY ended_at DESC NULLS LAST LIMIT 1",
+        r=run_id,
+    ).first()
+    session.rollback()
+    return f"{row[0]}: {(row[1] or '').strip()}" if row else None
+
+
 def _group_states(session: Session, run_id: uuid.UUID) -> dict[str, int]:
     rows = q(session, "SELECT state, count(*) FROM rollout_group WHERE run_id = :r GROUP BY state", r=run_id)
     return {state: n for state, n in rows}

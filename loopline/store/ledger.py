@@ -68,6 +68,7 @@ from loopline.store.commits import (
 )
 from loopline.store.learning import (
     claim_learner_batch,
+    last_infra_failure,
     commit_learner_step,
     complete_groups,
     group_states,
@@ -89,6 +90,7 @@ __all__ = [
     "BulkMethod",
     "VersionWeights",
     "claim_learner_batch",
+    "last_infra_failure",
     "claim_slots",
     "commit_learner_step",
     "commit_trajectories",

@@ -152,8 +152,13 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
         if batch.already_committed:
             return None
-        if batch.empty:
-            raise RuntimeError(f"learner step {step}: no complete group to train on")
+        if batch.empty:  # every group of the step was dropped: its slots kept failing outside the policy
+            failure = ledger.last_infra_failure(s, ctx.run_id)
+            raise LooplineError(
+                f"learner step {step}: no group to train on: each was dropped after {ctx.max_attempts} infrastructure failures of "
+                f"a sample{f'; the last: {failure}' if failure else ''}. Check the environment on its own (`envreg test ENV`), "
+                "then resume (loopline train --resume RUN)"
+            )
         sequences = load_sequences(s, batch.trajectory_ids)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_two_continuous_workers_share_a_run(tiny_dirs, binding, engine, db, run)
     assert ledger.group_states(db, run.id) == {"complete": 6}
 
 
-def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, engine, db, run):
+def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, engine, db, run, tmp_path):
     broken_spec = binding.setup.spec.model_copy(
         update={"sandbox": binding.setup.spec.sandbox.model_copy(update={"backend": "docker", "image": "loopline-missing:0"})}
     )
@@ -70,6 +71,22 @@ def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, e
     assert stats.committed == 0 and stats.infra_failed >= 2
     assert ledger.group_states(db, run.id) == {"dropped": 1}
     assert _count(db, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run.id) == 0  # never a reward of 0
+
+    # the learner step then has nothing to train on, and says why in one line (the last infra failure) and what to do
+    from loopline.errors import LooplineError
+    from loopline.tasks.learner_side import LearnerSide
+    from loopline.tasks.stages import LoopContext, learn
+
+    ctx = LoopContext(
+        run_id=run.id, session_factory=lambda: new_session(engine), engine=None, binding=broken, concurrency=2, max_attempts=2,
+        learning=LearnerSide(learner=None, workdir=tmp_path), groups_per_step=1, group_size=2,
+    )
+    expected = (
+        "learner step 1: no group to train on: each was dropped after 2 infrastructure failures of a sample; the last: InfraFailure: "
+        "sandbox image 'loopline-missing:0' is missing; build it with `envreg image build`. Check the environment on its own"
+    )
+    with pytest.raises(LooplineError, match=re.escape(expected)):
+        learn(ctx, 1, max_groups=1)
 
 
 def test_staleness_gate_holds_work_until_the_engine_catches_up(tiny_dirs, binding, engine, db, run):

@@ -194,6 +194,32 @@ def test_a_ledger_outage_reaches_the_terminal_as_one_line_and_prefects_retries_w
     assert _UserErrorsOnce().filter(retry) and retry.exc_info is None  # the line stays, its traceback goes
 
 
+def test_a_sandbox_that_kept_failing_reaches_the_terminal_as_one_line_that_says_what_to_do(capsys):
+    """Seen with an agent program that could not import its framework: its evaluation's episodes failed every
+    retry, and the user got two rich tracebacks (Prefect's and the CLI's) around the one line that mattered."""
+    import logging
+
+    from loopline.cli_support import _UserErrorsOnce, friendly_errors
+    from loopline.envregistry.sandbox.base import InfraFailure
+
+    failed = InfraFailure("the agent program `python3 agent.py` never called the model (exit 1: No module named smolagents)")
+
+    @friendly_errors
+    def command() -> None:
+        raise failed
+
+    with pytest.raises(SystemExit) as exit:
+        command()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 1 and lines == [
+        "error: a sandbox kept failing: the agent program `python3 agent.py` never called the model (exit 1: No module named "
+        "smolagents); check the environment on its own (`envreg test ENV`), then run the command again (nothing committed is "
+        "lost; a run resumes where it stopped)"
+    ]
+    retry = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed; retry 7/7", None, (InfraFailure, failed, None))
+    assert _UserErrorsOnce().filter(retry) and retry.exc_info is None
+
+
 
 def test_train_takes_a_config_as_a_dict_or_a_runconfig_from_python(tmp_path, monkeypatch):
     """`train(config)` from Python: a dict or RunConfig becomes a file the flow can pass on (relative env and
