@@ -66,7 +66,13 @@ def check_reachable(spec: EnvSpec) -> None:
             f"set {LISTEN_VAR}=HOST:PORT (where this process listens) and {URL_VAR}=URL (where E2B reaches it, "
             "e.g. https://trainer.example.com:8443 through your TLS proxy)"
         )
-    endpoint()  # (listening now: an address in use is this one line, not a failure of every episode)
+    host, port = _listen_address()
+    server = endpoint()  # (listening now: an address in use is this one line, not a failure of every episode)
+    if server.host != host or port not in (0, server.port):
+        raise LooplineError(
+            f"this process's agent endpoint already listens on {server.host}:{server.port}, started before {LISTEN_VAR} "
+            "was set: run in a new process"
+        )
 
 
 def endpoint() -> OpenAIServer:

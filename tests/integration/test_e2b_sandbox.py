@@ -154,3 +154,27 @@ def test_e2b_sdk_against_local_envd_runs_an_agent_program_that_reaches_the_model
     task = next(t for t in prepared.tasks if t.split == "train")
     result = asyncio.run(play_scripted(prepared.spec, task))
     assert result.infra_error is None and result.reward == 1.0 and len(result.steps) == 2, result
+
+
+def test_e2b_sdk_against_local_envd_stops_an_agent_program_at_its_wall_time(public_endpoint, tmp_path):
+    """A program past `budgets.wall_time_s` is killed in its (stood-in) E2B sandbox, as E2B's `user`, and the
+    episode is truncated, not waited out; a program that crashes after calling the model failed its task."""
+    import time
+
+    import yaml
+
+    from loopline.rollout.chat import ChatFormat
+    from tests.integration.test_agent_program import CRASH_AFTER_A_CALL, SLOW_PROGRAM, Scripted, _env, _play
+    from tests.integration.test_train_flow import STARTER
+
+    def on_e2b(env_file):
+        spec = yaml.safe_load(env_file.read_text()) | {"sandbox": {"backend": "e2b", "template": "loopline-agent"}}
+        env_file.write_text(yaml.safe_dump(spec))
+        return env_file
+
+    chat = ChatFormat.for_policy(STARTER)
+    (crashed,) = _play(on_e2b(_env(tmp_path / "a", CRASH_AFTER_A_CALL)), Scripted(chat, ["x"]))
+    assert crashed.failure_type == "task_failed" and crashed.info["exit_code"] == 1 and "gave up" in crashed.info["stderr"]
+    started = time.monotonic()
+    (slow,) = _play(on_e2b(_env(tmp_path / "b", SLOW_PROGRAM, wall_time_s=5)), Scripted(chat, ["x"]))
+    assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and time.monotonic() - started < 25

@@ -483,6 +483,7 @@ def test_an_agent_program_on_e2b_needs_the_endpoints_public_url_before_any_episo
     from loopline.rollout import agent_program
 
     spec = _agent_on_e2b(tmp_path)
+    monkeypatch.setattr(agent_program, "_endpoint", None)  # (none started by an earlier test in this process)
     monkeypatch.delenv(agent_program.URL_VAR, raising=False)
     monkeypatch.delenv(agent_program.LISTEN_VAR, raising=False)
     with pytest.raises(LooplineError, match=f"set {agent_program.LISTEN_VAR}=HOST:PORT .* and {agent_program.URL_VAR}=URL"):
@@ -494,8 +495,12 @@ def test_an_agent_program_on_e2b_needs_the_endpoints_public_url_before_any_episo
     monkeypatch.setattr(agent_program, "_endpoint", None)
     monkeypatch.setenv(agent_program.LISTEN_VAR, "127.0.0.1:0")
     agent_program.check_reachable(spec)
-    assert agent_program._endpoint is not None and agent_program._endpoint.host == "127.0.0.1"
-    agent_program._endpoint.stop()
+    started = agent_program._endpoint
+    assert started is not None and started.host == "127.0.0.1"
+    monkeypatch.setenv(agent_program.LISTEN_VAR, "127.0.0.2:0")  # set after this process's endpoint started elsewhere
+    with pytest.raises(LooplineError, match=f"already listens on 127.0.0.1:{started.port}, started before {agent_program.LISTEN_VAR}"):
+        agent_program.check_reachable(spec)
+    started.stop()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
