@@ -24,12 +24,12 @@ from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.config import EngineSettings, RunConfig, load_config, parse_config
+from loopline.rollout import agent_program
 from loopline.rollout.actions import tool_schemas
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineRequest
-from loopline.rollout import agent_program
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db

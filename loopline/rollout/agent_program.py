@@ -26,13 +26,14 @@ import threading
 import time
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint
 from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
 from loopline.envregistry.spec import ANSWER_FILE, EnvSpec
-from loopline.errors import LooplineError
 from loopline.envregistry.tasks import Task
+from loopline.errors import LooplineError
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import EngineError, Generation, Sampler, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
@@ -66,6 +67,9 @@ def check_reachable(spec: EnvSpec) -> None:
             f"set {LISTEN_VAR}=HOST:PORT (where this process listens) and {URL_VAR}=URL (where E2B reaches it, "
             "e.g. https://trainer.example.com:8443 through your TLS proxy)"
         )
+    url = urlsplit(os.environ[URL_VAR])
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise LooplineError(f"{URL_VAR}={os.environ[URL_VAR]!r}: give the URL at which E2B reaches this process, e.g. https://trainer.example.com:8443")
     host, port = _listen_address()
     server = endpoint()  # (listening now: an address in use is this one line, not a failure of every episode)
     if server.host != host or port not in (0, server.port):

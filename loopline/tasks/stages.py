@@ -152,6 +152,8 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
         if batch.already_committed:
             return None
+        if batch.empty and batch.stale_dropped:
+            raise RuntimeError(f"learner step {step}: its {batch.stale_dropped} complete groups were older than max_staleness")
         if batch.empty:  # every group of the step was dropped: its slots kept failing outside the policy
             failure = ledger.last_infra_failure(s, ctx.run_id)
             raise LooplineError(

@@ -488,6 +488,10 @@ def test_an_agent_program_on_e2b_needs_the_endpoints_public_url_before_any_episo
     monkeypatch.delenv(agent_program.LISTEN_VAR, raising=False)
     with pytest.raises(LooplineError, match=f"set {agent_program.LISTEN_VAR}=HOST:PORT .* and {agent_program.URL_VAR}=URL"):
         agent_program.check_reachable(spec)
+    monkeypatch.setenv(agent_program.URL_VAR, "trainer.example.com:8443")
+    monkeypatch.setenv(agent_program.LISTEN_VAR, "0.0.0.0:8765")
+    with pytest.raises(LooplineError, match="give the URL at which E2B reaches this process"):
+        agent_program.check_reachable(spec)
     monkeypatch.setenv(agent_program.URL_VAR, "https://trainer.example.com:8443")
     monkeypatch.setenv(agent_program.LISTEN_VAR, "8765")
     with pytest.raises(LooplineError, match="give HOST:PORT"):

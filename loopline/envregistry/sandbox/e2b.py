@@ -20,10 +20,9 @@ import asyncio
 import posixpath
 import shlex
 import time
-
-from loopline.envregistry import spec as env_spec
 from urllib.parse import urlsplit
 
+from loopline.envregistry import spec as env_spec
 from loopline.envregistry.sandbox.base import (
     MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, collect_verdict, verifier_env,
 )
