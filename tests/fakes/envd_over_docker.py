@@ -109,7 +109,11 @@ class EnvdOverDocker:
                 await _respond(send, 404, b"not implemented by the local envd")
 
         self.server = BackgroundServer(app, ENVD_PORT)
-        self.server.start(f"local envd on port {ENVD_PORT}")
+        try:
+            self.server.start(f"local envd on port {ENVD_PORT}")
+        except BaseException:  # (the port taken, e.g. by another test session: its container must not outlive it)
+            asyncio.run(self.box.close())
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
