@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from loopline import allocator
-from loopline.cli_support import console, friendly_errors
+from loopline.cli_support import console, friendly_errors, on_stop, output_to_log, run_cli, stop_on_signals
 from loopline.store import db as store_db
 from loopline.store import migrate
 from loopline.errors import LooplineError
@@ -23,19 +23,9 @@ models_app = typer.Typer(help="Starter policies.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    """SIGTERM (docker stop, systemd, a supervisor) ends a command as an exception, not on the spot: its
-    `finally` blocks and exit handlers run, and the last process using the embedded PostgreSQL stops it.
-    (Inside a flow run Prefect turns SIGTERM into its own TerminationSignal the same way.)"""
-    raise SystemExit(128 + signum)
-
-
 @app.callback()
 def _process(ctx: typer.Context) -> None:
-    import signal
-
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    stop_on_signals()
     # before any tensor: the learner's and the engine's peak memory depend on it. Not for `models` (the tiny
     # starter's SFT allocates many mid-size tensors and ran ~2x slower with every one of them mmap'd)
     if ctx.invoked_subcommand != "models":
@@ -62,8 +52,9 @@ def db_upgrade() -> None:
 @db_app.command("status")
 @friendly_errors
 def db_status() -> None:
-    """Show where the ledger is and whether its schema matches this loopline; exit 1 if it does not."""
-    engine = store_db.make_engine()
+    """Show where the ledger is and whether its schema matches this loopline; exit 1 if it does not (the
+    embedded ledger is brought up to date first, as every command does)."""
+    engine = migrate.open_ledger() if store_db.is_embedded() else store_db.make_engine()
     status = migrate.schema_status(engine)
     table = Table(show_header=False, box=None)
     table.add_row("database", f"{status.url} ({_where()})")
@@ -106,15 +97,22 @@ def train(
     resume: str = typer.Option(None, "--resume", metavar="RUN", help="Continue RUN (with its stored config when no CONFIG is given)."),
     fork: str = typer.Option(None, "--fork", metavar="NEW_NAME", help="The config changed: start NEW_NAME from the run's newest policy."),
     steps: int = typer.Option(None, "--steps", metavar="N", help="With --resume RUN: train RUN on to N learner steps (extends a finished run)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Prefect's, DeepSpeed's and the libraries' output here too (by default it goes to the run's train.log)."),
 ) -> None:
-    """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default."""
+    """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default. The terminal
+    shows the live bar and a line per evaluation; everything else goes to $LOOPLINE_HOME/runs/NAME/train.log."""
     path = str(config) if config is not None else None
     if steps is not None and (resume is None or path is not None):
         raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
-    if path is not None:  # a bad config file is refused in a second, before Prefect and torch load
+    if path is not None and resume is None:  # refused in a second or two, before Prefect and torch load (was 8-28 s)
         from loopline.config import load_config
+        from loopline.flows.preflight import refuse_early
 
-        load_config(path)
+        refuse_early(*load_config(path))
+    if not verbose:  # (its lines go to the run's log file: no colour codes there)
+        import os
+
+        os.environ.setdefault("PREFECT_LOGGING_COLORS", "false")
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
     from loopline.flows.assembly import run_config
@@ -122,15 +120,28 @@ def train(
     from loopline.flows.train import train as train_flow
 
     settings, base = run_config(path, resume)  # refuse a bad config before any flow runs
-    if path is not None:  # a resumed run's policy exists already
-        with step_progress(f"policy {settings.policy}") as update:
-            ready_policy(settings, base, update)
-    server_ready()
-    with follow_run(fork or settings.name, steps or settings.steps):
-        summary = train_flow(path, resume=resume, fork=fork, steps=steps)
-    console.print(f"run {summary['run']}: policy v{summary['policy_version']}")
-    for version, success in summary["eval"]:
-        console.print(f"  v{version}: held-out success {success:.1%}")
+    name = fork or settings.name
+    on_stop(f"resume with loopline train --resume {name}")
+    log = None if verbose else store_db.loopline_home() / "runs" / name / "train.log"
+    with output_to_log(log):
+        if path is not None:  # a resumed run's policy exists already
+            with step_progress(f"policy {settings.policy}") as update:
+                ready_policy(settings, base, update)
+        server_ready()
+        with follow_run(name, steps or settings.steps):
+            summary = train_flow(path, resume=resume, fork=fork, steps=steps)
+    console.print(f"run {summary['run']}: policy v{summary['policy_version']}" + (f" (log: {log})" if log else ""))
+
+
+@app.command("schema")
+def schema() -> None:
+    """Print the run config's JSON Schema, each setting with its description (for editor completion and validation)."""
+    import json
+    import sys
+
+    from loopline.config import RunConfig
+
+    sys.stdout.write(json.dumps(RunConfig.model_json_schema(), indent=2) + "\n")
 
 
 @app.command("eval")
@@ -203,11 +214,16 @@ def export(
             f"run {name} v{weights.version} was never written to disk or was pruned (learner.export_every, keep_exports); "
             f"versions on disk: {', '.join(f'v{v}' for v in on_disk) or 'none'}"
         )
-    if out.exists() and any(out.iterdir()):
-        raise LooplineError(f"{out} exists and is not empty: name a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LooplineError(f"{out} exists and is not an empty directory: name a new directory")
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(weights.uri, staging)
+    try:
+        shutil.copytree(weights.uri, staging)
+    except OSError as exc:  # (under a regular file, in /proc, a full or read-only disk: was a traceback)
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:200]
+        raise LooplineError(f"cannot write {out} ({reason}): name a new directory where you can write") from None
     if weights.sha256 is not None and weights_sha256(staging) != weights.sha256:
         shutil.rmtree(staging)
         raise LooplineError(f"{weights.uri}: its weights differ from those run {name} v{weights.version} recorded; the export was not written")
@@ -224,6 +240,15 @@ def replay(
     step: int = typer.Option(..., "--step", help="The learner step to retrain from the records."),
 ) -> None:
     """Retrain one learner step from the ledger's records and compare its weights' sha256 with the recorded version."""
+    from loopline.store.ledger import get_run, version_weights
+
+    with store_db.session(migrate.open_ledger()) as s:  # a step the run does not have is one line before Prefect and torch load
+        found = get_run(s, run)
+        name, newest = found.name, version_weights(s, found.id).version
+    if not 1 <= step <= newest:
+        raise LooplineError(
+            f"run {name} has committed learner steps 1 to {newest}; replay one of them" if newest else f"run {name} has no committed learner step yet"
+        )
     server_ready = _prefect_server()
     from loopline.cli_progress import step_progress
     from loopline.flows.replay import replay_step
@@ -296,8 +321,9 @@ def deploy(
 
     kwargs = dict(config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval)
     if pool is None:
+        on_stop("the deployments are paused until `loopline deploy` serves them again")
         serve_deployments(**kwargs)
-        return
+        raise KeyboardInterrupt  # serving ends only on a Ctrl-C, which Prefect's `serve` catches: said as any command's is
     for name in deploy_to_pool(pool, pool_type, base_job_template, silent_after, **kwargs):
         console.print(f"deployment {name} on work pool {pool}")
     console.print(f"start workers on any machine that reaches the ledger and this Prefect API: prefect worker start --pool {pool}")
@@ -307,7 +333,7 @@ def deploy(
 @friendly_errors
 def inspect(
     run: str = typer.Option(None, "--run", metavar="RUN", help="Open this run first."),
-    port: int = typer.Option(8501),
+    port: int = typer.Option(8501, min=1, max=65535),
 ) -> None:
     """The Streamlit trajectory inspector (read-only) over this ledger."""
     import subprocess
@@ -317,46 +343,31 @@ def inspect(
     app_path = Path(__file__).resolve().parent / "ui" / "app.py"
     query = f"?page=runs&run={run}" if run else ""
     console.print(f"inspector at http://127.0.0.1:{port}/{query}")
+    on_stop("the inspector stopped (it only reads the ledger)")
     # Streamlit runs as a child, not in place of this process (an exec skipped this process's exit handlers:
-    # the embedded PostgreSQL it joined was never stopped). This process waits for it, passes SIGTERM on,
-    # and exits after it, whichever ends first: the last user of the embedded server stops it.
+    # the embedded PostgreSQL it joined was never stopped). This process waits for it, passes a stop on, and
+    # exits after it, whichever ends first: the last user of the embedded server stops it. The child has a
+    # session of its own: the terminal's Ctrl-C and hang-up reach this process only, which stops the app
+    # (a Ctrl-C that reached Streamlit as it started printed its traceback) and dies with this process.
+    from loopline.holder import die_with_parent
+
     app = subprocess.Popen([
         sys.executable, "-m", "streamlit", "run", str(app_path), "--server.port", str(port), "--server.address", "127.0.0.1",
         "--server.headless", "true", "--browser.gatherUsageStats", "false",
         "--client.toolbarMode", "viewer",  # a viewer's menu: no Deploy button, no developer options
-    ])
+    ], start_new_session=True, preexec_fn=die_with_parent())
     try:
         code = app.wait()
-    except BaseException:  # Ctrl-C (the terminal sends the app its own) or SIGTERM (passed on): wait for the app to stop
+    except BaseException:  # Ctrl-C, SIGTERM or SIGHUP: the app stops
         app.terminate()
-        try:
-            app.wait(timeout=20)
+        try:  # (with its terminal closed, Streamlit's SIGTERM handler never finished: it only reads, so it is killed)
+            app.wait(timeout=3)
         except subprocess.TimeoutExpired:
             app.kill()
+            app.wait()
         raise
     if code:
         raise typer.Exit(code)
-
-
-def _policy_shape(policy: str, base: Path):
-    """The shape of a run config's `policy`, from its config.json alone (no weights needed)."""
-    from loopline import plan
-    from loopline.flows.starter import HUB_ID, SHIPPED_STARTERS, hub_policy
-    from loopline.store.db import loopline_home
-
-    if policy == "tiny":  # every tiny starter has the recipe's shape
-        shipped = sorted(SHIPPED_STARTERS.glob("*/config.json"))
-        return plan.ModelShape.from_dir(shipped[0].parent)
-    if policy == "smollm2-135m":
-        pulled = loopline_home() / "models" / policy
-        if not (pulled / "config.json").is_file():
-            raise LooplineError("smollm2-135m is not pulled yet: `loopline models pull smollm2-135m` (or pass its directory)")
-        return plan.ModelShape.from_dir(pulled)
-    path = Path(policy).expanduser()
-    path = path if path.is_absolute() else base / path
-    if HUB_ID.fullmatch(policy) and not path.exists():  # a Hub id: its config.json is enough
-        return plan.ModelShape.from_dir(hub_policy(policy, files=["config.json"]))
-    return plan.ModelShape.from_dir(path)
 
 
 def _plan_run(config, base: Path, hw, prompt_tokens: int = 512):
@@ -364,13 +375,14 @@ def _plan_run(config, base: Path, hw, prompt_tokens: int = 512):
     from loopline import plan
     from loopline.envregistry import registry
     from loopline.envregistry.spec import load_spec
+    from loopline.flows.policies import policy_shape
 
     if config.env_is_file:
         spec = load_spec(base / config.env)
     else:
         with store_db.session(migrate.open_ledger()) as s:
             spec = registry.spec_of(registry.get(s, config.env))
-    return plan.estimate(_policy_shape(config.policy, base), plan.workload(config, spec.budgets, prompt_tokens, hw), hw)
+    return plan.estimate(policy_shape(config.policy, base), plan.workload(config, spec.budgets, prompt_tokens, hw), hw)
 
 
 @app.command("plan")
@@ -535,7 +547,8 @@ def models_build_tiny(
     from loopline.envregistry.registry import content_hash
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.flows.starter import SHIPPED_STARTERS, TinyRecipe, build_tiny_policy, tiny_policy_dir, tiny_policy_name
+    from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
+    from loopline.flows.starter import TinyRecipe, build_tiny_policy
 
     if not env.is_file():
         raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
@@ -543,8 +556,12 @@ def models_build_tiny(
     digest = content_hash(env)
     target = SHIPPED_STARTERS / tiny_policy_name(digest, seed) if ship else out or tiny_policy_dir(digest, seed)
     staging = target.with_name(target.name + ".partial")
-    with step_progress("tiny starter: SFT warm start") as update:
-        report = build_tiny_policy(staging, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed), progress=update)
+    try:
+        with step_progress("tiny starter: SFT warm start") as update:
+            report = build_tiny_policy(staging, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed), progress=update)
+    except BaseException:  # (Ctrl-C, an error: no half-built model left behind)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     console.print(f"built {target} in {report.seconds:.0f} s; held-out success {report.eval_success:.0%} on {report.eval_tasks} eval tasks")
@@ -567,5 +584,9 @@ def models_pull(
     console.print(f"{name} is at {path}")
 
 
+def main() -> None:
+    run_cli(app)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

@@ -36,7 +36,7 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
     stop = threading.Event()
     progress = Progress(
         TextColumn("[bold]{task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console, transient=False,
+        TimeElapsedColumn(), console=console, transient=False, redirect_stdout=False, redirect_stderr=False,
     )
     bar = progress.add_task("starting", total=steps, run=name)
 
@@ -44,7 +44,9 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
         engine = store_db.make_engine()
         first: tuple[float, int] | None = None
         unreachable_since: float | None = None
-        while not stop.wait(every_s):
+        said: dict[str, int] = {}
+        while True:
+            stopping = stop.wait(every_s)  # (then one last look: the bar ends on the run's last step and evaluation)
             try:
                 with store_db.session(engine) as s:
                     run_id = ledger.get_run(s, name).id
@@ -53,12 +55,19 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
                 if is_outage(exc):
                     unreachable_since = unreachable_since or time.monotonic()
                     progress.update(bar, description=f"ledger unreachable, retrying ({time.monotonic() - unreachable_since:.0f} s)")
+                if stopping:
+                    break
                 continue
             unreachable_since = None
             first = first or (time.monotonic(), now.trajectories)
             elapsed = time.monotonic() - first[0]
             rate = (now.trajectories - first[1]) / elapsed if elapsed > 0 else 0.0
             progress.update(bar, completed=now.learner_step, description=_describe(now, rate))
+            if now.eval_version is not None and now.eval_version != said.get("eval"):  # one line per evaluation
+                said["eval"] = now.eval_version
+                progress.console.print(f"  v{now.eval_version}: held-out success {now.eval_success:.1%}")
+            if stopping:
+                break
         engine.dispose()
 
     watcher = threading.Thread(target=poll, name="loopline-progress", daemon=True)
@@ -76,7 +85,7 @@ def step_progress(title: str) -> Iterator[Callable[[str, int, int], None]]:
     """Yields `update(description, completed, total)` (total 0: no known end) for a step that may take minutes."""
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
+        console=console, transient=True, redirect_stdout=False, redirect_stderr=False,
     )
     with progress:
         bar = progress.add_task(title, total=None)

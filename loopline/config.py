@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -10,12 +12,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
+from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.trainer.config import AdvantageConfig, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # (no NaN or infinity: `lr: .inf` passed, then the ledger's JSON refused the run after 30 s of loading)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: object) -> object:
+        """YAML's `true` is not a number (`steps: true` trained 1 step): pydantic would take it as 1."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and field.annotation is not bool and "bool" not in str(field.annotation):
+                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        return data
 
 
 class SamplingConfig(_Strict):
@@ -272,12 +287,53 @@ class RunConfig(_Strict):
         return self.env.endswith((".yaml", ".yml"))
 
 
-def parse_config(data: object, where: str) -> RunConfig:
+MAX_CONFIG_BYTES = 1 << 20  # a run config is settings; a 50 MB one took 84 s to refuse
+
+
+def parse_config(data: object, where: str, lines: dict[tuple, int] | None = None) -> RunConfig:
+    """`data` validated as a run config, or one line per problem: where (file:line), the field, what is wrong."""
+    if not isinstance(data, dict):
+        raise LooplineError(f"{where}: expected a mapping of run settings (name, env, policy, steps, ...)")
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{where}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
-        raise LooplineError("invalid run config\n" + "\n".join(lines)) from None
+        raise LooplineError("invalid run config\n" + "\n".join(_problem(e, where, lines or {}) for e in exc.errors())) from None
+    if (path := _non_finite(config.model_dump())) is not None:  # (the learner's dataclass sections too)
+        raise LooplineError(f"invalid run config\n{where}: {path}: must be a finite number")
+    return config
+
+
+def _problem(error, where: str, lines: dict[tuple, int]) -> str:
+    path = tuple(error["loc"])
+    probe = path
+    while probe and probe not in lines:
+        probe = probe[:-1]
+    at = f"{where}:{lines[probe]}" if probe in lines else where
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] in ("extra_forbidden", "unexpected_keyword_argument") and path:
+        close = difflib.get_close_matches(str(path[-1]), sorted(_field_names()), n=1)
+        message = "unknown setting" + (f"; did you mean {close[0]}?" if close else "")
+    return f"{at}: {'.'.join(str(p) for p in path) or '(top level)'}: {message}"
+
+
+def _field_names() -> set[str]:
+    """Every setting's name, in every section (for "did you mean")."""
+    names: set[str] = set()
+    for model in (RunConfig, SamplingConfig, LearnerSettings, RankLaunch, LaunchSettings, EngineSettings, EvalSettings):
+        names.update(model.model_fields)
+    for section in (AdvantageConfig, LossConfig, LoraConfig):
+        names.update(f.name for f in dataclasses.fields(section))
+    return names
+
+
+def _non_finite(value: object, path: str = "") -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(top level)"
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _non_finite(v, f"{path}.{k}" if path else str(k))) is not None), None)
+    if isinstance(value, (list, tuple)):
+        return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}[{i}]")) is not None), None)
+    return None
 
 
 def load_config(path: str | Path) -> tuple[RunConfig, Path]:
@@ -285,13 +341,8 @@ def load_config(path: str | Path) -> tuple[RunConfig, Path]:
     file = Path(path)
     if not file.is_file():
         raise LooplineError(f"{file}: no such run config")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise LooplineError(f"{file}: not valid YAML: {exc}") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise LooplineError(f"{file}: {exc}") from None
-    config = parse_config(data, str(file))
+    data, node = read_yaml(read_text(file, MAX_CONFIG_BYTES, "a run config"), file, "a run config is settings, not data")
+    config = parse_config(data, str(file), line_index(node) if node is not None else None)
     if config.env_is_file and not (file.parent / config.env).is_file():
         raise LooplineError(f"{file}: env: {config.env} not found (a YAML path is relative to the run config)")
     return config, file.parent

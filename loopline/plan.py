@@ -130,8 +130,16 @@ def hardware(name: str, devices: int = 1) -> Hardware:
     return Hardware(name, GPU_MEMORY[name] * 1024**2, devices)
 
 
+def nvidia_device_present() -> bool:
+    """Whether an NVIDIA device node exists: without one there is no CUDA GPU, known without importing torch
+    (~2 s), so what a CPU host refuses is refused at once."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def this_machine() -> Hardware:
     """Where `loopline train` will run: the first GPU if torch sees one, else this host's memory."""
+    if not nvidia_device_present():
+        return hardware("cpu")
     import torch
 
     if torch.cuda.is_available():

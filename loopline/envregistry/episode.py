@@ -18,9 +18,12 @@ from loopline.envregistry.calculator import CalculatorError, calculate, format_n
 from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox, open_sandbox
 from loopline.envregistry.spec import EnvSpec, Tool
 from loopline.envregistry.tasks import Task
+from loopline.store.nul import unicode
 
 _TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 MAX_OBSERVATION_CHARS = 4000
+# Linux's limit on one argument of a command (MAX_ARG_STRLEN): a command is passed as one (`sh -c COMMAND`).
+MAX_COMMAND_BYTES = 128 * 1024 - 1
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,23 @@ def _check_args(tool: Tool, args: dict[str, Any]) -> str | None:
     return None
 
 
+def _not_text(args: dict[str, Any]) -> str | None:
+    """Why these arguments are not text any sandbox could carry (the model's doing, told back to it), or None."""
+    for name, value in args.items():
+        if unicode(name) != name or (isinstance(value, str) and unicode(value) != value):
+            return f"argument {unicode(name)!r} is not valid Unicode text (it holds a lone surrogate such as \\ud800)"
+    return None
+
+
+def _uncarried(command: str) -> str | None:
+    """Why no sandbox could run this command line, or None."""
+    if "\x00" in command:
+        return "a command line cannot carry a NUL character; pass such data on stdin or in a file"
+    if len(command.encode()) > MAX_COMMAND_BYTES:
+        return f"the command would be {len(command.encode()):,} bytes, over the {MAX_COMMAND_BYTES + 1:,} one command may hold"
+    return None
+
+
 class Episode:
     def __init__(self, spec: EnvSpec, task: Task, sandbox: Sandbox):
         self.spec, self.task, self.sandbox = spec, task, sandbox
@@ -79,7 +99,7 @@ class Episode:
         if tool is None:
             known = ", ".join(self.tools) or "none"
             return Observation(f"error: no tool named {call.name!r} (tools: {known})", True, time.monotonic() - start)
-        problem = _check_args(tool, call.args)
+        problem = _not_text(call.args) or _check_args(tool, call.args)
         if problem:
             return Observation(f"error: {problem}", True, time.monotonic() - start)
         if tool.builtin == "calculator":
@@ -88,8 +108,12 @@ class Episode:
             except CalculatorError as exc:
                 text, error = f"error: {exc}", True
             return Observation(text, error, time.monotonic() - start)
-        fill = {name: str(value) for name, value in call.args.items()}
+        # (an optional argument left out is the empty string in the templates)
+        fill = {name: "" for name in tool.args} | {name: str(value) for name, value in call.args.items()}
         command = tool.command.format(**{name: shlex.quote(value) for name, value in fill.items()})
+        problem = _uncarried(command)
+        if problem:
+            return Observation(f"error: {problem}", True, time.monotonic() - start)
         stdin = tool.stdin.format(**fill) if tool.stdin else None
         timeout_s = tool.timeout_s if max_seconds is None else max(0.1, min(tool.timeout_s, max_seconds))  # `timeout 0`: none
         result = await self.sandbox.exec(command, timeout_s=timeout_s, stdin=stdin)

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
+from loopline.yamlfile import line_index, read_text, read_yaml
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
 
@@ -44,8 +45,8 @@ def template_fields(template: str, where: str, shell: bool = False) -> list[str]
     """The {placeholders} of a command template; a brace that is not one must be doubled ({{ and }}).
     A placeholder is a bare name: a conversion ({x!r}) or format spec ({x:>400000000}) is refused (the
     first skips loopline's quoting, the second lets a template allocate without bound). In a shell
-    command (`shell`) loopline quotes each value itself, so a placeholder inside quotes ('{x}', "{x}")
-    is refused: there the quoting would not hold (x = $(touch MARKER) ran inside double quotes)."""
+    command (`shell`) loopline quotes each value itself, so a placeholder that is not a word of a command
+    (inside quotes, $((...)) or a here-document) is refused: there $(touch MARKER) in a value would run."""
     try:
         parsed = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
@@ -56,33 +57,47 @@ def template_fields(template: str, where: str, shell: bool = False) -> list[str]
         if spec or conv:
             raise ValueError(f"{where} {template!r}: write the placeholder as {{{name}}}, without a conversion or format spec")
     if shell:
-        quoted = _quoted_placeholders(template)
-        if quoted:
+        unsafe = _unsafe_placeholders(template)
+        if unsafe:
+            name, where_in = unsafe[0]
             raise ValueError(
-                f"{where} {template!r}: {{{quoted[0]}}} is inside quotes; write it bare (loopline quotes each value for the shell)"
+                f"{where} {template!r}: {{{name}}} is {where_in}, where a quoted value is not one plain word; write it as a "
+                "bare word of a command (loopline quotes each value for the shell), e.g. pass it as an argument or on stdin"
             )
     return [name for name, _, _ in parsed]
 
 
-def _quoted_placeholders(template: str) -> list[str]:
-    """The placeholders of a shell command template that stand inside single or double quotes (a command
-    substitution, $(...) or `...`, starts unquoted again, even inside double quotes)."""
-    found: list[str] = []
-    stack: list[str | None] = [None]  # None: unquoted; "'" or '"': quoted; "(" or "`": inside a substitution
+def _unsafe_placeholders(template: str) -> list[tuple[str, str]]:
+    """The placeholders of a shell command template that do not stand as a word of a command, with where they
+    stand: inside single or double quotes, shell arithmetic or a here-document. There a value's shell quoting
+    does not hold: `$(...)` in it ran inside double quotes, `$((...))` and unquoted here-documents."""
+    found: list[tuple[str, str]] = []
+    stack: list[str | None] = [None]  # None: unquoted; "'" or '"': quoted; "(" or "`": a substitution; "((": arithmetic
+    heredocs: list[str] = []  # delimiters of the here-documents whose bodies start at the next newline
+    context = {"'": "inside quotes", '"': "inside quotes", "((": "inside shell arithmetic $((...))"}
     i = 0
     while i < len(template):
         c, top = template[i], stack[-1]
-        if template.startswith("{{", i) or template.startswith("}}", i):
+        if c == "\n" and heredocs and top is None:
+            i = _skip_heredocs(template, i + 1, heredocs, found)
+            heredocs = []
+        elif template.startswith("{{", i) or template.startswith("}}", i):
             i += 2
         elif c == "{":
             end = template.index("}", i)
-            if top in ("'", '"'):
-                found.append(template[i + 1 : end])
+            if top in context:
+                found.append((template[i + 1 : end], context[top]))
             i = end + 1
         elif top == "'":
             stack.pop() if c == "'" else None
             i += 1
         elif c == "\\":
+            i += 2
+        elif template.startswith("$((", i):
+            stack.append("((")
+            i += 3
+        elif top == "((" and template.startswith("))", i):
+            stack.pop()
             i += 2
         elif template.startswith("$(", i):
             stack.append("(")
@@ -93,6 +108,10 @@ def _quoted_placeholders(template: str) -> list[str]:
         elif top == '"':
             stack.pop() if c == '"' else None
             i += 1
+        elif top is None and template.startswith("<<", i) and not template.startswith("<<<", i):
+            word = re.match(r"<<-?\s*(['\"]?)(\w+)\1", template[i:])
+            heredocs.append(word.group(2) if word else "")
+            i += word.end() if word else 2
         else:  # unquoted
             if c in "'\"":
                 stack.append(c)
@@ -102,6 +121,20 @@ def _quoted_placeholders(template: str) -> list[str]:
                 stack.pop()
             i += 1
     return found
+
+
+def _skip_heredocs(template: str, i: int, delimiters: list[str], found: list[tuple[str, str]]) -> int:
+    """Past the bodies of here-documents starting at `i` (one after another, each to its delimiter line);
+    their placeholders are noted in `found`."""
+    for delimiter in delimiters:
+        while i < len(template):
+            end = template.find("\n", i)
+            line = template[i : end if end >= 0 else len(template)]
+            i = end + 1 if end >= 0 else len(template)
+            if line.strip() == delimiter:
+                break
+            found += [(m.group(1), "inside a here-document") for m in re.finditer(r"(?<!\{)\{(\w+)\}", line)]
+    return i
 
 
 class Versions(_Strict):
@@ -461,116 +494,10 @@ def spec_hash(canonical: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- loading, bounded, with line numbers
 
 MAX_SPEC_BYTES = 1 << 20  # 1 MiB: specs are configuration; big data belongs in a task file
-MAX_YAML_NODES = 10_000  # after alias expansion: a few anchors cannot expand to a billion nodes
-MAX_YAML_DEPTH = 40
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """Stops composing as soon as a document is too big or too deep, instead of after reading it all."""
-
-    def __init__(self, text: str, file: Path):
-        super().__init__(text)
-        self.file, self.nodes, self.depth = file, 0, 0
-
-    def compose_node(self, parent, index):
-        self.nodes, self.depth = self.nodes + 1, self.depth + 1
-        line = self.get_mark().line + 1
-        if self.nodes > MAX_YAML_NODES:
-            raise LooplineError(f"{self.file}:{line}: more than {MAX_YAML_NODES:,} values; a spec is configuration, put data in a task file")
-        if self.depth > MAX_YAML_DEPTH:
-            raise LooplineError(f"{self.file}:{line}: nested deeper than {MAX_YAML_DEPTH} levels")
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-
-def _check_tree(file: Path, root: yaml.Node) -> None:
-    """Refuse documents whose alias-expanded size or depth is unreasonable, and duplicate keys.
-
-    Sizes are counted over the node graph with memoisation, so a billion-laughs
-    document is measured in microseconds instead of being expanded.
-    """
-    sizes: dict[int, int] = {}
-    depths: dict[int, int] = {}
-
-    def walk(node: yaml.Node) -> tuple[int, int]:
-        key = id(node)
-        if key in sizes:
-            return sizes[key], depths[key]
-        size, depth = 1, 0
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[str, int] = {}
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
-                    if k.value in seen:
-                        raise LooplineError(
-                            f"{file}:{k.start_mark.line + 1}: duplicate key {k.value!r} (first on line {seen[k.value]})"
-                        )
-                    seen[k.value] = k.start_mark.line + 1
-            children = [n for pair in node.value for n in pair]
-        elif isinstance(node, yaml.SequenceNode):
-            children = node.value
-        else:
-            children = []
-            if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 30:  # (Python refuses > 4300 digits, mid-parse)
-                raise LooplineError(f"{file}:{node.start_mark.line + 1}: a number of {len(node.value):,} digits; numbers here fit in 64 bits")
-        for child in children:
-            child_size, child_depth = walk(child)
-            size, depth = size + child_size, max(depth, child_depth + 1)
-            if size > MAX_YAML_NODES:
-                raise LooplineError(
-                    f"{file}:{node.start_mark.line + 1}: the document expands to more than {MAX_YAML_NODES:,} "
-                    "values (aliases count each time they are used); a spec is configuration, put data in a task file"
-                )
-            if depth > MAX_YAML_DEPTH:
-                raise LooplineError(f"{file}:{child.start_mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
-        sizes[key], depths[key] = size, depth
-        return size, depth
-
-    walk(root)
 
 
 def _read_yaml(text: str, file: Path) -> tuple[Any, yaml.Node | None]:
-    loader = _BoundedLoader(text, file)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, None
-        _check_tree(file, node)
-        return loader.construct_document(node), node
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{file}:{mark.line + 1}" if mark else str(file)
-        raise LooplineError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
-    except RecursionError:
-        raise LooplineError(f"{file}: nested too deeply to read (more than {MAX_YAML_DEPTH} levels)") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise LooplineError(f"{file}: {exc}") from None
-    finally:
-        loader.dispose()
-
-
-def _line_index(root: yaml.Node) -> dict[tuple, int]:
-    """Map each field path in a YAML document to its 1-based line (an aliased node keeps its first path)."""
-    index: dict[tuple, int] = {}
-    visited: set[int] = set()
-
-    def walk(node: yaml.Node, path: tuple) -> None:
-        index.setdefault(path, node.start_mark.line + 1)
-        if id(node) in visited:
-            return
-        visited.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                walk(value, (*path, key.value))
-                index[(*path, key.value)] = key.start_mark.line + 1  # the key's line, not its value's
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, (*path, i))
-
-    walk(root, ())
-    return index
+    return read_yaml(text, file, "a spec is configuration, put data in a task file")
 
 
 def _format_errors(file: Path, error: ValidationError, lines: dict[tuple, int]) -> str:
@@ -596,30 +523,7 @@ def parse_spec(text: str, file: Path) -> EnvSpec:
     try:
         return EnvSpec.model_validate(data)
     except ValidationError as exc:
-        raise LooplineError(_format_errors(file, exc, _line_index(node))) from None
-
-
-def read_text(file: Path, limit: int, what: str) -> str:
-    """A user's file as UTF-8 text, refused (one line) when too big or not text."""
-    if not file.is_file():
-        raise LooplineError(f"{file}: no such file")
-    size = file.stat().st_size
-    if size > limit:
-        raise LooplineError(f"{file}: {size:,} bytes; {what} may be at most {limit:,} bytes")
-    try:  # at most limit + 1 bytes: a file of /proc or a device says it is empty and never ends
-        with file.open("rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise LooplineError(f"{file}: cannot be read ({exc.strerror or exc}); {what} must be a regular file") from None
-    if len(data) > limit:
-        raise LooplineError(f"{file}: more than {limit:,} bytes; {what} may be at most {limit:,} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise LooplineError(f"{file}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    if "\x00" in text:
-        raise LooplineError(f"{file}:{text[: text.index(chr(0))].count(chr(10)) + 1}: contains a NUL character")
-    return text
+        raise LooplineError(_format_errors(file, exc, line_index(node))) from None
 
 
 def load_spec(path: str | Path) -> EnvSpec:

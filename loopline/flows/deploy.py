@@ -22,6 +22,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
 
+from loopline.flows import server
 from loopline.flows.evaluate import evaluate
 from loopline.flows.train import learner, train
 from loopline.flows.worker import DEPLOYMENT as WORKER_DEPLOYMENT
@@ -65,8 +66,13 @@ def deployments(
 
 
 def _require_server() -> None:
-    if not PREFECT_API_URL.value():
+    api = PREFECT_API_URL.value()
+    if not api:
         raise LooplineError("no Prefect server: deployments need one that stays up; run `loopline server start` first")
+    if not server.healthy(api):  # (was a 200-line ConnectError traceback)
+        raise LooplineError(
+            f"the Prefect server at {api} does not answer; start it (`loopline server start`), or point PREFECT_API_URL at one that runs"
+        )
 
 
 def serve_deployments(**kwargs) -> None:

@@ -34,7 +34,7 @@ class Evaluations:
         finally:
             ctx.evaluating.clear()
         get_run_logger().info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(self.tasks))
-        self.trackers.evaluation(engine.version(), success, len(self.tasks))
+        self.trackers.wake()
 
     def owed(self) -> None:
         """Every scheduled evaluation the ledger lacks, up to the served version (older versions get an engine

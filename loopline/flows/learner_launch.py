@@ -79,7 +79,7 @@ def run(settings: RankLaunch, config_path: str | None, resume: str | None, fork:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if outcome is None:
-        raise LooplineError(f"the learner's ranks exited with status {code} before rank 0 reported (its log is above)")
+        raise LooplineError(f"the learner's ranks exited with status {code} before rank 0 reported (their output is in the run's train.log, or above with -v)")
     if "error" in outcome:
         raise LooplineError(f"rank 0 of the learner failed: {outcome['error']}")
     return outcome["summary"]

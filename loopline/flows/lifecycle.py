@@ -2,7 +2,7 @@
 
 No run may stay `running` without a live process behind it. The process that trains a run marks it
 running under its holder name, writes a heartbeat every few seconds, and on the way out records how it
-ended, whatever the way: completed; interrupted (Ctrl-C, SIGTERM); cancelled (`loopline cancel`, seen
+ended, whatever the way: completed; interrupted (Ctrl-C, SIGTERM, SIGHUP); cancelled (`loopline cancel`, seen
 at a heartbeat, which then stops this process as Ctrl-C would, so every stage unwinds the same way);
 failed, with the error in one line. A process that finds at a heartbeat that another drives the run now
 (it was frozen past the lease) stops the same way and says so in one line; the run is the other's. A
@@ -43,6 +43,8 @@ def how_it_ended(exc: BaseException | None, cancelled: bool) -> tuple[str, str |
         return "interrupted", "interrupted (Ctrl-C); resume with loopline train --resume RUN"
     if isinstance(exc, TerminationSignal) or stop_signals.received() == signal.SIGTERM:
         return "interrupted", "terminated (SIGTERM); resume with loopline train --resume RUN"
+    if stop_signals.received() == signal.SIGHUP or (isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGHUP):
+        return "interrupted", "hung up (SIGHUP: its terminal closed); resume with loopline train --resume RUN"
     first = (str(exc).strip().splitlines() or [""])[0]
     return "failed", f"{type(exc).__name__}: {first}"[:500]
 

@@ -49,9 +49,9 @@ def replay_step(run: str, step: int) -> dict:
     log = get_run_logger()
     parts = assembly.open_named_run(run)
     with parts.session() as s:
-        newest = ledger.version_weights(s, parts.run_id, step)
-    if newest.version != step or step < 1:
-        raise LooplineError(f"run {run} has no committed learner step {step} (its versions go up to {newest.version})")
+        newest = ledger.version_weights(s, parts.run_id).version
+    if not 1 <= step <= newest:
+        raise LooplineError(f"run {parts.config.name} has committed learner steps 1 to {newest}; replay one of them")
     restored, since = _restore_point(parts.workdir(), step)
     log.info("replaying steps %d..%d of %s from %s", since + 1, step, run, restored or "the initial weights")
     verdicts: list[dict] = []

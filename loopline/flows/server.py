@@ -45,7 +45,11 @@ class ServerInfo:
 
 def _prefect(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     command = [str(Path(sys.executable).with_name("prefect")), *args]
-    done = subprocess.run(command, env=env or os.environ.copy(), capture_output=True, text=True, timeout=timeout)
+    # A session of its own and no terminal for stdin (for `server start --background`: the server it leaves
+    # behind inherits both): it must outlive the terminal it was started from (it died when that terminal
+    # closed: SIGHUP), and not hold that terminal open.
+    done = subprocess.run(command, env=env or os.environ.copy(), capture_output=True, text=True, timeout=timeout, start_new_session=True,
+                          stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise LooplineError(f"`prefect {' '.join(args)}` failed: {(done.stderr or done.stdout).strip()[-800:]}")
     return done
@@ -66,10 +70,10 @@ def start(host: str = "127.0.0.1", port: int = 4200, database: str = "prefect", 
     if db_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = db_url
     api = f"http://{host}:{port}/api"
-    if not _healthy(api):
+    if not healthy(api):
         _prefect("server", "start", "--background", "--host", host, "--port", str(port), "--analytics-off", env=env)
         deadline = time.monotonic() + wait_s
-        while not _healthy(api):
+        while not healthy(api):
             if time.monotonic() > deadline:
                 raise LooplineError(f"the Prefect server did not become healthy at {api} within {wait_s:g} s")
             time.sleep(0.5)
@@ -96,7 +100,7 @@ def _profiles_path() -> Path:
     return Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
 
 
-def _healthy(api: str) -> bool:
+def healthy(api: str) -> bool:
     try:
         with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
             return response.status == 200
@@ -147,13 +151,16 @@ class TemporaryServer:
                     "--log-level", "error", "--lifespan", "on",
                 ],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent(),
+                # A session of its own: a terminal's Ctrl-C (SIGINT to its whole foreground group) or hang-up
+                # must reach loopline only, which then ends the run through this server and stops it last;
+                # it died with the group, and the run then hung retrying its reports to it.
+                start_new_session=True, preexec_fn=die_with_parent(),
             )
         atexit.register(self.stop)
 
     def wait(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
-        while not _healthy(self.api_url):
+        while not healthy(self.api_url):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 tail = self.log_path.read_text(errors="replace")[-800:]
                 raise LooplineError(f"the temporary Prefect server did not start (log {self.log_path}): {tail}")

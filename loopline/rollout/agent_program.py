@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -38,7 +39,7 @@ from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import EngineError, Generation, Sampler, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
-from loopline.types import TrajectoryRecord
+from loopline.types import SegmentRecord, TrajectoryRecord
 
 TASK_FILE = "task.json"
 LISTEN_VAR, URL_VAR = "LOOPLINE_AGENT_ENDPOINT_LISTEN", "LOOPLINE_AGENT_ENDPOINT_URL"
@@ -94,8 +95,13 @@ def endpoint() -> OpenAIServer:
             except OSError as exc:
                 raise LooplineError(f"the agent endpoint cannot listen on {host}:{port} ({exc}): set {LISTEN_VAR} to a free HOST:PORT") from None
             _endpoint = server.start()
-            atexit.register(_endpoint.stop)
+            atexit.register(_stop, _endpoint, directory)
         return _endpoint
+
+
+def _stop(server: OpenAIServer, directory: Path) -> None:
+    server.stop()
+    shutil.rmtree(directory, ignore_errors=True)  # (its socket's directory: one was left per process)
 
 
 def model_endpoint() -> ModelEndpoint:
@@ -127,16 +133,19 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
         run = asyncio.ensure_future(env_episode.sandbox.run_program(spec.agent.command, shown, env, model))
         while not run.done():  # the program's own time: what it spent waiting for the model is the engine's
             await asyncio.wait({run}, timeout=0.2)
-            if not run.done() and time.monotonic() - program_started - calls.model_seconds > budgets.wall_time_s:
+            now = time.monotonic()
+            if not run.done() and now - program_started - calls.waited(now) > budgets.wall_time_s:
                 run.cancel()
                 end = "wall_time"
                 await asyncio.gather(run, return_exceptions=True)
         result = None if run.cancelled() else run.result()
         if calls.engine_error:
             raise EngineError(f"episode {request_id}: {calls.engine_error}")
-        if not calls.segments and not calls.discarded_calls:
+        if not calls.segments and not calls.discarded_calls and not calls.refusals:
             detail = f"exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-400:]}" if result else "stopped by the wall-time budget"
             raise InfraFailure(f"the agent program `{spec.agent.command}` never called the model ({detail})")
+        if not calls.segments and not calls.discarded_calls:  # every call it made was refused: its failure, not the sandbox's
+            return _refused(setup, reset, calls, result, started, start_seconds)
         try:
             final = await env_episode.sandbox.read_file(ANSWER_FILE)
         except (OSError, InfraFailure):
@@ -171,6 +180,31 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
     )
 
 
+def _refused(setup, reset, calls: AgentEpisode, result, started: float, start_seconds: float) -> TrajectoryRecord:
+    """An episode whose program had every model call refused (a parameter the endpoint does not serve, a prompt
+    past the context): a failed task, never an infrastructure failure, which would be played again and again
+    for the same refusal and then stop the run. Scored 0 (the policy said nothing); its one segment is the
+    task's prompt as the harness renders it, with nothing generated (no token of it is trained), and the
+    refusals are in its info."""
+    spec = setup.spec
+    segment = SegmentRecord(
+        request_id=f"{calls.request_id}/refused/", policy_version=calls.engine.version(), tokenizer_version=setup.chat.version,
+        prompt_ids=setup.chat.initial_ids(reset.system_prompt, reset.prompt), generated_ids=[], action_loss_mask=[],
+        rollout_logprobs=[], logprob_semantics="none: nothing was generated", sampling_config=setup.sampling.to_dict(),
+        tool_events=[{"refused": calls.refused, "refusals": calls.refusals}], version_spans=[],
+    )
+    return TrajectoryRecord(
+        env_name=spec.name, env_version=setup.env_version, verifier_version=spec.versions.verifier,
+        harness_version=spec.versions.harness, reward=0.0, terminated=True, truncated=False, failure_type="task_failed",
+        segments=[segment],
+        timings={"episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "model_s": calls.model_seconds, "verify_s": 0.0},
+        info={
+            "verdict": {"refused": True}, "end": "refused", "refused": calls.refused, "refusals": calls.refusals, "generated_tokens": 0,
+            "exit_code": result.exit_code if result else None, "discarded_calls": 0, "stderr": (result.stderr[-2000:] if result else ""),
+        },
+    )
+
+
 async def play_scripted(spec, task: Task) -> SmokeResult:
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
     `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's)."""
@@ -201,6 +235,8 @@ async def play_scripted(spec, task: Task) -> SmokeResult:
     else:
         result.reward, result.verdict = trajectory.reward, trajectory.info["verdict"]
         result.answer = f"(the program's answer.txt; it exited {trajectory.info['exit_code']}, {trajectory.info['end']})"
+        if trajectory.info["end"] == "refused":
+            result.answer = f"(every model call of the program was refused, a failed task: {'; '.join(trajectory.info['refused'])})"
         t = trajectory.timings
         result.timings = {"start": t["sandbox_start_s"], "steps": t["episode_s"] - t["sandbox_start_s"] - t["verify_s"], "verify": t["verify_s"]}
     result.timings.setdefault("steps", time.monotonic() - started)

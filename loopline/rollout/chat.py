@@ -20,6 +20,24 @@ _ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
 _OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}}}
+_RENDERS_TOOLS: dict[str, bool] = {}  # by ChatFormat.version (the template and vocabulary's digest)
+
+# The tool prompt loopline writes into the system message when a template does not render `tools` itself:
+# Hermes's, as Qwen2.5's template writes it, so the model's calls come back in the `<tool_call>` blocks the
+# endpoint parses (`openai_api.parse_tool_calls`).
+HERMES_TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def hermes_tool_prompt(tools: list[dict]) -> str:
+    return HERMES_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     tokenizer: Any  # a transformers tokenizer with a chat template
@@ -78,6 +96,14 @@ class ChatFormat:
         except Exception as exc:  # the template's own error for a role it does not know
             raise ValueError(f"the policy's chat template cannot show a tool's output as a tool message ({exc})") from None
         return dataclasses.replace(again, few_shot=self.few_shot, tools=tuple(tools))
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes a request's `tools` into the prompt (SmolLM2's drops them)."""
+        if self.version not in _RENDERS_TOOLS:
+            plain = [{"role": "user", "content": "q"}]
+            render = lambda **kw: self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
+            _RENDERS_TOOLS[self.version] = render(tools=[_PROBE_TOOL]) != render()
+        return _RENDERS_TOOLS[self.version]
 
     @property
     def eos_id(self) -> int:

@@ -315,6 +315,7 @@ class LocalEngine:
         for request in [*self._pending, *self._active]:
             if not request.future.done():
                 request.future.set_exception(EngineError("engine closed"))
+                request.future.exception()  # (its caller may be gone, cancelled by the same stop: nothing to log)
         self._pending.clear()
         self._active.clear()
         self._slab.clear()

@@ -31,7 +31,9 @@ Each episode is reached through its own base URL (`/episodes/KEY/v1`) or with it
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -40,10 +42,11 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from loopline.rollout.chat import ChatFormat
+from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
 from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
 from loopline.types import SegmentRecord
 
+log = logging.getLogger(__name__)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -53,6 +56,9 @@ class RequestError(Exception):
     def __init__(self, message: str, code: str = "invalid_request_error", status: int = 400):
         super().__init__(message)
         self.code, self.status = code, status
+
+
+MAX_REFUSALS_KEPT = 3
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,52 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
+def _with_system(messages: list[dict], prompt: str) -> list[dict]:
+    """`prompt` after the conversation's system message (Qwen2.5 puts its tool prompt there), or as one."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant turn's tool calls as the `<tool_call>` blocks it wrote (a template that drops `tool_calls`
+    would show the policy its own turn without them when a conversation is rendered afresh)."""
+    if not message.get("tool_calls"):
+        return message
+    blocks = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"
+              for c in message["tool_calls"]]
+    text = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def forced_call_prefix(choice: Any, tools: list[dict]) -> str:
+    """What `tool_choice` forces the reply to start with, in the Hermes format the calls are read back in:
+    `required` opens a call and leaves the policy the function's name; a named function also writes the name.
+    The policy samples the rest (its arguments); the forced text is prompt, never trained."""
+    names = [t["function"]["name"] for t in tools]
+    if choice in (None, "auto", "none"):
+        return ""
+    if choice == "required":
+        if not tools:
+            raise RequestError("tool_choice: 'required' needs tools")
+        return '<tool_call>\n{"name": "'
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise RequestError("tool_choice: 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in names:
+        raise RequestError(f"tool_choice: function {name!r} is not one of the request's tools ({', '.join(names) or 'none'})")
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
 def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str, list[dict]]:
     """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of a reply (Hermes/Qwen convention) that
     name one of `tools`, as OpenAI tool calls; the text before the first is the content. A block that is not
@@ -138,18 +190,35 @@ class AgentEpisode:
     discarded_calls: int = 0
     generated: int = 0
     calls: int = 0
-    exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine")
+    exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine", "requests")
+    requests_open: int = 0  # HTTP requests of this episode being served (bounded: see openai_server)
     engine_error: str | None = None  # the engine failed a call: the episode is an infra failure, retried
-    model_seconds: float = 0.0  # time the agent spent waiting for its calls (not its own: the wall-time budget excludes it)
+    refused: list[str] = field(default_factory=list)  # the first requests the endpoint refused (4xx), said in the episode's info
+    refusals: int = 0
+    model_seconds: float = 0.0  # time with a call of the agent's waiting for the model (not its own: see `waited`)
+    _waiting: int = 0  # calls in flight now (an agent may make several at once)
+    _waiting_since: float = 0.0
     _last: tuple[list[dict], list[dict], list[int], list[int]] | None = None  # messages (ours), tools, ids, generated
     _last_text: tuple[str | None, list[int], list[int]] | None = None  # /v1/completions: prompt, ids, generated
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
-        extra = {"tools": tools} if tools else {}
-        return self.chat.tokenizer.apply_chat_template(
-            [_for_template(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt, **extra
-        )
+        from jinja2 import TemplateError
+
+        shown = [_for_template(m) for m in messages]
+        extra: dict[str, Any] = {}
+        if tools and self.chat.renders_tools():
+            extra["tools"] = tools
+        elif tools:  # the template drops them (SmolLM2's): the policy must still see them, in the format parsed back
+            _say_once(
+                "tools: the policy's chat template does not render them; loopline writes them into the system message "
+                "as Hermes's tool prompt (tool calls are read back from <tool_call> blocks)"
+            )
+            shown = _with_system([_calls_as_text(m) for m in shown], hermes_tool_prompt(tools))
+        try:
+            return self.chat.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+        except TemplateError as exc:  # (e.g. roles that do not alternate as the template requires)
+            raise RequestError(f"messages: the model's chat template refused them: {exc}") from None
 
     def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
         """The ids the model sees for `messages`: the previous call's ids and what was appended since, or, when
@@ -179,12 +248,28 @@ class AgentEpisode:
                 self.segments = []
         return ids
 
+    def refuse(self, error: "RequestError") -> None:
+        """A request of the program's this endpoint refused: the program's doing (a parameter not served, a prompt
+        past the context), never the infrastructure's; the first few are kept for the episode's info."""
+        self.refusals += 1
+        if len(self.refused) < MAX_REFUSALS_KEPT:
+            self.refused.append(f"{error.status} {error.code}: {error}")
+
+    def waited(self, now: float) -> float:
+        """Seconds until `now` that the agent spent waiting for the model, the call in flight included: the
+        wall-time budget excludes them (they grow with the engine's load, not by the agent's doing)."""
+        return self.model_seconds + (now - self._waiting_since if self._waiting else 0.0)
+
     async def _timed(self, serve, body: dict[str, Any]) -> dict[str, Any]:
-        arrived = time.monotonic()
+        if not self._waiting:
+            self._waiting_since = time.monotonic()
+        self._waiting += 1
         try:
             return await serve(body)
-        finally:
-            self.model_seconds += time.monotonic() - arrived
+        finally:  # (read from the episode's thread: the time is added before the count drops, never after)
+            if self._waiting == 1:
+                self.model_seconds += time.monotonic() - self._waiting_since
+            self._waiting -= 1
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """`/v1/chat/completions` (without streaming: `stream` is the server's framing of the same answer)."""
@@ -195,19 +280,20 @@ class AgentEpisode:
         return await self._timed(self._text, body)
 
     async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        messages, tools = body.get("messages"), body.get("tools") or []
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise RequestError("messages: a non-empty list of {role, content} objects")
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise RequestError("tool_choice: only 'auto' and 'none' (the policy decides whether to call a tool)")
+        messages, tools = _checked_messages(body.get("messages")), _checked_tools(body.get("tools") or [])
+        forced = forced_call_prefix(body.get("tool_choice"), tools)
         if body.get("tool_choice") == "none":
             tools = []
         call = _Call.of(body)
         async with self._lock:
-            reply = await self._sample(call, lambda: self.prompt_ids(messages, tools))
-            content, calls = parse_tool_calls(reply.text, tools) if tools else (reply.text, [])
-            if calls:
-                self.segments[-1] = replace(self.segments[-1], tool_events=[{"openai_tool_calls": [c["function"] for c in calls]}])
+            # a forced prefix goes after the prompt, as prompt: the policy did not choose it, so it is never trained
+            reply = await self._sample(call, lambda: self.prompt_ids(messages, tools) + self.chat.tokenizer.encode(forced, add_special_tokens=False))
+            said = forced + reply.text + ("\n</tool_call>" if forced and "</tool_call>" not in reply.text else "")  # (a call left open)
+            content, calls = parse_tool_calls(said, tools) if tools else (reply.text, [])
+            calls = calls[:1] if call.one_call else calls
+            events = ([{"openai_tool_calls": [c["function"] for c in calls]}] if calls else []) + ([{"forced": forced}] if forced else [])
+            if events:
+                self.segments[-1] = replace(self.segments[-1], tool_events=events)
             message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
             self._last = (list(messages) + [message], tools, reply.ids + reply.kept, reply.kept)
             self._last_text = None
@@ -274,6 +360,10 @@ class AgentEpisode:
         ids = self._chained(prompt_ids())
         asked = call.max_tokens or self.sampling.max_new_tokens
         sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)), stop=call.stop)
+        if call.seed is not None:  # the same draws for the same call of the same sample; the group's samples still differ
+            # (an agent that always sends seed=42 would otherwise make every sample of a group the same: nothing to learn)
+            digest = hashlib.sha256(f"{call.seed}/{self.request_id}/{self.calls}".encode()).digest()
+            sampling = replace(sampling, seed=int.from_bytes(digest[:4], "little"))
         rid = f"{self.request_id}/c{self.calls}/"  # prefix-free (SGLang aborts by prefix)
         self.calls += 1
         started = _now()
@@ -304,19 +394,85 @@ class _Call:
     max_tokens: int | None
     stop: tuple[str, ...]
     logprobs: bool
+    seed: int | None = None
+    one_call: bool = False  # parallel_tool_calls: false (the first call of a reply is the reply's call)
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> "_Call":
-        if int(body.get("n") or 1) != 1:
+        n = body.get("n")
+        if n is not None and (not _integer(n) or n != 1):
             raise RequestError("n: an episode samples one reply per call (n: 1); sample more episodes for more samples")
         stop = body.get("stop")
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise RequestError("stop: a non-empty string or a list of up to 4 of them")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop: a non-empty string or a list of up to 4 of them")
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
+        if asked is not None and (not _integer(asked) or asked < 1):
             raise RequestError("max_tokens: a positive integer")
-        return cls(asked, stop, bool(body.get("logprobs")))
+        for name in ("stream", "echo"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise RequestError(f"{name}: true or false")
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], (bool, int)):  # (/v1/completions: a count)
+            raise RequestError("logprobs: true or false (chat), a number of logprobs (completions)")
+        # what would change the answer and cannot be served is refused, never silently ignored
+        if body.get("top_logprobs"):
+            raise RequestError("top_logprobs: not served (the engines return the logprob of the sampled token only: logprobs: true)")
+        shape = body.get("response_format")
+        if shape is not None and (not isinstance(shape, dict) or shape.get("type") != "text"):
+            kind = shape.get("type") if isinstance(shape, dict) else shape
+            raise RequestError(
+                f"response_format: {kind!r} is not served: the policy's output is not constrained (ask for JSON in the prompt and parse it)"
+            )
+        seed = body.get("seed")
+        if seed is not None and not _integer(seed):
+            raise RequestError("seed: an integer")
+        if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+            raise RequestError("parallel_tool_calls: true or false")
+        return cls(asked, stop, bool(body.get("logprobs")), seed, body.get("parallel_tool_calls") is False)
+
+
+MAX_MESSAGES = 4096  # messages in one request (each is rendered into the prompt)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_messages(messages: Any) -> list[dict]:
+    """The request's `messages` as OpenAI takes them, or a 400 naming the field (never a 500 from deeper in)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError(f"messages: at most {MAX_MESSAGES} in one request, got {len(messages)}")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"{where}: an object with a `role` string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(f"{where}.content: a string, a list of content parts or null")
+        if isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+            raise RequestError(f"{where}.content: content parts are objects whose `text` is a string")
+        calls = message.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str) for c in calls)
+        ):
+            raise RequestError(f"{where}.tool_calls: a list of {{id, type, function: {{name, arguments}}}} objects")
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise RequestError(f"{where}.{key}: a string")
+    return messages
+
+
+def _checked_tools(tools: Any) -> list[dict]:
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str) for t in tools
+    ):
+        raise RequestError("tools: a list of {type: function, function: {name, description, parameters}} objects")
+    return tools
 
 
 @dataclass(frozen=True)

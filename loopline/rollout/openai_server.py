@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -20,13 +21,83 @@ import time
 from typing import Any
 
 from loopline.rollout.engine import EngineError
+from loopline.store.nul import unicode
 from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
+
+
+MAX_BODY_BYTES = 16 << 20  # a request's body (a long agent conversation is ~1 MB of JSON)
+MAX_REQUESTS_PER_EPISODE = 16  # open at once; past it the episode ends (its own failure, not the others')
+MAX_CONNECTIONS = 1024  # open at once, over all episodes (each holds a file descriptor of this process)
+IDLE_S = 30.0  # a connection that sends no request for this long is closed (one that never sends, too)
+_log = logging.getLogger(__name__)
 
 
 def _error(message: str, kind: str, status: int):
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": message, "type": kind, "code": kind}}, status_code=status)
+
+
+async def _request_body(request) -> dict:
+    try:
+        body = _valid_unicode(json.loads(await _body(request)))
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError("the request body is not JSON") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+async def _body(request) -> bytes:
+    """The request's body, refused past MAX_BODY_BYTES before more of it is read (an agent streamed 1 GB)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(f"the request body is {int(declared):,} bytes; at most {MAX_BODY_BYTES:,}", "request_too_large", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(f"the request body is over {MAX_BODY_BYTES:,} bytes", "request_too_large", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _valid_unicode(value: Any) -> Any:
+    """A JSON value with each lone surrogate (a "\\ud800" escape: no character, no UTF-8, no token) replaced by
+    U+FFFD, as a UTF-8 pipeline would; the tokenizer cannot take it."""
+    if isinstance(value, str):
+        return unicode(value)
+    if isinstance(value, list):
+        return [_valid_unicode(v) for v in value]
+    if isinstance(value, dict):
+        return {unicode(k): _valid_unicode(v) for k, v in value.items()}
+    return value
+
+
+def _protocol():
+    """uvicorn's HTTP/1.1 protocol, bounded: at most MAX_CONNECTIONS open (more are closed at once, said once
+    in the log) and a connection closed after IDLE_S without a request, also one that never sends one
+    (uvicorn times out only a connection idle after a response: 19,000 half-open connections from one
+    agent took every file descriptor of the trainer)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Bounded(H11Protocol):
+        refused = False
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > MAX_CONNECTIONS:
+                if not Bounded.refused:
+                    _log.warning("the agent endpoint has %d connections open: closing new ones until some end", MAX_CONNECTIONS)
+                    Bounded.refused = True
+                transport.close()
+                return
+            Bounded.refused = False
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    return Bounded
 
 
 class OpenAIServer:
@@ -84,20 +155,28 @@ class OpenAIServer:
         return await self._serve(request, lambda episode: episode.complete_text, text_chunks)
 
     async def _serve(self, request, method, chunks):
-        from starlette.responses import JSONResponse, StreamingResponse
-
         episode = self._episode(request)
         if episode is None:
             return _error("unknown or ended episode: use the base URL or API key loopline gave this episode", "invalid_api_key", 401)
+        if episode.requests_open >= MAX_REQUESTS_PER_EPISODE:  # (its calls are served one at a time anyway)
+            if episode.exhausted != "requests":
+                _log.warning("episode %s had %d requests open at once: its episode ends", episode.request_id, MAX_REQUESTS_PER_EPISODE)
+            episode.exhausted = episode.exhausted or "requests"
+            return _error(f"more than {MAX_REQUESTS_PER_EPISODE} requests open at once: the episode ends", "rate_limit_exceeded", 429)
+        episode.requests_open += 1
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return _error("the request body is not JSON", "invalid_request_error", 400)
-        if not isinstance(body, dict):
-            return _error("the request body must be a JSON object", "invalid_request_error", 400)
+            return await self._answer(request, episode, method, chunks)
+        finally:
+            episode.requests_open -= 1
+
+    async def _answer(self, request, episode: AgentEpisode, method, chunks):
+        from starlette.responses import JSONResponse, StreamingResponse
+
         try:
+            body = await _request_body(request)
             response = await method(episode)(body)
         except RequestError as exc:
+            episode.refuse(exc)
             return _error(str(exc), exc.code, exc.status)
         except EngineError as exc:  # the engine failed: the agent sees a server error, the episode is retried as infra
             episode.exhausted = episode.exhausted or "engine"
@@ -132,7 +211,19 @@ class OpenAIServer:
             Route("/v1/completions", self._text, methods=["POST"]),
             Route("/episodes/{key}/v1/models", self._models, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/{path:path}", self._not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
         ])
+
+    async def _not_served(self, request):
+        """Any other path, in OpenAI's error shape naming what is served (the OpenAI Agents SDK calls /v1/responses
+        by default: a bare 404 told its user nothing)."""
+        episode = self._episode(request)
+        asked = "/v1/" + request.url.path.split("/v1/", 1)[1] if "/v1/" in request.url.path else request.url.path
+        hint = " (the OpenAI Agents SDK: set_default_openai_api(\"chat_completions\"))" if asked.startswith("/v1/responses") else ""
+        error = RequestError(f"{request.method} {asked} is not served; loopline serves /v1/chat/completions, /v1/completions and /v1/models{hint}", "not_found", 404)
+        if episode is not None:
+            episode.refuse(error)
+        return _error(str(error), error.code, error.status)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -141,7 +232,9 @@ class OpenAIServer:
 
         # (log_config None: uvicorn's own dictConfig would install handlers on the process's logging, bound
         # to the stream of the moment; its records go where the process sends warnings)
-        config = uvicorn.Config(self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False, http=_protocol(), timeout_keep_alive=int(IDLE_S),
+        )
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True)
         self._thread.start()

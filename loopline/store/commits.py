@@ -171,6 +171,41 @@ def _bulk_write(raw, table: str, columns: Sequence[str], types: Sequence[str], r
             raise ValueError(f"unknown bulk method {method!r}")
 
 
+def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequence[uuid.UUID], version: int) -> dict[str, float]:
+    """How a learner batch's episodes went, beside the learner's own numbers, named as verl names its own: the
+    fraction cut by a budget (`rollout/truncated_frac`), the infrastructure failures of their slots' attempts
+    (`rollout/infra_failed_frac`: played again; the policy never saw them), tool calls per episode and the
+    fraction that failed, the wall time from the batch's first attempt to its last (`timing_s/rollout`, and
+    `perf/trajectories_per_s` over it), the mean episode, and the sync that served `version` (its weights)."""
+    row = q(
+        session,
+        "WITH t AS (SELECT id, slot_id, truncated, (timings->>'episode_s')::float8 AS episode_s FROM trajectory WHERE id = ANY(:ids)), "
+        "calls AS (SELECT count(*) AS n, count(*) FILTER (WHERE (e->>'error')::boolean) AS errors "
+        "          FROM segment s CROSS JOIN LATERAL jsonb_array_elements(s.tool_events) e WHERE s.trajectory_id = ANY(:ids)), "
+        "attempts AS (SELECT count(*) AS n, count(*) FILTER (WHERE a.status = 'infra_failed') AS infra, "
+        "             extract(epoch FROM max(a.ended_at) - min(a.started_at))::float8 AS wall_s "
+        "             FROM attempt a WHERE a.slot_id IN (SELECT slot_id FROM t)) "
+        "SELECT (SELECT count(*) FROM t) AS episodes, (SELECT count(*) FILTER (WHERE truncated) FROM t) AS truncated, "
+        "(SELECT avg(episode_s) FROM t) AS episode_s, calls.n AS calls, calls.errors, attempts.n AS attempts, attempts.infra, "
+        "attempts.wall_s, (SELECT (sync_timings->>'total_s')::float8 FROM policy_version WHERE run_id = :r AND version = :v) AS sync_s "
+        "FROM calls, attempts",
+        ids=list(trajectory_ids), r=run_id, v=version,
+    ).one()
+    session.rollback()
+    episodes = max(row.episodes, 1)
+    timed = {
+        "timing_s/rollout": row.wall_s, "perf/trajectories_per_s": row.episodes / row.wall_s if row.wall_s else None,
+        "timing_s/episode_mean": row.episode_s, "timing_s/sync": row.sync_s,
+    }
+    return {
+        "rollout/truncated_frac": row.truncated / episodes,
+        "rollout/infra_failed_frac": row.infra / max(row.attempts, 1),
+        "tool/calls_per_episode": row.calls / episodes,
+        "tool/error_frac": row.errors / max(row.calls, 1),
+        **{name: float(value) for name, value in timed.items() if value is not None},
+    }
+
+
 def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:
     """Committed trajectories with their segments' tokens, in the order asked for; all must exist."""
     rows = q(

@@ -30,7 +30,10 @@ EMBEDDED_DATABASE = "loopline"
 def loopline_home() -> Path:
     """Data that outlives a process (embedded database, checkpoints, models)."""
     home = Path(os.environ.get(HOME_ENV, Path.home() / ".loopline")).expanduser()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # (under a regular file, read-only, no permission: was a traceback)
+        raise LooplineError(f"the loopline home {home} cannot be made ({exc.strerror or exc}); set {HOME_ENV} to a directory you can write") from None
     return home
 
 

@@ -65,6 +65,7 @@ from loopline.store.commits import (
     commit_trajectories,
     commit_trajectory,
     load_trajectories,
+    rollout_metrics,
 )
 from loopline.store.learning import (
     claim_learner_batch,
@@ -110,6 +111,7 @@ __all__ = [
     "latest_policy_version",
     "lease_holders",
     "load_trajectories",
+    "rollout_metrics",
     "mark_published",
     "open_groups_through",
     "record_refused_step",

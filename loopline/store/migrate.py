@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from loopline.store.db import describe_url, error_reason, make_engine
+from loopline.store.db import describe_url, error_reason, is_embedded, make_engine
 from loopline.errors import LooplineError
 from loopline.store.errors import SchemaOutOfDate
 
@@ -93,8 +93,13 @@ def upgrade(engine: Engine, revision: str = "head") -> UpgradeResult:
 
 
 def open_ledger(url: str | None = None) -> Engine:
-    """An engine on a reachable ledger whose schema matches this code: what every writer should use."""
+    """An engine on a reachable ledger whose schema matches this code: what every writer should use. The
+    embedded ledger (no URL given or set) is loopline's own and is brought up to date here, as `train` does:
+    a new user's first `loopline runs` asked for `loopline db upgrade`; a server you configured is upgraded
+    only by `loopline db upgrade`."""
     engine = make_engine(url)
+    if url is None and is_embedded():
+        upgrade(engine)
     require_current_schema(engine)
     return engine
 

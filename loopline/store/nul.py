@@ -5,19 +5,30 @@ commit failed on one was retried forever. In a JSON value a string holding NULs 
 `{"\u2400": [the pieces between the NULs]}` and restored on reading (an object whose only key is that
 symbol is itself wrapped, `{"\u2400": {"v": its value}}`, so nothing an agent writes reads back as
 another value); free text (an attempt's error, an object's key) shows each NUL as `\\x00`.
+
+A lone surrogate (U+D800..U+DFFF, which a model writes through a JSON escape such as "\\ud800") has no
+UTF-8 encoding at all: it is stored as U+FFFD, the replacement character (lossy: it was never text).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 NUL = "\x00"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TAG = "\u2400"  # SYMBOL FOR NULL: a one-key object with this key is an encoded string
+
+
+def unicode(value: str) -> str:
+    """`value` with each lone surrogate replaced by U+FFFD (what UTF-8 can encode)."""
+    return _SURROGATE.sub("\ufffd", value)
 
 
 def storable(value: Any) -> Any:
     """`value` (JSON: dicts, lists, strings, numbers) with every string that holds a NUL encoded."""
     if isinstance(value, str):
+        value = unicode(value)
         return {TAG: value.split(NUL)} if NUL in value else value
     if isinstance(value, dict):
         if list(value) == [TAG]:
@@ -42,4 +53,4 @@ def restored(value: Any) -> Any:
 
 def text(value: str | None) -> str | None:
     """Free text (an error message) PostgreSQL can store."""
-    return value.replace(NUL, "\\x00") if value else value
+    return unicode(value).replace(NUL, "\\x00") if value else value

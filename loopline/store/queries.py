@@ -108,13 +108,20 @@ def list_runs(session: Session) -> list[RunSummary]:
     return out
 
 
-def step_metrics(session: Session, run_id: uuid.UUID, step: int) -> dict[str, float]:
-    """Every metric the ledger holds for one learner step (what the experiment trackers are sent)."""
+def metrics_after(session: Session, run_id: uuid.UUID, after: int, upto: int | None = None) -> dict[int, dict[str, float]]:
+    """Every metric of the learner steps after `after` (to `upto`), by step in order: what a tracker lacks."""
     rows = session.execute(
-        sa.text("SELECT name, value FROM metric WHERE run_id = :r AND step = :k ORDER BY name"), {"r": run_id, "k": step}
+        sa.text(
+            "SELECT step, name, value FROM metric WHERE run_id = :r AND step > :a AND (CAST(:u AS integer) IS NULL OR step <= :u) "
+            "ORDER BY step, name"
+        ),
+        {"r": run_id, "a": after, "u": upto},
     ).all()
     session.rollback()
-    return {name: float(value) for name, value in rows}
+    steps: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        steps.setdefault(step, {})[name] = float(value)
+    return steps
 
 
 def eval_results(session: Session, run_id: uuid.UUID) -> list[tuple[int, int, float]]:

@@ -39,7 +39,7 @@ from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerCo
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
-from loopline.trainer.batch import TrainSequence, sequence_from_trajectory
+from loopline.trainer.batch import TrainSequence, batch_metrics, sequence_from_trajectory
 from loopline.tasks.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
@@ -162,6 +162,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
                 "then resume (loopline train --resume RUN)"
             )
         sequences = load_sequences(s, batch.trajectory_ids)
+        episodes = ledger.rollout_metrics(s, ctx.run_id, batch.trajectory_ids, batch.policy_version)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
     side = ctx.learning
@@ -183,7 +184,10 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
     peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
     if torch.cuda.is_available():  # the learner's device memory (the plan's estimate is beside it in the inspector)
         peak["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    metrics = {**result.metrics, "learner_s": learner_s, **written.timings, **peak, "groups_stale_dropped": batch.stale_dropped}
+    metrics = {
+        **result.metrics, "learner_s": learner_s, **batch_metrics(sequences, learner_s), **episodes, **written.timings, **peak,
+        "groups_stale_dropped": batch.stale_dropped,
+    }
     uri = lambda path: str(path) if path else None  # noqa: E731
     try:
         with ctx.session_factory() as s:

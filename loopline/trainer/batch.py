@@ -38,6 +38,18 @@ class TrainSequence:
         return sum(self.action_mask)
 
 
+def batch_metrics(sequences: list[TrainSequence], learner_s: float) -> dict[str, float]:
+    """What a learner step's batch looked like, named as verl names them: generated tokens per trajectory
+    (`response_length/mean`, `/max`) and every token through the learner per second (`perf/tokens_per_s`,
+    verl's `perf/throughput` on one device)."""
+    lengths = [s.action_tokens for s in sequences]
+    return {
+        "response_length/mean": sum(lengths) / max(len(lengths), 1),
+        "response_length/max": float(max(lengths, default=0)),
+        "perf/tokens_per_s": sum(len(s.input_ids) for s in sequences) / learner_s if learner_s > 0 else 0.0,
+    }
+
+
 def sequence_from_trajectory(trajectory: StoredTrajectory) -> TrainSequence:
     """The whole conversation as one sequence: the last segment's context plus its generation; each
     segment's action tokens keep their mask and rollout logprobs at their place in it."""

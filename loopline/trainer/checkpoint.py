@@ -98,15 +98,17 @@ def clean_partial_writes(root: Path) -> list[Path]:
     return removed
 
 
-def clean_unnamed_writes(root: Path, named: set[str]) -> list[Path]:
+def clean_unnamed_writes(root: Path, named: set[str], own: bool = False) -> list[Path]:
     """Remove a learner's own checkpoint and export directories (`NAME.PID`, see tasks/stages.learn) that no
     ledger row names and whose writer is gone: what a learner that lost the run, or died between writing
-    and committing, left behind."""
+    and committing, left behind. `own`: this process's too (it is on its way out: a stop signal, a lost
+    run or a failure aborted a step between its writes and its commit; with a real model, gigabytes)."""
     kept = {Path(uri).name for uri in named}  # by name: the same directory may be reached by another path
     removed = []
     for path in root.glob("*/*.*"):
         pid = path.name.rsplit(".", 1)[1]
-        if path.is_dir() and pid.isdigit() and path.name not in kept and not process_alive(int(pid)):
+        gone = pid.isdigit() and ((own and int(pid) == os.getpid()) or not process_alive(int(pid)))
+        if path.is_dir() and gone and path.name not in kept:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -3,6 +3,7 @@ line) before the CLI imports torch or Prefect. The modules that use them re-expo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,6 +47,18 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
 
     def __post_init__(self) -> None:
+        for name in ("clip_low", "clip_high", "correction_cap", "kl_coef", "clip_ratio_c"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1) (the ratio's floor is 1 - clip_low; verl's default 0.2), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"clip_high must be >= 0 (the ratio's ceiling is 1 + clip_high; verl's default 0.2), got {self.clip_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0 (a negative one rewards moving away from the reference), got {self.kl_coef}")
+        if self.correction_cap <= 0:
+            raise ValueError(f"correction_cap must be > 0, got {self.correction_cap}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3), got {self.clip_ratio_c}")
         if self.correction_cap <= 1.0 and self.correction in ("mis", "rejection") and self.correction_bounds == "two_sided":

@@ -26,9 +26,15 @@ from loopline.trainer import checkpoint, losses, lora, prefix
 from loopline.trainer.advantages import compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
+from loopline.trainer.prefix import token_entropy
 from loopline.trainer.losses import Correction, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.config import LearnerConfig  # noqa: F401 (re-exported: a run config needs no torch)
 from loopline.trainer.schedule import lr_factor
+
+# The learner's own per-token metrics beside the loss's (`losses.TOKEN_MEANS`), combined the same way: the
+# policy's entropy at the trained tokens (verl's `actor/entropy`, TRL's `entropy`), from the loss's forward.
+OWN_TOKEN_MEANS = ("entropy",)
+
 
 class LearnerError(ValueError):
     """The step or checkpoint is refused (bad batch, NaN, mismatched checkpoint); nothing was updated."""
@@ -130,44 +136,50 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
-    def _logprobs(self, batch: Padded, model: Frozen | lora.BaseOf | None = None) -> torch.Tensor:
+    def _logprobs(self, batch: Padded, model: Frozen | lora.BaseOf | None = None, entropy: list | None = None) -> torch.Tensor:
         """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
         0 elsewhere), of the policy (or of `model`, the reference). Only those positions go through the LM
         head (`logits_to_keep`): the prompt's and the tool outputs' logits over the whole vocabulary are never
-        made, which dominated time and memory."""
+        made, which dominated time and memory. `entropy`: given, the policy's entropy at the same places is
+        appended to it (a metric, from the logits already made; no gradient)."""
         via = model or self.backend
         shared = prefix.plan(batch) if self.config.share_prefix else None
         if shared is not None:
             layers = self.model.config.get_text_config().num_hidden_layers
-            return prefix.shared_prefix_logprobs(via.call, layers, batch, shared, self.config.temperature, self.device)
+            return prefix.shared_prefix_logprobs(via.call, layers, batch, shared, self.config.temperature, self.device, entropy)
         out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
         positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
         if positions.numel() == 0:
+            if entropy is not None:
+                entropy.append(torch.zeros_like(out))
             return out
         logits = via.forward(
             batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device)
         ).float() / self.config.temperature
         targets = batch.input_ids[:, 1:][:, positions].to(self.device)
         picked = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+        if entropy is not None:
+            entropy.append(torch.zeros_like(out).index_copy(1, positions.to(self.device), token_entropy(logits)))
         return out.index_copy(1, positions.to(self.device), picked)
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
         """The loss's metrics over every rank's micro-batches, each combined as `losses` declares it."""
-        undeclared = {k for m in step_metrics for k in m} - set(losses.SUMMED + losses.MAXIMA + losses.TOKEN_MEANS)
+        token_means = losses.TOKEN_MEANS + OWN_TOKEN_MEANS
+        undeclared = {k for m in step_metrics for k in m} - set(losses.SUMMED + losses.MAXIMA + token_means)
         if undeclared:
             raise LearnerError(f"the loss returned metrics that trainer/losses.py does not declare: {', '.join(sorted(undeclared))}")
         sums = torch.tensor(
             [sum(m[k] for m in step_metrics) for k in losses.SUMMED]
-            + [sum(m[k] * m["tokens"] for m in step_metrics) for k in losses.TOKEN_MEANS],
+            + [sum(m[k] * m["tokens"] for m in step_metrics) for k in token_means],
             dtype=torch.float64,
         )
         maxima = torch.tensor([max((m[k] for m in step_metrics), default=1.0) for k in losses.MAXIMA], dtype=torch.float64)
         if self.backend.world()[0] > 1:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
-        totals = dict(zip(losses.SUMMED + losses.TOKEN_MEANS, sums.tolist()))
+        totals = dict(zip(losses.SUMMED + token_means, sums.tolist()))
         n = max(totals["tokens"], 1.0)
-        return {"loss": totals["loss"], **{k: totals[k] / n for k in losses.TOKEN_MEANS}, **dict(zip(losses.MAXIMA, maxima.tolist()))}
+        return {"loss": totals["loss"], **{k: totals[k] / n for k in token_means}, **dict(zip(losses.MAXIMA, maxima.tolist()))}
 
     # ------------------------------------------------------------------ steps
 
@@ -247,7 +259,8 @@ class Learner:
                 if self.reference is not None:  # (before the policy's forward: see lora.adapters_off)
                     with torch.no_grad():
                         reference = self._logprobs(batch, self.reference)
-                logp = self._logprobs(batch)
+                entropy: list[torch.Tensor] = []
+                logp = self._logprobs(batch, entropy=entropy)
                 if reuse:
                     anchor(batch, logp.detach())
                 out = policy_loss(
@@ -257,7 +270,8 @@ class Learner:
                 )
                 if not torch.isfinite(out.loss):
                     raise LearnerError("the loss is NaN or inf; refusing the update")
-                return out.loss, out.metrics
+                actions = batch.target_mask.to(self.device).bool()
+                return out.loss, {**out.metrics, "entropy": float(entropy[0][actions].mean()) if actions.any() else 0.0}
 
             try:
                 step_metrics += self.backend.optimise(group, loss_of, LearnerError)

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from loopline.errors import LooplineError
 from loopline.trainer.config import LoraConfig
 
 ADAPTER = "default"  # peft's name for a model's one adapter
@@ -35,6 +36,20 @@ def apply(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         return peft.inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
     except ValueError as exc:  # e.g. target modules that the model does not have
         raise ValueError(f"learner.lora: {exc}") from None
+
+
+def check_targets(policy: Path, config: LoraConfig) -> None:
+    """Refuse target modules the policy does not have, before any run exists: the model is built on the meta
+    device (no weights read, no memory), and adapters are put on it as the learner would."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(policy))
+    try:
+        apply(model, config)
+    except ValueError as exc:
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        raise LooplineError(f"{str(exc).splitlines()[0].rstrip('. ')}; the linear modules of {policy.name} are: {', '.join(names)}") from None
 
 
 def is_adapted(model: torch.nn.Module) -> bool:

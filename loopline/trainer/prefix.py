@@ -78,10 +78,12 @@ def plan(batch: Padded) -> PrefixPlan | None:
 
 
 def shared_prefix_logprobs(
-    call: ModelCall, layers: int, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device
+    call: ModelCall, layers: int, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device,
+    entropy: list | None = None,
 ) -> torch.Tensor:
-    """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`;
-    `layers`: the model's decoder layers (one cache layer each)."""
+    """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`
+    (and the entropy there, appended to `entropy` if given); `layers`: the model's decoder layers (one cache
+    layer each)."""
     rows, width = batch.target_mask.shape
     lengths = batch.attention_mask.sum(-1)
     # the distinct prefixes, right-padded; a row's padding slots are masked out of its attention
@@ -125,7 +127,28 @@ def shared_prefix_logprobs(
         cache=cache, use_cache=cache is not None, logits_to_keep=keep.to(device),
     ).logits.float() / temperature
     picked = logits.gather(-1, next_ids[:, keep].to(device)[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    picked = picked * suffix_targets[:, keep].to(device)
-    wide = torch.zeros(rows, int(prefix.first.max()) + span, dtype=torch.float32, device=device)
-    wide = wide.scatter(1, (prefix.first[:, None] + keep[None, :]).to(device), picked)
-    return wide[:, : width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
+
+    def in_rows(values: torch.Tensor) -> torch.Tensor:  # suffix positions -> the batch's [B, L-1]
+        wide = torch.zeros(rows, int(prefix.first.max()) + span, dtype=torch.float32, device=device)
+        wide = wide.scatter(1, (prefix.first[:, None] + keep[None, :]).to(device), values * suffix_targets[:, keep].to(device))
+        return wide[:, : width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
+
+    if entropy is not None:
+        entropy.append(in_rows(token_entropy(logits)))
+    return in_rows(picked)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(π) = -Σ p·log p at each position of [..., V] logits (already divided by the temperature, as verl's
+    `entropy_from_logits`), a token a model masks out (-inf) counting 0; no gradient: a metric. A few hundred
+    positions at a time: the vocabulary-wide temporaries stay small beside the logits themselves."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], ENTROPY_CHUNK):
+            logp = torch.log_softmax(flat[start : start + ENTROPY_CHUNK].float(), dim=-1)
+            out[start : start + ENTROPY_CHUNK] = -torch.where(logp > -torch.inf, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+    return out.reshape(logits.shape[:-1])
+
+
+ENTROPY_CHUNK = 256  # positions per pass of `token_entropy`

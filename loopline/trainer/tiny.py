@@ -43,7 +43,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # (its own bars under the build's one)
     )
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(

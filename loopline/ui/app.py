@@ -25,6 +25,7 @@ from loopline.ui.data import (
     LedgerView,
     Token,
     displayable,
+    overlaid,
     first_divergence,
     first_retokenisation_difference,
     segment_tokens,
@@ -123,8 +124,55 @@ def render_tokens(tokens: list[Token], by_gap: bool = False, tolerance: float = 
 # The learner's step metrics charted on the Runs page (those a run recorded), with what each one says.
 OPTIMISATION = {
     "loss": "loss", "grad_norm": "gradient norm (before clipping)", "clip_fraction": "fraction of tokens clipped",
-    "kl_ref": "KL to the reference policy", "entropy": "policy entropy",
+    "kl_ref": "KL to the reference policy", "entropy": "policy entropy (mean over trained tokens)",
 }
+# ... and the batches it trained on (verl's names)
+BATCHES = {
+    "response_length/mean": "generated tokens per trajectory (mean)", "response_length/max": "generated tokens per trajectory (max)",
+    "perf/tokens_per_s": "learner throughput (tokens per second)",
+}
+# ... and how its episodes went
+EPISODES = {
+    "rollout/truncated_frac": "episodes cut by a budget (fraction)", "tool/calls_per_episode": "tool calls per episode",
+    "tool/error_frac": "tool calls that failed (fraction)", "rollout/infra_failed_frac": "attempts failed outside the policy (fraction)",
+}
+
+
+COMPARED = ("reward_mean", "loss", "entropy", "kl_ref", "grad_norm", "response_length/mean", "rollout/truncated_frac")
+EVAL_AXES = {"version": "policy_version", "wall-clock (s)": "seconds", "trained tokens": "tokens_trained"}
+
+
+def compare_runs(db: LedgerView, names: list[str]) -> None:
+    """Several runs' curves on one chart each (the question users ask of runs: which setting did better)."""
+    chosen = st.multiselect("Compare runs", names, key="compare", placeholder="choose runs to overlay their curves")
+    if not chosen:
+        return
+    ids = {name: db.run_id(name) for name in chosen}
+    metrics, evals = {n: db.metrics(i) for n, i in ids.items()}, {n: db.evals(i) for n, i in ids.items()}
+    recorded = sorted({m for frame in metrics.values() for m in frame.columns if m != "step"})
+    left, middle, right = st.columns(3)
+    metric = left.selectbox("Training metric", [m for m in COMPARED if m in recorded] + [m for m in recorded if m not in COMPARED], key="compare-metric")
+    axis = middle.radio("Held-out success against", list(EVAL_AXES), horizontal=True, key="compare-axis")
+    smoothing = right.slider("Smoothing", 0.0, 0.95, 0.0, 0.05, key="compare-smoothing")
+    summary = pd.DataFrame([
+        {
+            "run": n, "steps": int(metrics[n]["step"].max()) if not metrics[n].empty else 0,
+            "last training reward": float(metrics[n]["reward_mean"].iloc[-1]) if "reward_mean" in metrics[n] else None,
+            "best held-out success": float(evals[n]["success_rate"].max()) if not evals[n].empty else None,
+            "at version": int(evals[n].loc[evals[n]["success_rate"].idxmax(), "policy_version"]) if not evals[n].empty else None,
+        }
+        for n in chosen
+    ])
+    st.dataframe(summary, hide_index=True)
+    left, right = st.columns(2)
+    with left:
+        st.subheader(f"{metric} per learner step, by run")
+        if metric:
+            st.line_chart(overlaid(metrics, "step", metric, smoothing), x="step", y=metric, color="run")
+    with right:
+        st.subheader(f"Held-out success vs {axis}, by run")
+        st.line_chart(overlaid(evals, EVAL_AXES[axis], "success_rate"), x=EVAL_AXES[axis], y="success_rate", color="run")
+    st.divider()
 
 
 def page_runs(db: LedgerView) -> None:
@@ -135,6 +183,7 @@ def page_runs(db: LedgerView) -> None:
         return
     st.dataframe(runs.drop(columns=["id"]), hide_index=True)
     names = list(runs["name"])
+    compare_runs(db, names)
     chosen = st.query_params.get("run")
     name = st.selectbox("Run", names, index=names.index(chosen) if chosen in names else 0)
     run_id = db.run_id(name)
@@ -205,11 +254,12 @@ def page_runs(db: LedgerView) -> None:
             )
 
     st.subheader("Optimisation, per learner step")
-    shown = [m for m in OPTIMISATION if m in metrics]
-    for column, metric in zip(st.columns(max(len(shown), 1)), shown):
-        with column:
-            st.caption(OPTIMISATION[metric])
-            st.line_chart(metrics, x="step", y=metric)
+    for charts in (OPTIMISATION, BATCHES, EPISODES):
+        shown = [m for m in charts if m in metrics]
+        for column, metric in zip(st.columns(max(len(shown), 1)), shown):
+            with column:
+                st.caption(charts[metric])
+                st.line_chart(metrics, x="step", y=metric)
     with st.expander("The run's config (as the ledger stored it)"):
         st.code(yaml.safe_dump(db.run_config(run_id), sort_keys=False), language="yaml")
 

@@ -113,6 +113,21 @@ class LedgerView:
         return self._read(views.environment_spec, name, version)
 
 
+def overlaid(curves: dict[str, pd.DataFrame], x: str, y: str, smoothing: float = 0.0) -> pd.DataFrame:
+    """Several runs' `y` against `x` as one long frame (a `run` column to colour by), each run's curve smoothed
+    by an exponential moving average of weight `smoothing` (0: as recorded; TensorBoard's slider, without its
+    debiasing), rows without a value left out."""
+    parts = []
+    for run, frame in curves.items():
+        if frame.empty or x not in frame or y not in frame:
+            continue
+        curve = frame[[x, y]].dropna().sort_values(x)
+        if smoothing > 0:
+            curve = curve.assign(**{y: curve[y].ewm(alpha=1 - smoothing, adjust=False).mean()})
+        parts.append(curve.assign(run=run))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[x, y, "run"])
+
+
 def displayable(frame: pd.DataFrame) -> pd.DataFrame:
     """The frame with its ids as text: Streamlit's table turned uuid.UUID values into their bytes
     (`{"0": 24, "1": 16, ...}`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import shlex
 from email.parser import BytesParser
@@ -30,13 +31,35 @@ from tests.fakes.asgi import BackgroundServer, read_body
 ENVD_PORT = 49983  # e2b.ConnectionConfig.envd_port: where the SDK looks for envd in debug mode
 
 
-# envd runs each call as the user the SDK names (`user`, E2B's unprivileged default, or `root`):
-# the image's uid-1000 user stands in for `user`.
-USERS = {"root": "0:0", "user": "1000:1000"}
+# envd runs each call as the user the SDK names (`user`, E2B's unprivileged default, or `root`), with that
+# user's HOME: `docker exec --user NAME` does the same from the container's /etc/passwd. The sandbox image
+# gets E2B's `user` (uid 1000, home /home/user) in a layer of the stand-in's (`e2b_like`). Its home is writable
+# and is the sandbox's working directory, as in E2B (/home/user is both): here a link to the container's
+# writable /workspace (its root is read-only).
+USERS = {"root": "root", "user": "user"}
+HOMES = {"root": "/root", "user": "/home/user"}
+_E2B_USER = "RUN echo 'user:x:1000:1000::/home/user:/bin/bash' >> /etc/passwd && mkdir -p /home && ln -s /workspace /home/user\n"
 
 
 def _user(name: str | None) -> str:
     return USERS[name or "user"]
+
+
+def e2b_like(image: str) -> str:
+    """`image` with E2B's default user, built once (a local `docker build` FROM the local image: no registry)."""
+    import io
+
+    import docker
+    from docker.errors import ImageNotFound
+
+    layer = f"FROM {image}\n{_E2B_USER}"
+    tag = f"{image.replace(':', '-')}:e2b-{hashlib.sha256(layer.encode()).hexdigest()[:12]}"
+    client = docker.from_env()
+    try:
+        client.images.get(tag)
+    except ImageNotFound:
+        client.images.build(fileobj=io.BytesIO(layer.encode()), tag=tag, rm=True)
+    return tag
 
 
 def _basic_auth_user(headers) -> str | None:
@@ -58,7 +81,8 @@ class _DockerProcess(Process):
         command = f"cd {shlex.quote(cwd)} && exec {shlex.join(argv)}"
         user = _user(_basic_auth_user(ctx.request_headers))
         yield _event("start", process_pb.ProcessEvent.StartEvent(pid=1))
-        result = await asyncio.to_thread(self.box._exec, command, 3600, None, user, None, dict(config.envs))
+        env = {"HOME": HOMES[user], **dict(config.envs)}  # (envd's HOME is the user's home; a call's envs override it)
+        result = await asyncio.to_thread(self.box._exec, command, 3600, None, user, None, env)
         for stream in ("stdout", "stderr"):
             text = getattr(result, stream)
             if text:
@@ -81,7 +105,7 @@ class EnvdOverDocker:
         self.requests: list[str] = []
 
     def _new_container(self, image: str | None = None, network: bool = False) -> DockerSandbox:
-        spec = Sandbox(backend="docker", image=image or self.image, network=network)
+        spec = Sandbox(backend="docker", image=e2b_like(image or self.image), network=network)
         return asyncio.run(DockerSandbox.create(spec, {"loopline.purpose": "envd-shim"}))
 
     def reset(self, image: str | None = None, network: bool = False) -> None:

@@ -223,6 +223,11 @@ for _ in range(2):
 open("answer.txt", "w").write("<answer>0</answer>")
 '''
 
+REFUSED_ONLY = '''
+from openai import OpenAI
+OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
+'''
+
 
 def test_failures_are_classified_as_the_harness_classifies_them(tmp_path):
     chat = ChatFormat.for_policy(STARTER)
@@ -230,14 +235,55 @@ def test_failures_are_classified_as_the_harness_classifies_them(tmp_path):
     assert crashed.failure_type == "task_failed" and crashed.info["exit_code"] == 1 and "gave up" in crashed.info["stderr"]
     (nothing,) = _play(_env(tmp_path / "b", NO_CALL), Scripted(chat, []))
     assert isinstance(nothing, InfraFailure) and "never called the model" in str(nothing) and "cannot even start" in str(nothing)
+    # every call refused by the endpoint (smolagents' tool_choice "required", refused then, was retried as infrastructure
+    # until the run stopped): the program's failure, scored 0, its one segment the task's prompt with nothing to train
+    (refused,) = _play(_env(tmp_path / "r", REFUSED_ONLY), Scripted(chat, []))
+    assert not isinstance(refused, Exception), refused
+    assert (refused.failure_type, refused.reward, refused.info["end"], refused.info["refusals"]) == ("task_failed", 0.0, "refused", 1)
+    assert refused.info["refused"][0].startswith("400 invalid_request_error: n: ") and refused.info["exit_code"] == 1
+    (only,) = refused.segments
+    assert only.generated_ids == [] and only.prompt_ids and refused.validate() is None
     (spent,) = _play(_env(tmp_path / "c", TOO_MANY_CALLS), Scripted(chat, ["x"] * 10))
     assert (spent.failure_type, spent.info["end"], len(spent.segments)) == ("truncated", "turns", 3)
     # (budgets of 5 s: a python3 that imports the openai SDK can take 2 s to start on a loaded machine)
     (slow,) = _play(_env(tmp_path / "d", SLOW_PROGRAM, wall_time_s=5), Scripted(chat, ["x"]))
     assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and slow.timings["episode_s"] < 25
-    # waiting for a slow model is not the program's time: 2 calls of 3 s each within a 5 s budget finish
-    (waited,) = _play(_env(tmp_path / "e", TWO_SLOW_CALLS, wall_time_s=5), Scripted(chat, ["x", "y"], delay_s=3.0))
+    # waiting for a slow model is not the program's time, also while the call is in flight: 2 calls of 6 s each
+    # within a 5 s budget finish (a call longer than the budget was cut, then "never called the model": infra)
+    (waited,) = _play(_env(tmp_path / "e", TWO_SLOW_CALLS, wall_time_s=5), Scripted(chat, ["x", "y"], delay_s=6.0))
+    assert not isinstance(waited, Exception), waited
     assert (waited.failure_type, waited.info["end"], len(waited.segments)) == ("task_failed", "exit", 2), waited.info
+
+
+# What the program leaves as answer.txt (it is the agent's, so any file at all) -> the reward it truly earned.
+# The model replies with the right answer; the program writes it (or not) as below. Each was a crash of the
+# evaluation or an infrastructure failure of every attempt ("no group to train on").
+ANSWER_FILES = {
+    "a_link_out_of_the_workdir": ("os.symlink('/etc/hostname', 'answer.txt')", 0.0),
+    "a_fifo_nobody_writes": ("os.mkfifo('answer.txt')", 0.0),
+    "a_directory": ("os.mkdir('answer.txt')", 0.0),
+    "invalid_utf8_around_the_right_answer": ("open('answer.txt', 'wb').write(b'\\xff\\xfe' + reply.encode() + b'\\x80')", 1.0),
+    "nul_bytes_around_the_right_answer": ("open('answer.txt', 'wb').write(b'\\x00' + reply.encode() + b'\\x00')", 1.0),
+}
+ANSWER_PROGRAM = """
+import os
+from openai import OpenAI
+reply = OpenAI().chat.completions.create(model="policy", messages=[{{"role": "user", "content": "hi"}}]).choices[0].message.content
+{leave}
+"""
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+@pytest.mark.parametrize("case", sorted(ANSWER_FILES))
+def test_an_answer_file_the_agent_made_odd_is_scored_never_a_crash(case, backend, tmp_path, request):
+    leave, earned = ANSWER_FILES[case]
+    env_file = _env(tmp_path, ANSWER_PROGRAM.format(leave=leave))
+    if backend == "docker":
+        env_file = _docker(env_file, request.getfixturevalue("agent_image"))
+    task = next(t for t in prepare(env_file).tasks if t.split == "train")
+    (played,) = _play(env_file, Scripted(ChatFormat.for_policy(STARTER), [f"<answer>{task.data['answer']}</answer>"]))
+    assert not isinstance(played, Exception), played
+    assert (played.reward, played.failure_type) == (earned, None if earned else "task_failed"), played.info
 
 
 def test_a_program_in_docker_is_classified_alike_and_stopped_at_its_wall_time(tmp_path, agent_image):

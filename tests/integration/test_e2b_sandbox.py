@@ -178,3 +178,23 @@ def test_e2b_sdk_against_local_envd_stops_an_agent_program_at_its_wall_time(publ
     started = time.monotonic()
     (slow,) = _play(on_e2b(_env(tmp_path / "b", SLOW_PROGRAM, wall_time_s=5)), Scripted(chat, ["x"]))
     assert (slow.failure_type, slow.info["end"]) == ("truncated", "wall_time") and time.monotonic() - started < 25
+
+
+@pytest.mark.parametrize("case", ["a_link_out_of_the_workdir", "a_directory", "invalid_utf8_around_the_right_answer"])
+def test_e2b_sdk_against_local_envd_scores_an_answer_file_the_agent_made_odd(case, public_endpoint, tmp_path):
+    """As on local and Docker (`test_agent_program.ANSWER_FILES`): what the program leaves as answer.txt is read
+    as the agent's user and scored, never an exception out of the episode."""
+    import yaml
+
+    from loopline.envregistry.registry import prepare
+    from loopline.rollout.chat import ChatFormat
+    from tests.integration.test_agent_program import ANSWER_FILES, ANSWER_PROGRAM, Scripted, _env, _play
+    from tests.integration.test_train_flow import STARTER
+
+    leave, earned = ANSWER_FILES[case]
+    env_file = _env(tmp_path, ANSWER_PROGRAM.format(leave=leave))
+    env_file.write_text(yaml.safe_dump(yaml.safe_load(env_file.read_text()) | {"sandbox": {"backend": "e2b", "template": "loopline-agent"}}))
+    task = next(t for t in prepare(env_file).tasks if t.split == "train")
+    (played,) = _play(env_file, Scripted(ChatFormat.for_policy(STARTER), [f"<answer>{task.data['answer']}</answer>"]))
+    assert not isinstance(played, Exception), played
+    assert (played.reward, played.failure_type) == (earned, None if earned else "task_failed"), played.info

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import sqlalchemy as sa
 
@@ -123,6 +124,7 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     assert "Optimisation, per learner step" in titles
     captions = [c.value for c in at.caption]
     assert "loss" in captions and "gradient norm (before clipping)" in captions  # the learner's metrics the run recorded
+    assert "policy entropy (mean over trained tokens)" in captions and "episodes cut by a budget (fraction)" in captions
     import yaml
 
     engine = sa.create_engine(seeded["url"])
@@ -130,6 +132,54 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
         stored = conn.execute(sa.text("SELECT config FROM run WHERE name = :n"), {"n": seeded["run"]}).scalar_one()
     engine.dispose()
     assert any(yaml.safe_load(c.value) == stored for c in at.code), [c.value for c in at.code]  # the run's stored config
+
+
+def _chart_runs(chart) -> dict[str, int]:
+    """The runs a chart draws, and how many points each (read from the data Streamlit sends the browser)."""
+    import pyarrow as pa
+
+    frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets]
+    if chart.proto.HasField("data") and chart.proto.data.data:
+        frames.append(pa.ipc.open_stream(chart.proto.data.data).read_all().to_pandas())
+    runs = pd.concat([f for f in frames if "run" in f], ignore_index=True)["run"]
+    return runs.value_counts().to_dict()
+
+
+@pytest.fixture(scope="module")
+def other_run(seeded):
+    """A second run beside the seeded one: 3 steps of reward, 2 evaluations."""
+    engine = sa.create_engine(seeded["url"])
+    with new_session(engine) as s:
+        other = ledger.create_run(s, f"{seeded['run']}-other", {"test": "compare"}, "file:///w")
+        for step, reward in ((1, 0.1), (2, 0.3), (3, 0.5)):
+            s.execute(sa.text("INSERT INTO metric (run_id, step, name, value) VALUES (:r, :s, 'reward_mean', :v)"), {"r": other.id, "s": step, "v": reward})
+        s.commit()
+        for version, wins in ((0, 1), (3, 6)):
+            ledger.record_eval_result(s, other.id, version, "arithmetic", 1, 10, wins)
+    engine.dispose()
+    return other
+
+
+def test_two_runs_compared_on_one_chart_each(app, seeded, other_run):
+    """Users compare runs: reward per step and held-out success, one curve per run (issue 47, section 3)."""
+    other = other_run
+    engine = sa.create_engine(seeded["url"])
+    at = app("runs", run=seeded["run"])
+    at.multiselect(key="compare").set_value([seeded["run"], other.name]).run()
+    assert not at.exception, at.exception
+    summary = next(d.value for d in at.dataframe if "best held-out success" in d.value)
+    mine = summary.set_index("run")
+    assert mine.loc[other.name, "steps"] == 3 and mine.loc[other.name, "last training reward"] == pytest.approx(0.5)
+    assert mine.loc[other.name, "best held-out success"] == pytest.approx(0.6) and mine.loc[other.name, "at version"] == 3
+    assert mine.loc[seeded["run"], "steps"] == 2
+    titles = [s.value for s in at.subheader]
+    assert "reward_mean per learner step, by run" in titles and "Held-out success vs version, by run" in titles
+    with engine.connect() as c:
+        seeded_evals = c.execute(sa.text("SELECT count(*) FROM eval_result WHERE run_id = :r"), {"r": seeded["run_id"]}).scalar()
+    engine.dispose()
+    drawn = [_chart_runs(c) for c in at.get("vega_lite_chart") if '"run"' in c.proto.spec]
+    assert {seeded["run"]: 2, other.name: 3} in drawn, drawn  # reward per step: 2 steps and 3
+    assert {other.name: 2, **({seeded["run"]: seeded_evals} if seeded_evals else {})} in drawn, drawn  # held-out success
 
 
 def test_trajectories_page_filters_and_opens_one(app, seeded):
@@ -300,7 +350,7 @@ def test_the_inspector_cannot_write(seeded):
 
 
 @pytest.mark.slow
-def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(seeded, tmp_path):
+def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(seeded, other_run, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         if os.environ.get("CI"):
@@ -322,6 +372,21 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             page.goto(f"http://127.0.0.1:{port}/?page=runs&run={seeded['run']}")
             page.get_by_text("Optimisation, per learner step").wait_for(timeout=30_000)
             assert page.get_by_text("Deploy", exact=True).count() == 0  # a viewer's toolbar: nothing to deploy
+            # two runs chosen as a user chooses them (typed into the multiselect): their curves drawn, one chart each
+            charts = page.locator(".vega-embed").count()
+            for run in (seeded["run"], other_run.name):
+                page.locator('[data-testid="stMultiSelect"] input').click()
+                page.keyboard.type(run)
+                page.get_by_role("option", name=run, exact=True).click()
+                page.keyboard.press("Escape")
+            page.get_by_text("reward_mean per learner step, by run").wait_for(timeout=30_000)
+            page.get_by_text("Held-out success vs version, by run").wait_for(timeout=30_000)
+            deadline = time.monotonic() + 30
+            while page.locator(".vega-embed").count() < charts + 2:
+                assert time.monotonic() < deadline, page.locator(".vega-embed").count()
+                page.wait_for_timeout(200)
+            chosen = page.locator('[data-testid="stMultiSelect"]').inner_text()
+            assert f"{seeded['run']}\n" in chosen + "\n" and other_run.name in chosen, chosen  # the two names as the user reads them
             page.get_by_role("button", name="Open its trajectories").click()
             page.get_by_text(re.compile(r"^\d+ of \d+ trajectories; select a row")).wait_for(timeout=30_000)
             table = page.locator('[data-testid="stDataFrame"]').first

@@ -102,12 +102,16 @@ def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
     plain = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=False), backend="torch")
     b = pad(seqs, list(range(len(seqs))))
     assert plan(b).saved_tokens == 3 * (9 + 12 + 15)  # each prompt (minus its last token) runs once, not 4 times
+    entropies: list[torch.Tensor] = []
     with torch.no_grad():
-        one, other = shared._logprobs(b), plain._logprobs(b)
+        one, other = shared._logprobs(b, entropy=entropies), plain._logprobs(b, entropy=entropies)
     m = b.target_mask.bool()
     assert torch.allclose(one[m], other[m], atol=1e-5) and (one[~m] == 0).all()
-    shared.rl_step(seqs)
+    # the policy's entropy at the same places, by both paths (0 elsewhere); a step records its mean there
+    assert torch.allclose(entropies[0][m], entropies[1][m], atol=1e-4) and (entropies[0][m] > 0).all() and (entropies[0][~m] == 0).all()
+    recorded = shared.rl_step(seqs).metrics["entropy"]
     plain.rl_step(seqs)
+    assert recorded == pytest.approx(float(entropies[1][m].mean()), rel=1e-4)
     assert torch.allclose(shared.parameters_vector(), plain.parameters_vector(), atol=1e-5)
 
 
@@ -350,7 +354,7 @@ def test_a_step_gives_the_same_weights_every_time_while_other_processes_load_the
     """Issue 29: a resume rebuilds unexported versions by replaying steps and compares digests, so a CPU step
     must be bit-exact under load with the default thread count. The shared-prompt gradient was summed with
     atomic float adds in a thread-dependent order: 2-3 different digests in 3 runs under load (3 here)."""
-    from loopline.flows.starter import SHIPPED_STARTERS
+    from loopline.flows.policies import SHIPPED_STARTERS
     from tests.helpers import cpu_load
 
     starter = next(SHIPPED_STARTERS.glob("tiny-*"))  # trained: real, non-trivial gradients

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -134,6 +135,9 @@ def test_a_config_this_environment_or_machine_cannot_run_is_refused_before_the_r
         ({"learner": {**data["learner"], "dtype": "bf16", "backend": "deepspeed"}}, "learner.dtype: bf16 needs a GPU with bf16"),
         ({"learner": {**data["learner"], "dtype": "fp16", "backend": "deepspeed"}}, "learner.dtype: fp16 needs a CUDA GPU"),
         ({"learner": {**data["learner"], "dtype": "bf16"}}, "dtype: bf16 needs backend: deepspeed"),
+        # (each of these left a `failed` run behind, the first with a 264-line traceback)
+        ({"learner": {**data["learner"], "lora": {"rank": 4, "target_modules": ["nope_proj"]}}}, "Target modules {'nope_proj'} not found"),
+        ({"engine": {"kind": "sglang", "servers": ["http://127.0.0.1:9"]}}, "the SGLang server http://127.0.0.1:9 does not answer"),
     ):
         config.write_text(yaml.safe_dump({**data, **change}))
         out = _loopline(env, "train", str(config))
@@ -174,6 +178,13 @@ def test_a_trainer_frozen_while_another_took_the_run_over_commits_nothing(tiny_d
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     run_id = _checked_run(db, name)
+    # what the first wrote for the step it could not commit is gone with it (was kept: gigabytes with a real model)
+    from loopline.store.ledger import named_files
+
+    named = {Path(uri).name for uri in named_files(db, run_id)}
+    db.rollback()
+    left = sorted(str(p) for p in (tmp_path / "home" / "runs" / name).glob(f"*/*.{first.pid}") if p.name not in named)
+    assert left == [], left
     rows = _rows(db, "SELECT version, weights_uri, sha256 FROM policy_version WHERE run_id = :r ORDER BY 1", r=run_id)
     assert [v for v, _, _ in rows] == list(range(last + 4))
     exported = [(v, uri, sha) for v, uri, sha in rows if uri is not None and v > 0]

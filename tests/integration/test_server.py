@@ -90,3 +90,14 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
         admin.dispose()
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert f"PREFECT_API_URL unset in Prefect profile 'ephemeral' in {tmp_path / 'prefect' / 'profiles.toml'}" in stopped.stdout
+
+
+def test_deploy_against_a_prefect_server_that_does_not_answer_says_so_in_one_line(tmp_path):
+    """Was a 200-line httpx ConnectError traceback (a server stopped, or a profile pointing at an old one)."""
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api", "LOOPLINE_HOME": str(tmp_path / "home")}
+    done = _cli("deploy", env=env, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: the Prefect server at {env['PREFECT_API_URL']} does not answer; start it (`loopline server start`), or point "
+        "PREFECT_API_URL at one that runs"
+    ]

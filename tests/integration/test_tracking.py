@@ -72,6 +72,15 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+def _trackio_logs(store: Path, run: str) -> list[dict]:
+    """A run's rows in trackio's local store, read by trackio in a process of its own: trackio reads TRACKIO_DIR
+    once, at its first import (a second test in this process read the first test's store)."""
+    read = "import json, sys; from trackio.sqlite_storage import SQLiteStorage; print(json.dumps(SQLiteStorage.get_logs('loopline', sys.argv[1])))"
+    done = subprocess.run([sys.executable, "-c", read, run], env={**os.environ, "TRACKIO_DIR": str(store)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _train(config: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
@@ -102,7 +111,7 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
     (found,) = client.search_runs([client.get_experiment_by_name("loopline").experiment_id], filter_string=f"tags.`loopline.run_id` = '{run_id}'")
     for metric in names:
         history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, metric)}
-        assert history == {step: value for (step, m), value in ledger.items() if m == metric}, metric
+        assert history == {step: value for (step, m), value in ledger.items() if m == metric}, (metric, done.stderr[-3000:])
     assert {m.step: m.value for m in client.get_metric_history(found.info.run_id, "eval/success_rate")} == evals
     assert found.data.params["steps"] == "2" and found.data.params["learner.backend"] == "torch"
     assert "config.json" in {Path(a.path).name for a in client.list_artifacts(found.info.run_id, "model")}
@@ -126,13 +135,7 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
     assert {row["_step"]: row["eval/success_rate"] for row in history if "eval/success_rate" in row} == pytest.approx(evals)
 
     # trackio's local store
-    os.environ["TRACKIO_DIR"] = str(tmp_path / "trackio")
-    import importlib
-
-    import trackio.sqlite_storage
-
-    importlib.reload(trackio.sqlite_storage)
-    logs = trackio.sqlite_storage.SQLiteStorage.get_logs("loopline", name)
+    logs = _trackio_logs(tmp_path / "trackio", name)
     assert {row["step"]: row["reward_mean"] for row in logs if "reward_mean" in row} == pytest.approx(rewards)
 
 
@@ -150,3 +153,58 @@ def test_a_failing_tracker_is_one_warning_and_trackers_are_not_the_runs_identity
     again = _train(config, env)
     assert again.returncode == 0 and "another config" not in again.stdout + again.stderr, again.stdout[-2000:] + again.stderr[-2000:]
     assert _rows(db, "SELECT count(*) FROM run WHERE name = :n", n=name)[0][0] == 1
+
+
+def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the_same_run(tmp_path, monkeypatch):
+    """With no MLFLOW_TRACKING_URI set (a user's default), mlflow 3 refuses its old default file store ("in
+    maintenance mode": one warning, nothing logged). loopline's default is a SQLite store in the run's directory."""
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    from loopline.flows.tracking import MLflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # (nothing may land in the current directory either)
+    run_id, workdir = uuid.uuid4(), tmp_path / "runs" / "r"
+    first = MLflow("r", run_id, workdir, {"lr": 0.001})
+    first.log(1, {"reward/mean": 0.25})
+    first.close()
+    again = MLflow("r", run_id, workdir, {"lr": 0.001})  # a resume
+    again.log(2, {"reward/mean": 0.5})
+    again.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    assert again.run == first.run
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run, "reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert client.get_run(first.run).data.params == {"lr": "0.001"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_commit_then_resumed_leaves_every_step_once_in_each_tracker(tiny_dirs, database_url, db, tmp_path):
+    """The crash window: SIGKILL after step 2 committed, before its trackers heard of it (TensorBoard and trackio held
+    steps 1, 3: step 2 was lost). On resume each tracker gets what it lacks from the ledger, in order, none twice."""
+    from tests.integration.test_chaos import _train as _train_killed
+
+    name = f"tracked-crash-{tmp_path.name[-12:]}".replace("_", "-")
+    config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode="sync", lease_seconds=5, backend="torch", every=3)
+    data = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**data, "steps": 3, "tracking": ["tensorboard", "trackio"]}))
+    env = {**env, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    assert _train_killed(config, env, "weight_sync:2", tmp_path / "killed.log") == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    assert _train_killed(config, env, None, tmp_path / "resumed.log") == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
+    rewards = dict(_rows(db, "SELECT step, value FROM metric WHERE run_id = :r AND name = 'reward_mean'", r=run_id))
+    assert sorted(rewards) == [1, 2, 3]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "home" / "runs" / name / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    assert sorted(s for s, _ in logged) == [1, 2, 3], logged  # every step, once
+    assert dict(logged) == pytest.approx(rewards, rel=1e-6)
+
+    logs = [(row["step"], row["reward_mean"]) for row in _trackio_logs(tmp_path / "trackio", name) if "reward_mean" in row]
+    assert sorted(s for s, _ in logs) == [1, 2, 3], logs
+    assert dict(logs) == pytest.approx(rewards)

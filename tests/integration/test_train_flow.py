@@ -16,7 +16,7 @@ import yaml
 from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
-from loopline.flows.starter import SHIPPED_STARTERS, tiny_policy_name
+from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
 from loopline.trainer.checkpoint import weights_sha256
 
 ENV = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
@@ -110,7 +110,7 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     at.number_input(key="replay-step").set_value(1)
     at.button(key="replay").click().run()
     assert not at.exception, at.exception
-    assert [m.value for m in at.success if f"{name} step 1 from the initial weights" in m.value and m.value.endswith("reproduced")], at.error
+    assert [m.value for m in at.success if f"{name} step 1 from the initial weights" in m.value and m.value.endswith("reproduced")], [e.value for e in at.error]
     # the run's final model as a plain Hugging Face directory, checked against the ledger's sha256
     exported = subprocess.run(
         [sys.executable, "-m", "loopline.cli", "export", name, str(tmp_path / "final")], capture_output=True, text=True, timeout=300,
@@ -121,6 +121,16 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
         [sys.executable, "-m", "loopline.cli", "export", name, str(tmp_path / "final"), "--version", "9"], capture_output=True, text=True, timeout=300,
     )
     assert again.returncode == 1 and "has no policy version 9" in again.stdout + again.stderr, again.stdout + again.stderr
+    for asked, step in ((name, 0), (str(run_id), 1_000_000_000)):  # (said "versions go up to 0"; named the run by its id)
+        refused = subprocess.run([sys.executable, "-m", "loopline.cli", "replay", asked, "--step", str(step)], capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 1 and refused.stderr.strip() == f"error: run {name} has committed learner steps 1 to 2; replay one of them", refused.stderr
+    (tmp_path / "a-file").write_text("")
+    for where in (tmp_path / "a-file" / "model", Path("/proc/loopline-export"), tmp_path / "a-file"):  # (were tracebacks)
+        refused = subprocess.run(
+            [sys.executable, "-m", "loopline.cli", "export", name, str(where)], capture_output=True, text=True, timeout=300,
+        )
+        lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.strip()]
+        assert refused.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and str(where) in lines[0], refused.stderr
     db.execute(
         sa.text(
             "UPDATE trajectory SET reward = 1 - reward WHERE id = (SELECT c.trajectory_id FROM consumption c "
@@ -135,7 +145,7 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
 def test_bad_run_configs_are_refused_up_front(tmp_path):
     with pytest.raises(LooplineError, match="group_size: .*at least 2"):
         load_config(_config(tmp_path, "tiny", group_size=1))
-    with pytest.raises(LooplineError, match="colour: Extra inputs"):
+    with pytest.raises(LooplineError, match="colour: unknown setting"):
         load_config(_config(tmp_path, "tiny", colour="blue"))
     with pytest.raises(LooplineError, match="steps: Input should be greater than or equal to 1"):
         load_config(_config(tmp_path, "tiny", steps=0))

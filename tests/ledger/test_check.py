@@ -70,6 +70,26 @@ def _set_gap_metrics(db, run_id, **values):
         _corrupt(db, "INSERT INTO metric (run_id, step, name, value) VALUES (:r, 1, :n, :v)", r=run_id, n=name, v=value)
 
 
+def test_a_refused_episode_with_nothing_generated_is_stored_trained_on_as_a_zero_and_passes_check(db, run):
+    """An agent program whose every call the endpoint refused (agent_program._refused): one segment, the task's
+    prompt, nothing generated. Its group trains on the others' tokens with its 0 in the group's mean."""
+    from loopline.tasks.stages import load_sequences
+
+    refused = TrajectoryRecord(
+        "arithmetic", 1, "v1", "h1", 0.0, True, False, [SegmentRecord("r/refused/", 0, "tok", [1, 2, 3], [], [], [], "none: nothing was generated")],
+        failure_type="task_failed",
+    )
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=2)
+    first, second = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert all(o.committed for o in ledger.commit_trajectories(db, [(first.attempt_id, refused), (second.attempt_id, chained_trajectory(1.0, 0))]))
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
+    sequences = load_sequences(db, batch.trajectory_ids)
+    assert sorted(s.action_tokens for s in sequences) == [0, 5]
+    ledger.commit_learner_step(db, batch, "file:///w1", "file:///c1", metrics={"logprob_abs_diff": 0.0})
+    report = check_run(db, run.id)
+    assert report.ok, report.violations
+
+
 def test_gap_of_stale_samples_is_lag_not_a_violation(db, trained_run):
     """An async step whose samples all came from an older version: the gap is staleness, reported apart."""
     _set_gap_metrics(db, trained_run.id, logprob_abs_diff=0.0, logprob_gap_tokens=0.0, logprob_abs_diff_stale=0.03)

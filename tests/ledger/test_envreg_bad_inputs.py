@@ -107,6 +107,9 @@ CASES: dict[str, tuple[str | bytes, str | bytes | None, str]] = {
     # a placeholder's value is quoted by loopline: inside quotes (x = $(touch MARKER)) it would run
     "placeholder_in_double_quotes": (CMD.replace("sh -c {cmd}", 'echo \\"{cmd}\\"'), jsonl(ROWS), "is inside quotes"),
     "placeholder_in_single_quotes": (CMD.replace("sh -c {cmd}", "echo '{cmd}'"), jsonl(ROWS), "is inside quotes"),
+    # ... and in shell arithmetic or a here-document, where `$(...)` in it runs too
+    "placeholder_in_shell_arithmetic": (CMD.replace("sh -c {cmd}", "echo $(( {cmd} + 1 ))"), jsonl(ROWS), "inside shell arithmetic"),
+    "placeholder_in_a_here_document": (CMD.replace('"sh -c {cmd}"', '"cat <<EOF\\n{cmd}\\nEOF"'), jsonl(ROWS), "inside a here-document"),
     "placeholder_with_a_conversion": (CMD.replace("sh -c {cmd}", "sh -c {cmd!r}"), jsonl(ROWS), "without a conversion or format spec"),
     "placeholder_with_a_huge_format_spec": (CMD.replace("sh -c {cmd}", "sh -c {cmd:>400000000}"), jsonl(ROWS), "without a conversion or format spec"),
     "workdir_is_the_verifiers": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, workdir: /verify}"), jsonl(ROWS), "which the sandbox reserves"),

@@ -323,6 +323,29 @@ def test_infra_failures_retry_then_drop_the_group(db, run):
     assert _scalar(db, "SELECT count(*) FROM attempt WHERE slot_id = :s AND status = 'infra_failed'", s=first.slot_id) == 2
 
 
+def test_a_batchs_rollout_metrics_count_its_episodes_tool_calls_and_failed_attempts(db, run):
+    """Hand-computed: 2 episodes, one truncated; 4 tool calls, 1 failed; 3 attempts, 1 an infra failure."""
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=2, max_attempts=3)
+    first, second = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert ledger.fail_attempt(db, first.attempt_id, "SandboxCrash", "container exited 137") == "retry"
+    (retry,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    calls = [{"tool": "calc", "args": "1/0", "output": "ZeroDivisionError", "error": True}, {"tool": "calc", "args": "1", "output": "1"}]
+    one = trajectory(1.0, segments=[segment(tool_events=calls)], timings={"episode_s": 2.0})
+    cut = trajectory(0.0, terminated=False, truncated=True, failure_type="truncated", timings={"episode_s": 4.0})
+    assert all(o.committed for o in ledger.commit_trajectories(db, [(retry.attempt_id, one), (second.attempt_id, cut)]))
+    ids = [r[0] for r in db.execute(sa.text("SELECT id FROM trajectory WHERE run_id = :r"), {"r": run.id}).all()]
+    db.rollback()
+    metrics = ledger.rollout_metrics(db, run.id, ids, 0)
+    assert metrics["timing_s/rollout"] > 0
+    assert metrics["perf/trajectories_per_s"] == pytest.approx(2 / metrics["timing_s/rollout"])
+    others = {k: v for k, v in metrics.items() if k not in ("timing_s/rollout", "perf/trajectories_per_s")}
+    # (the truncated episode: 2 segments of the factory's, one call each)
+    assert others == {
+        "rollout/truncated_frac": 0.5, "rollout/infra_failed_frac": 1 / 3, "tool/calls_per_episode": 2.0,
+        "tool/error_frac": 0.25, "timing_s/episode_mean": 3.0,
+    }
+
+
 def test_released_slot_goes_back_without_counting_a_failure(db, run):
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1, max_attempts=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")

@@ -126,6 +126,16 @@ def test_embedded_server_when_no_url_is_set(tmp_path):
     assert not (home / "pgdata" / "postmaster.pid").exists()
 
 
+def test_a_new_users_first_commands_on_the_embedded_ledger_need_no_upgrade(tmp_path):
+    """`loopline runs` and `loopline db status` before any `train` (which migrates) asked for `loopline db
+    upgrade`; the embedded ledger is loopline's own and brings itself up to date."""
+    home = tmp_path / "home"
+    runs = _cli("runs", home=home)
+    assert runs.returncode == 0 and "no runs yet" in runs.stdout, runs.stderr
+    status = _cli("db", "status", home=home)
+    assert status.returncode == 0 and "schema up to date" in status.stdout, status.stderr
+
+
 def test_open_ledger_refuses_an_unmigrated_database(scratch_url):
     from loopline.store.migrate import open_ledger
 
@@ -167,3 +177,10 @@ def test_per_step_checkpoint_rows_become_one_per_checkpoint_written_and_back(scr
         command.downgrade(config, "c3f9a2d5e817")
     assert [tuple(r) for r in rows()] == per_step
     engine.dispose()
+
+
+def test_a_loopline_home_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = _cli("runs", home=tmp_path / "a-file" / "home")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("error: the loopline home") and "set LOOPLINE_HOME" in result.stderr

@@ -5,6 +5,8 @@ learner_step, sync_weights: the task functions themselves, called without a Pref
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
@@ -86,6 +88,23 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         assert set(facts) >= {"group_mean", "group_std", "degenerate", "trained", "action_tokens", "rejected_tokens"}
         assert facts["degenerate"] == (r.advantage == 0.0 and facts["group_std"] == 0.0)
         assert facts["trained"] == (facts["action_tokens"] > 0) and facts["rejected_tokens"] == 0  # TIS rejects nothing
+
+    # each step's metrics hold how its episodes went beside the learner's numbers (issue 47: users look for them)
+    metrics = dict(db.execute(sa.text("SELECT name, value FROM metric WHERE run_id = :r AND step = 2"), {"r": run.id}).all())
+    db.rollback()
+    truncated = _scalar(db, "SELECT avg(truncated::int) FROM trajectory t JOIN rollout_group g ON g.id = t.group_id WHERE g.run_id = :r AND g.step = 2", run.id)
+    calls = _scalar(db, "SELECT count(*) FROM segment s JOIN trajectory t ON t.id = s.trajectory_id, jsonb_array_elements(s.tool_events) "
+                        "JOIN rollout_group g ON true WHERE g.id = t.group_id AND g.run_id = :r AND g.step = 2", run.id)
+    assert metrics["rollout/truncated_frac"] == pytest.approx(float(truncated)) and metrics["tool/calls_per_episode"] == calls / 12
+    assert metrics["rollout/infra_failed_frac"] == 0.0 and metrics["timing_s/rollout"] > 0 and metrics["timing_s/sync"] > 0
+    vocabulary = json.loads((Path(tiny_dirs["v0"]) / "config.json").read_text())["vocab_size"]
+    assert 0 < metrics["entropy"] < math.log(vocabulary)  # (nats: at most a uniform choice's)
+
+
+def _scalar(db, sql: str, run_id):
+    value = db.execute(sa.text(sql), {"r": run_id}).scalar_one()
+    db.rollback()
+    return value
 
 
 def test_tasks_retry_only_transient_failures():

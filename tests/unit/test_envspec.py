@@ -294,6 +294,42 @@ def test_local_sandbox_shows_the_agent_nothing_of_the_host(loopline_as):
     assert f"\n{uid}\n" in f"\n{result.stdout}" and owner == uid  # inside and on the host
 
 
+# fills each filesystem the agent can reach but its workdir with 400 MB; prints what each held (KiB)
+STORE_PROBE = (
+    "for d in / /dev /tmp /dev/shm; do dd if=/dev/zero of=$d/fill bs=1M count=400 2>/dev/null; "
+    "echo \"$d $(du -sk $d/fill 2>/dev/null | cut -f1)\"; rm -f $d/fill; done; "
+    "unshare -rm true 2>/dev/null && echo 'made a user namespace'; echo probed"
+)
+
+
+@NEEDS_BWRAP
+@pytest.mark.parametrize("loopline_as", ["root", "user"])
+def test_local_sandbox_bounds_the_memory_its_filesystems_hold(loopline_as):
+    """/, /dev, /tmp and /dev/shm are memory (tmpfs), which RLIMIT_AS does not bound: one tool call with
+    memory_mb 512 stored 3 GB. Now / and /dev are read-only, /tmp holds half of memory_mb and /dev/shm a
+    quarter, and no user namespace (where another tmpfs could be mounted) can be made."""
+    if os.geteuid() != 0 and loopline_as == "user":
+        pytest.skip("needs root (to become another user)")
+
+    async def go():
+        box = _local(memory_mb=256)
+        try:
+            if loopline_as == "root" or os.geteuid() != 0:
+                return await box.exec(STORE_PROBE, timeout_s=60)
+            box.as_root = False
+            os.chown(box.root, 4242, 4242)
+            argv = ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--", *box.agent_prefix(), "/bin/sh", "-c", STORE_PROBE]
+            return await box._run(argv, box.root, 60, None, {"HOME": str(box.root)})
+        finally:
+            await box.close()
+
+    result = asyncio.run(go())
+    held = dict(line.split(" ") if " " in line else (line, "") for line in result.stdout.splitlines()[:4])
+    assert result.stdout.endswith("probed\n") and "user namespace" not in result.stdout, result.stdout + result.stderr
+    assert (held["/"], held["/dev"]) == ("", "")  # read-only: nothing written
+    assert 0 < int(held["/tmp"]) <= 128 * 1024 and 0 < int(held["/dev/shm"]) <= 64 * 1024, held
+
+
 @NEEDS_BWRAP
 def test_local_sandbox_enforces_pids_per_command():
     """`pids: 8` holds for the command's whole process tree (205 processes ran before), whatever else runs as its uid."""
@@ -346,7 +382,7 @@ def test_sandbox_paths_cannot_escape():
         finally:
             await box.close()
 
-    with pytest.raises(ValueError, match="leaves the sandbox"):
+    with pytest.raises(PermissionError, match="leaves the sandbox"):
         asyncio.run(go())
 
 
@@ -378,7 +414,7 @@ def test_a_field_added_later_at_its_default_leaves_a_specs_hash_as_it_was(tmp_pa
     """`tool_calls: tags` (the default) is not in the canonical form: the examples keep the hash they were
     registered under, and the shipped starter its name; another value is part of it."""
     from loopline.envregistry.registry import content_hash
-    from loopline.flows.starter import SHIPPED_STARTERS, tiny_policy_name
+    from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
 
     assert (SHIPPED_STARTERS / tiny_policy_name(content_hash(ARITHMETIC), 0) / "config.json").is_file()
     text = ARITHMETIC.read_text()
@@ -557,3 +593,29 @@ def test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint(tmp_path, monkey
     assert asked[0]["network"] == {"deny_out": ["0.0.0.0/0"], "allow_out": ["trainer.example.com"]}
     assert "allow_internet_access" not in asked[0]
     assert asked[1]["allow_internet_access"] is False and "network" not in asked[1]
+
+
+@NEEDS_BWRAP
+def test_an_optional_argument_left_out_is_empty_and_bytes_no_sandbox_can_carry_are_told_to_the_model():
+    """Each was an exception out of the episode (KeyError, ValueError: embedded null byte, UnicodeEncodeError),
+    recorded as an infrastructure failure: a policy's way out of its zero."""
+    from loopline.envregistry.spec import Tool, ToolArg
+
+    greet = Tool(name="greet", description="d", command="printf '[%s|%s]' {name} {title}", args={"name": ToolArg(), "title": ToolArg(required=False)})
+    spec = load_spec(ARITHMETIC).model_copy(update={"tools": (greet,), "sandbox": Sandbox(backend="local")})
+
+    async def play():
+        episode = await Episode.start(spec, TASK)
+        try:
+            return [await episode.step(ToolCall("greet", args)) for args in (
+                {"name": "ada"}, {"name": "a\x00b"}, {"name": "\ud800"}, {"name": "x" * 200_000}, {"name": "ada", "title": "dr"},
+            )]
+        finally:
+            await episode.close()
+
+    left_out, nul, surrogate, huge, both = asyncio.run(play())
+    assert (left_out.text, left_out.error) == ("[ada|]", False)
+    assert nul.error and "NUL" in nul.text
+    assert surrogate.error and "not valid Unicode" in surrogate.text
+    assert huge.error and "bytes, over the 131,072 one command may hold" in huge.text
+    assert (both.text, both.error) == ("[ada|dr]", False)

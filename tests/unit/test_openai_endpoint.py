@@ -10,7 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from loopline.rollout.chat import ChatFormat
+from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
 from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
@@ -23,13 +23,14 @@ class ScriptedIds:
     """An engine that 'samples' given id lists (a policy may sample a spelling the tokenizer would not write)."""
 
     def __init__(self, replies: list[list[int]], eos: int):
-        self.replies, self.eos, self.prompts, self.returned = list(replies), eos, [], []
+        self.replies, self.eos, self.prompts, self.returned, self.samplings = list(replies), eos, [], [], []
 
     def version(self) -> int:
         return 7
 
     async def generate(self, prompt_ids, sampling, request_id):
         self.prompts.append(list(prompt_ids))
+        self.samplings.append(sampling)
         ids = (self.replies.pop(0) + [self.eos])[: sampling.max_new_tokens]
         self.returned.append(ids)
         return Generation(tuple(ids), tuple(-0.5 - i / 100 for i in range(len(ids))), "stop", (VersionSpan(7, 0, len(ids)),))
@@ -92,10 +93,15 @@ def test_a_streamed_call_is_the_same_answer_and_the_same_segment(tokenizer):
     assert logprobs == list(episode.segments[0].rollout_logprobs) and list(episode.segments[0].generated_ids) == engine.returned[0]
 
 
-def test_tool_calls_come_back_as_openai_tool_calls_and_the_tool_result_extends_the_chain(tokenizer):
+@pytest.mark.parametrize("template", ["hermes", "without-tools"])
+def test_tool_calls_come_back_as_openai_tool_calls_and_the_tool_result_extends_the_chain(tokenizer, template):
+    """With a template that renders `tools` (Qwen's Hermes one) and with one that drops them (the starter's, as
+    SmolLM2's): there loopline writes them into the system message as Hermes's tool prompt, so that the policy
+    sees the tools it is asked to call (issue 48: no framework's tool call was ever trained)."""
     call = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"expression": "12 + 3"}}</tool_call>', add_special_tokens=False)
     answer = tokenizer.encode("<answer>15</answer>", add_special_tokens=False)
-    episode, engine, chat = _episode(tokenizer, [call, answer], template=HERMES_TEMPLATE)
+    episode, engine, chat = _episode(tokenizer, [call, answer], template=HERMES_TEMPLATE if template == "hermes" else None)
+    assert chat.renders_tools() == (template == "hermes")
     tools = [{"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
     with OpenAIServer() as server:
@@ -111,10 +117,25 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_the_tool_result_extends_t
     assert second.choices[0].message.content == "<answer>15</answer>" and not second.choices[0].message.tool_calls
     assert first_chain_break(episode.segments) is None and len(episode.segments) == 2
     head = list(episode.segments[0].prompt_ids) + list(episode.segments[0].generated_ids)
-    assert chat.tokenizer.decode(episode.segments[1].prompt_ids[len(head) :]) == (
-        "\n<|im_start|>user\n<tool_response>\n15\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert '"name": "calc"' in chat.tokenizer.decode(episode.segments[0].prompt_ids)  # the template showed the tools
+    first_prompt = chat.tokenizer.decode(episode.segments[0].prompt_ids)
+    if template == "hermes":
+        assert chat.tokenizer.decode(episode.segments[1].prompt_ids[len(head) :]) == (
+            "\n<|im_start|>user\n<tool_response>\n15\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert '"name": "calc"' in first_prompt  # the template showed the tools
+    else:  # loopline's tool prompt as the system turn, the tool's output as the template shows a `tool` message
+        assert first_prompt == chat.tokenizer.apply_chat_template(
+            [{"role": "system", "content": hermes_tool_prompt(tools)}, {"role": "user", "content": "What is 12 + 3?"}],
+            tokenize=False, add_generation_prompt=True,
+        )
+        assert first_prompt.startswith("<|im_start|>system\n# Tools\n") and '<tools>\n{"type": "function", "function": {"name": "calc"' in first_prompt
+        assert chat.tokenizer.decode(episode.segments[1].prompt_ids[len(head) :]).endswith("<|im_start|>tool\n15<|im_end|>\n<|im_start|>assistant\n")
+        # the same conversation rendered afresh (a new chain) shows the policy its own call, as it wrote it
+        fresh, _, _ = _episode(tokenizer, [], template=None)
+        called = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": tool_call.function.model_dump()}]}
+        history = [{"role": "user", "content": "What is 12 + 3?"}, called, {"role": "tool", "tool_call_id": "c1", "content": "15"}]
+        rendered = chat.tokenizer.decode(fresh.prompt_ids(history, tools))
+        assert '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expression": "12 + 3"}}\n</tool_call><|im_end|>' in rendered, rendered
 
 
 def test_a_rewritten_history_starts_a_new_chain_and_budgets_end_the_episode(tokenizer):
@@ -193,3 +214,54 @@ def test_a_segment_records_version_spans_only_over_the_tokens_it_keeps():
     assert gen.recorded_spans(3) == [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2, "end": 3}]
     assert gen.recorded_spans(2) is None
     assert Generation((5,), (-0.1,), "stop", (VersionSpan(3, 0, 1),)).recorded_spans() is None
+
+
+@pytest.mark.parametrize("template", ["hermes", "without-tools"])
+def test_tool_choice_required_or_named_forces_a_call_whose_forced_part_is_prompt_never_trained(tokenizer, template):
+    """smolagents' ToolCallingAgent sends tool_choice "required" on every call (it was a 400); a named function
+    is the OpenAI SDK's way to insist on one. The reply opens with the call (and the name); the policy samples
+    the rest, and only what it sampled is its action."""
+    tools = [{"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    user = [{"role": "user", "content": "What is 12 + 3?"}]
+    rest_of_name = tokenizer.encode('calc", "arguments": {"expression": "12 + 3"}}\n</tool_call>', add_special_tokens=False)
+    arguments = tokenizer.encode('{"expression": "1 + 1"}}', add_special_tokens=False)  # (it left the call open)
+    episode, engine, chat = _episode(tokenizer, [rest_of_name, arguments], template=HERMES_TEMPLATE if template == "hermes" else None)
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        first = client.chat.completions.create(model="policy", messages=user, tools=tools, tool_choice="required")
+        named = client.chat.completions.create(
+            model="policy", messages=user, tools=tools, tool_choice={"type": "function", "function": {"name": "calc"}},
+        )
+        with pytest.raises(openai.BadRequestError, match="'add' is not one of the request's tools"):
+            client.chat.completions.create(model="policy", messages=user, tools=tools, tool_choice={"type": "function", "function": {"name": "add"}})
+        with pytest.raises(openai.BadRequestError, match="'required' needs tools"):
+            client.chat.completions.create(model="policy", messages=user, tool_choice="required")
+    (one,), (two,) = first.choices[0].message.tool_calls, named.choices[0].message.tool_calls
+    assert (one.function.name, json.loads(one.function.arguments)) == ("calc", {"expression": "12 + 3"})
+    assert (two.function.name, json.loads(two.function.arguments)) == ("calc", {"expression": "1 + 1"})
+    for prompt, forced in zip(engine.prompts, ['<tool_call>\n{"name": "', '<tool_call>\n{"name": "calc", "arguments": ']):
+        ids = tokenizer.encode(forced, add_special_tokens=False)
+        assert prompt[-len(ids) :] == ids  # what the engine continued from
+    (segment,) = episode.segments  # (the second call started over: a new chain)
+    assert list(segment.prompt_ids) == engine.prompts[1] and list(segment.generated_ids) == arguments + [chat.eos_id]
+    assert {"forced": '<tool_call>\n{"name": "calc", "arguments": '} in segment.tool_events
+
+
+def test_an_agents_seed_repeats_its_sample_yet_the_groups_samples_differ_and_parallel_tool_calls_false_keeps_one(tokenizer):
+    """`seed` and `parallel_tool_calls` were silently ignored. An agent that always sends seed=42 must not make
+    every sample of a group the same (nothing would be learned): the seed is mixed with the sample's id."""
+    call = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"expression": "1"}}</tool_call>', add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+    seeds = {}
+    for sample in ("a", "a", "b"):
+        episode, engine, _ = _episode(tokenizer, [call + call], template=HERMES_TEMPLATE)
+        episode.request_id = f"run/step1/{sample}"
+        with OpenAIServer() as server:
+            client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+            reply = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}], tools=tools, seed=42, parallel_tool_calls=False,
+            )
+        assert len(reply.choices[0].message.tool_calls) == 1  # (the model wrote two)
+        seeds.setdefault(sample, []).append(engine.samplings[0].seed)
+    assert seeds["a"][0] == seeds["a"][1] is not None and seeds["a"][0] != seeds["b"][0]

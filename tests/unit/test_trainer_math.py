@@ -278,20 +278,45 @@ def test_a_steps_metrics_combine_as_the_loss_declares_them_and_an_undeclared_one
     from loopline.trainer.learner import Learner, LearnerError
 
     one_rank = SimpleNamespace(backend=SimpleNamespace(world=lambda: (1, 0)))
-    base = {k: 0.0 for k in losses.TOKEN_MEANS}
+    from loopline.trainer.learner import OWN_TOKEN_MEANS
+
+    base = {k: 0.0 for k in losses.TOKEN_MEANS + OWN_TOKEN_MEANS}
     micro = [
         {**base, "loss": 0.5, "tokens": 2.0, "ratio_max": 1.2, "ratio_mean": 1.0, "behaviour_ratio_mean": 1.0, "clip_fraction": 0.5},
-        {**base, "loss": 0.25, "tokens": 6.0, "ratio_max": 3.0, "ratio_mean": 2.0, "behaviour_ratio_mean": 1.5, "clip_fraction": 0.0},
+        {**base, "loss": 0.25, "tokens": 6.0, "ratio_max": 3.0, "ratio_mean": 2.0, "behaviour_ratio_mean": 1.5, "clip_fraction": 0.0,
+         "entropy": 2.0},
     ]
     summary = Learner._summarise(one_rank, micro)
     assert summary["loss"] == pytest.approx(0.75) and summary["ratio_max"] == 3.0
     assert summary["ratio_mean"] == pytest.approx((2 * 1.0 + 6 * 2.0) / 8)
     assert summary["behaviour_ratio_mean"] == pytest.approx((2 * 1.0 + 6 * 1.5) / 8)
-    assert summary["clip_fraction"] == pytest.approx(2 * 0.5 / 8)
-    assert set(summary) == {"loss", "ratio_max", *losses.TOKEN_MEANS}
-    with pytest.raises(LearnerError, match="does not declare: entropy"):
-        Learner._summarise(one_rank, [{**micro[0], "entropy": 1.0}])
+    assert summary["clip_fraction"] == pytest.approx(2 * 0.5 / 8) and summary["entropy"] == pytest.approx(6 * 2.0 / 8)
+    assert set(summary) == {"loss", "ratio_max", *losses.TOKEN_MEANS, *OWN_TOKEN_MEANS}
+    with pytest.raises(LearnerError, match="does not declare: perplexity"):
+        Learner._summarise(one_rank, [{**micro[0], "perplexity": 1.0}])
     # and what the loss returns is exactly what it declares
     mask = torch.tensor([[1.0]])
     returned = policy_loss(_t(0.1), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, LossConfig(kl_coef=0.1), ref_logp=_t(0.0))
     assert set(returned.metrics) == {*losses.SUMMED, *losses.MAXIMA, *losses.TOKEN_MEANS}
+
+
+def test_a_steps_batch_metrics_by_hand():
+    """Two trajectories of 6 and 4 tokens, 3 and 1 of them generated, through the learner in 2 s: 2 generated
+    tokens per trajectory on average, 3 at most, (6 + 4) / 2 = 5 tokens per second."""
+    from loopline.trainer.batch import TrainSequence, batch_metrics
+
+    def seq(mask: tuple[int, ...]) -> TrainSequence:
+        return TrainSequence(None, 0, 1.0, tuple(range(len(mask))), mask, tuple(0.0 for _ in mask))
+
+    assert batch_metrics([seq((0, 0, 0, 1, 1, 1)), seq((0, 0, 0, 1))], 2.0) == {
+        "response_length/mean": 2.0, "response_length/max": 3.0, "perf/tokens_per_s": 5.0,
+    }
+
+
+def test_token_entropy_by_hand():
+    """H = -Σ p ln p: uniform over 4 is ln 4; p = (1/4, 3/4) is 0.5623; one sure token is 0."""
+    from loopline.trainer.prefix import token_entropy
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [math.log(1.0), math.log(3.0), -math.inf, -math.inf], [0.0, -1e4, -1e4, -1e4]])
+    expected = [math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), 0.0]
+    assert token_entropy(logits).tolist() == pytest.approx(expected, abs=1e-6)

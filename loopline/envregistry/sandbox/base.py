@@ -54,6 +54,7 @@ class VerifierRun:
     verdict: str | None
 
 
+READ_LIMIT = 16 << 20  # what `read_file` returns of a file (one the agent made, its answer, may be any size)
 UTF8 = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # the same text semantics on every backend (e.g. `wc -m`)
 
 
@@ -140,7 +141,9 @@ class Sandbox(Protocol):
     async def write_file(self, path: str, content: str) -> None:
         """Write a file (relative paths are under the working directory)."""
 
-    async def read_file(self, path: str) -> str: ...
+    async def read_file(self, path: str) -> str:
+        """A regular file's first READ_LIMIT bytes as text (invalid UTF-8 replaced); FileNotFoundError for
+        anything else (missing, a FIFO, a device, a link out of the sandbox): the agent may have made it."""
 
     def model_url(self, endpoint: ModelEndpoint) -> str:
         """The base URL at which a program in this sandbox reaches `endpoint` (its only way out)."""

@@ -7,23 +7,27 @@ verifier runs as root (capabilities only to drop to the agent's uid and to
 kill its processes) in `/verify`, a tmpfs of its own that uid 1000 can neither
 read nor write, after every process of uid 1000 has been killed. Containers
 carry labels naming their owner process, so `cleanup_orphans` removes those
-whose owner died without closing them.
+whose owner died without closing them, and each process removes its own as it exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import contextlib
 import os
 import posixpath
 import shlex
 import socket
+import threading
 import time
+from typing import Iterator
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
 from loopline.envregistry.sandbox.base import (
-    LOOPBACK_URL, MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, blocking, collect_verdict, program_script,
+    LOOPBACK_URL, MAX_PROGRAM_S, READ_LIMIT, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, blocking, collect_verdict, program_script,
     verifier_env,
 )
 from loopline.holder import process_alive
@@ -42,6 +46,12 @@ _WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel
 def _shm_mb(res: env_spec.Resources) -> int:
     """Shared memory the agent may hold (SysV and /dev/shm each): a quarter of the sandbox's memory."""
     return max(res.memory_mb // 4, 1)
+
+
+def _inodes(res: env_spec.Resources) -> int:
+    """Files the agent may make in its workdir and in /tmp (each): ~1 KB of kernel memory apiece, charged to the
+    container, so at most an eighth of its memory in all; 8192 for 256 MB."""
+    return max(res.memory_mb * 32, 1024)
 
 
 def _client():
@@ -69,6 +79,11 @@ class DockerSandbox:
 
     @classmethod
     def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
+        with _creations.started():
+            return cls._create_now(spec, labels, model_socket)
+
+    @classmethod
+    def _create_now(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
         from docker.errors import APIError, ImageNotFound
 
         client = _client()
@@ -88,18 +103,20 @@ class DockerSandbox:
                 network_mode="bridge" if spec.network else "none",
                 read_only=True,
                 tmpfs={
-                    spec.workdir: f"rw,exec,size={res.disk_mb}m,mode=1777",
-                    "/tmp": f"rw,size={res.disk_mb}m,mode=1777",
+                    spec.workdir: f"rw,exec,size={res.disk_mb}m,nr_inodes={_inodes(res)},mode=1777",
+                    "/tmp": f"rw,size={res.disk_mb}m,nr_inodes={_inodes(res)},mode=1777",
                     # Its own filesystem: an agent that fills the disk cannot starve the verifier.
                     VERIFY_DIR: f"rw,exec,size={res.disk_mb}m,mode=0700",
                     PLUMBING_DIR: f"rw,size={res.disk_mb}m,mode=0755",
+                    # Shared memory outlives the processes that made it and counts toward the container's memory,
+                    # which the verifier shares: a policy that pinned it got its verifier OOM-killed (an infra
+                    # failure, so never a 0). /dev/shm is capped at a quarter of the memory (emptied before
+                    # verifying) and, like every tmpfs the agent writes, in inodes: each costs the container
+                    # ~1 KB of kernel memory whatever its size (275k empty files OOM-killed the verifier).
+                    "/dev/shm": f"rw,nosuid,nodev,noexec,size={_shm_mb(res)}m,nr_inodes={_inodes(res) // 8},mode=1777",
                 },
-                # Shared memory outlives the processes that made it and counts toward the container's memory,
-                # which the verifier shares: a policy that pinned it got its verifier OOM-killed (an infra
-                # failure, so never a 0). SysV segments go with their last process (shm_rmid_forced) and,
-                # like /dev/shm, are capped at a quarter of the memory; /dev/shm is emptied before verifying.
+                # SysV segments go with their last process (shm_rmid_forced) and are capped like /dev/shm.
                 ipc_mode="private",
-                shm_size=f"{_shm_mb(res)}m",
                 sysctls={
                     "kernel.shm_rmid_forced": "1",
                     "kernel.shmmax": str(_shm_mb(res) << 20),
@@ -210,7 +227,8 @@ class DockerSandbox:
                 raise InfraFailure(f"could not write {path} in the sandbox: {result.stderr.strip()}")
 
     async def read_file(self, path: str, user: str = AGENT) -> str:
-        result = await blocking(self._exec, f"cat {shlex.quote(path)}", 30, None, user)
+        quoted = shlex.quote(path)
+        result = await blocking(self._exec, f"test -f {quoted} && head -c {READ_LIMIT} {quoted}", 30, None, user)
         if not result.ok:
             raise FileNotFoundError(f"{path}: {result.stderr.strip()}")
         return result.stdout
@@ -249,6 +267,50 @@ class DockerSandbox:
             self.container.remove(force=True)
         except NotFound:
             pass
+
+
+class _Creations:
+    """Containers being created by this process's threads, and the sweep at its exit. Ctrl-C cancels an episode
+    while its thread still waits on the daemon for a container; the daemon makes it anyway, and nobody closes
+    it (seen: `envreg test` stopped by Ctrl-C left one running)."""
+
+    WAIT_S = 5.0  # what the exit gives a creation in flight to finish (a container starts in ~0.5 s)
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._in_flight = 0
+        self._sweeps = False
+
+    @contextlib.contextmanager
+    def started(self) -> Iterator[None]:
+        with self._changed:
+            self._in_flight += 1
+            if not self._sweeps:
+                atexit.register(self.sweep)
+                self._sweeps = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    def sweep(self) -> None:
+        """Every sandbox container this process started and did not close, once the creations in flight are
+        done (those a SIGKILL leaves are `cleanup_orphans`' work)."""
+        from docker.errors import DockerException
+
+        with self._changed:
+            self._changed.wait_for(lambda: self._in_flight == 0, timeout=self.WAIT_S)
+        try:
+            mine = [LABEL, f"loopline.owner_pid={os.getpid()}", f"loopline.owner_host={socket.gethostname()}"]
+            for container in _client().containers.list(all=True, filters={"label": mine}):
+                container.remove(force=True)
+        except (DockerException, InfraFailure):
+            pass  # (the daemon gone: nothing of ours runs there)
+
+
+_creations = _Creations()
 
 
 def cleanup_orphans() -> list[str]:

@@ -39,7 +39,7 @@ _CLIENT_GRACE_S = 10  # how much longer the SDK waits than the in-sandbox kill t
 class E2BSandbox:
     def __init__(self, spec: env_spec.Sandbox, sandbox):
         self.spec, self.sandbox = spec, sandbox
-        self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, asked on first verification
+        self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, read as root on first need
 
     @classmethod
     async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "E2BSandbox":
@@ -151,9 +151,20 @@ class E2BSandbox:
             raise
 
     async def end_agent(self) -> None:
-        # As `user`, `kill -1` reaches every process of the agent (and this command itself: its exit
-        # status is meaningless); envd and root's processes are out of its reach.
-        await self.exec("kill -9 -1", timeout_s=30, cwd="/")
+        # `kill -1` as the agent's uid reaches every process of the agent (the kernel signals them all at once:
+        # nothing forks past it); run by root, so that no file of the agent's is read on the way.
+        uid, gid = await self._agent_ids()
+        await self._as_root(f"setpriv --reuid={uid} --regid={gid} --clear-groups -- sh -c 'kill -9 -1' || true", "end the agent's processes")
+
+    async def _agent_ids(self) -> tuple[str, str]:
+        """The agent's uid and gid, from /etc/passwd as root (never asked of the agent: its shell profile answers)."""
+        if self.agent_ids is None:
+            ids = await self._as_root(f"id -u {AGENT} && id -g {AGENT}", f"look up the uid of {AGENT!r}")
+            found = ids.stdout.split()
+            if len(found) != 2 or not all(part.isdigit() for part in found) or found[0] == "0":
+                raise InfraFailure(f"the E2B template's user {AGENT!r} is not an unprivileged user (id: {ids.stdout.strip()!r})")
+            self.agent_ids = found[0], found[1]
+        return self.agent_ids
 
     async def _as_root(self, command: str, what: str) -> ExecResult:
         result = await self.exec(command, timeout_s=30, cwd="/", user=VERIFIER)
@@ -162,12 +173,6 @@ class E2BSandbox:
         return result
 
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
-        if self.agent_ids is None:
-            ids = await self.exec("id -u && id -g", timeout_s=30, cwd="/")  # asked as the agent itself
-            if not ids.ok or len(ids.stdout.split()) != 2:
-                raise InfraFailure(f"could not learn the agent's uid in the E2B sandbox: {ids.stderr.strip()[-300:]}")
-            uid, gid = ids.stdout.split()
-            self.agent_ids = uid, gid
         await self.end_agent()
         size = self.spec.resources.disk_mb
         await self._as_root(
@@ -178,7 +183,7 @@ class E2BSandbox:
         )
         for path, text in files.items():
             await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
-        uid, gid = self.agent_ids
+        uid, gid = await self._agent_ids()
         agent_exec = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         env = verifier_env(VERIFY_DIR, self.spec.workdir, agent_exec)
         result = await self.exec(command, timeout_s, cwd=VERIFY_DIR, user=VERIFIER, envs=env)

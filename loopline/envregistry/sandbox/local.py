@@ -6,7 +6,9 @@ minimal system (/usr, /etc) and their workdir, nothing else of the host: no home
 files, no sockets (Docker's, PostgreSQL's, X11, D-Bus), no other process in /proc. When loopline runs as
 root the agent runs as the unprivileged host uid `AGENT_UID` (bwrap alone would map it to host root);
 otherwise as loopline's own uid. Limits hold per command: `pids` (RLIMIT_NPROC inside the command's own
-user namespace, so it counts the sandbox's processes only) and `memory_mb` (RLIMIT_AS of each process).
+user namespace, so it counts the sandbox's processes only) and `memory_mb` (RLIMIT_AS of each process, and
+what memory its filesystems may hold: /tmp half of it, /dev/shm a quarter, / and /dev read-only, no user
+namespace inside in which to mount another).
 `cpus` and `disk_mb` cannot be enforced here: a spec that sets them (to other than the default) is refused.
 Without bubblewrap, or with network on, commands would run unisolated on the host: that needs
 `sandbox.unsafe_host: true`.
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.sandbox.base import (
-    LOOPBACK_URL, MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, program_script, verifier_env,
+    LOOPBACK_URL, MAX_PROGRAM_S, READ_LIMIT, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, program_script, verifier_env,
 )
 from loopline.holder import process_alive
 
@@ -57,8 +61,8 @@ class LocalSandbox:
 
     def _resolve(self, path: str) -> Path:
         target = (self.root / path.lstrip("/")).resolve()
-        if not target.is_relative_to(self.root.resolve()):
-            raise ValueError(f"path {path!r} leaves the sandbox")
+        if not target.is_relative_to(self.root.resolve()):  # (a link the agent made that points out of it)
+            raise PermissionError(f"path {path!r} leaves the sandbox")
         return target
 
     def agent_prefix(self) -> list[str]:
@@ -72,15 +76,20 @@ class LocalSandbox:
             return []
         limits = self.spec.resources
         prefix = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"] if self.as_root else []
+        memory = limits.memory_mb * 1024 * 1024
+        # Every filesystem the agent writes but its workdir is memory: a tmpfs of half the host's RAM by default,
+        # which RLIMIT_AS does not bound (one call with memory_mb 512 stored 3 GB). /tmp and /dev/shm get sizes
+        # from memory_mb, the rest is read-only, and no user namespace can be made inside to mount another.
         prefix += [
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            *_minimal_system(), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            *_minimal_system(), "--dev", "/dev", "--proc", "/proc",
+            "--size", str(memory // 2), "--tmpfs", "/tmp", "--size", str(memory // 4), "--tmpfs", "/dev/shm",
         ]
         if Path(tempfile.gettempdir()).resolve() != Path("/tmp"):  # verifier directories live there: hide them
-            prefix += ["--tmpfs", str(Path(tempfile.gettempdir()).resolve())]
-        memory = limits.memory_mb * 1024 * 1024
+            prefix += ["--size", str(1 << 20), "--tmpfs", str(Path(tempfile.gettempdir()).resolve())]  # (the workdir's mount point)
         return prefix + [
-            "--bind", str(self.root), str(self.root), "--chdir", str(self.root),
+            "--bind", str(self.root), str(self.root), "--remount-ro", "/dev", "--remount-ro", "/",
+            "--chdir", str(self.root),
             "prlimit", f"--nproc={limits.pids}:{limits.pids}", f"--as={memory}:{memory}", "--",
         ]
 
@@ -190,10 +199,26 @@ class LocalSandbox:
                 os.chown(written, AGENT_UID, AGENT_UID)
 
     async def read_file(self, path: str) -> str:
-        return self._resolve(path).read_text()
+        """A file the agent may have made: a regular file inside the workdir (not a link out of it, a FIFO that
+        never ends, a device), its first READ_LIMIT bytes, invalid UTF-8 replaced; else FileNotFoundError."""
+        target = self._resolve(path)
+        try:
+            with open(target, "rb", opener=_regular_only) as f:
+                return f.read(READ_LIMIT).decode(errors="replace")
+        except OSError as exc:
+            raise FileNotFoundError(f"{path}: {exc.strerror or exc}") from None
 
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _regular_only(path: str, flags: int) -> int:
+    """open(2) that neither waits on a FIFO nor accepts anything but a regular file."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EINVAL, "not a regular file")
+    return fd
 
 
 def agent_cannot_reach(directory: Path) -> str | None:

@@ -1,0 +1,274 @@
+"""`loopline train` and the other long-running commands driven from a real terminal (a pseudo-terminal, as a
+user's shell gives it), stopped the ways users stop them: Ctrl-C typed at the terminal (the terminal sends
+SIGINT to the whole foreground process group, not to one pid), Ctrl-C twice, SIGTERM to the group (a
+supervisor), and the terminal closing (SIGHUP).
+
+Each must end the command within seconds with one line that says what to do (no traceback), leave the run
+`interrupted` in the ledger, and leave nothing running: the embedded PostgreSQL of its home, the temporary
+Prefect server, engines and sandboxes. Measured before: Ctrl-C in a terminal killed the temporary Prefect
+server (same process group) and the run then hung retrying its reports to it; only SIGKILL ended it, which
+left the embedded PostgreSQL running, as did closing the terminal.
+
+The embedded defaults, as the README's first command runs them: a fresh LOOPLINE_HOME, no database URL, no
+Prefect server configured. The run is the quickstart made small (the quickstart itself runs in a pty in
+test_learning): its steps come sooner, and what is stopped is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pexpect
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "small"
+STOPPED_WITHIN_S = 10.0
+# the live bar once training is under way (a step of this run takes under a second: the bar, refreshed a few
+# times a second, may skip any one of them; colour codes stand between its columns)
+TRAINING = r" [1-9]\d?/30(\x1b\[[0-9;]*m)* v[1-9]"
+
+
+def _small_run(directory: Path, steps: int, eval_tasks: int = 200) -> Path:
+    config = directory / "small.yaml"
+    config.write_text(
+        (ROOT / "examples" / "arithmetic_quickstart.yaml").read_text()
+        .replace("name: arithmetic-quickstart", f"name: {NAME}")
+        .replace("env: arithmetic_env.yaml", f"env: {ROOT / 'examples' / 'arithmetic_env.yaml'}")
+        .replace("steps: 8", f"steps: {steps}").replace("groups_per_step: 32", "groups_per_step: 4").replace("group_size: 8", "group_size: 4")
+        .replace("eval: {every: 4, tasks: 200,", f"eval: {{every: 100, tasks: {eval_tasks},")
+    )
+    assert f"name: {NAME}" in config.read_text() and "groups_per_step: 4" in config.read_text() and f"tasks: {eval_tasks}," in config.read_text()
+    return config
+
+
+def _home_env(home: Path) -> dict[str, str]:
+    """The embedded defaults: only LOOPLINE_HOME set."""
+    env = {**os.environ, "LOOPLINE_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TERM": "xterm"}
+    for key in ("LOOPLINE_DATABASE_URL", "PREFECT_API_URL", "LOOPLINE_DEBUG"):
+        env.pop(key, None)
+    return env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(8 * 60)]
+
+
+def _processes(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{proc.name} {cmdline[:200]}")
+    return found
+
+
+@pytest.fixture
+def terminal(tmp_path):
+    """Starts `loopline train` of the quickstart in a pty on an empty home; yields (child, home)."""
+    home = tmp_path / "home"
+    servers_before = set(_processes("prefect.server.api.server:create_app"))
+    child = pexpect.spawn(
+        sys.executable, ["-m", "loopline.cli", "train", str(_small_run(tmp_path, steps=30))],
+        cwd=str(ROOT), env=_home_env(home), encoding="utf-8", codec_errors="replace", dimensions=(50, 200), timeout=300,
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # (what the user saw, for a failing test's message)
+    yield child, home
+    if child.ptyproc.isalive():
+        child.ptyproc.kill(signal.SIGKILL)
+    child.logfile_read.close()
+
+    def left() -> list[str]:
+        return sorted(set(_processes("prefect.server.api.server:create_app")) - servers_before) + _processes(f"{home}/pgdata")
+
+    deadline = time.monotonic() + 5  # (a server told to stop as its parent exited takes a moment)
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == [], f"left running: {left()}"
+
+
+def _plain(text: str) -> str:
+    """What the user reads: the terminal's text without its colour and cursor codes."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")
+
+
+def _stopped(child, started: float) -> str:
+    """Waits for the command to end; returns all it printed since `started` was noted."""
+    child.expect(pexpect.EOF, timeout=STOPPED_WITHIN_S + 20)
+    took = time.monotonic() - started
+    child.close()
+    assert took < STOPPED_WITHIN_S, f"took {took:.1f} s to stop"
+    return _plain(child.before)
+
+
+def _close_the_terminal(child, started: float, left: Callable[[], list[str]]) -> None:
+    """The terminal goes away (the kernel hangs up its session: SIGHUP); waits until the command and what
+    `left` lists are gone."""
+    child.ptyproc.fileobj.close()
+    child.ptyproc.closed = child.closed = True  # (closed once: a later close would hit a reused descriptor)
+    child.child_fd = -1
+    while child.ptyproc.isalive() or left():
+        assert time.monotonic() < started + STOPPED_WITHIN_S, f"still running: {left()}"
+        time.sleep(0.2)
+
+
+def _status(home: Path) -> str:
+    return pexpect.run(f"{sys.executable} -m loopline.cli runs", cwd=str(ROOT), env=_home_env(home), encoding="utf-8", timeout=120)
+
+
+def _check(child, home, started: float, says: str, code: int) -> None:
+    printed = _stopped(child, started)
+    assert "Traceback" not in printed and "engine closed" not in printed, printed[-3000:]
+    assert f"{says}: resume with loopline train --resume {NAME}" in printed, printed[-3000:]
+    assert child.exitstatus == code, (child.exitstatus, child.signalstatus)
+    assert "interrupted" in _status(home)
+
+
+@pytest.mark.parametrize("at", ["evaluation", "training"])
+def test_ctrl_c_typed_in_the_terminal_stops_the_run_in_seconds(terminal, at):
+    child, home = terminal
+    child.expect("evaluating v0" if at == "evaluation" else TRAINING)  # (the live bar)
+    started = time.monotonic()
+    child.sendintr()  # the terminal's interrupt character: SIGINT to the foreground process group
+    _check(child, home, started, "interrupted (Ctrl-C)", 130)
+
+
+def test_ctrl_c_during_startup_leaves_nothing_behind(terminal):
+    child, _ = terminal
+    time.sleep(4)  # importing, starting the embedded PostgreSQL and the temporary Prefect server
+    started = time.monotonic()
+    child.sendintr()
+    printed = _stopped(child, started)
+    assert "Traceback" not in printed, printed[-3000:]
+    assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT, (child.exitstatus, child.signalstatus)
+
+
+def test_ctrl_c_twice_stops_at_once(terminal):
+    child, home = terminal
+    child.expect(TRAINING)
+    started = time.monotonic()
+    child.sendintr()
+    time.sleep(0.3)
+    child.sendintr()
+    printed = _stopped(child, started)
+    assert "Traceback" not in printed, printed[-3000:]
+    assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+
+
+def test_sigterm_to_the_process_group_stops_the_run(terminal):
+    child, home = terminal
+    child.expect(TRAINING)
+    started = time.monotonic()
+    os.killpg(os.getpgid(child.pid), signal.SIGTERM)
+    _check(child, home, started, "terminated (SIGTERM)", 143)
+
+
+def test_closing_the_terminal_stops_the_run_and_its_embedded_postgresql(terminal):
+    child, home = terminal
+    child.expect(TRAINING)
+    started = time.monotonic()
+    _close_the_terminal(child, started, lambda: _processes(f"{home}/pgdata"))
+    assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
+    assert "interrupted" in _status(home)
+
+
+
+# ---------------------------------------------------------------------------------------- the other commands
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A home with a finished 2-step run (its v1 not evaluated, so `eval --version 1` has work to do). It asks
+    for more eval tasks than the environment holds: said on the terminal, not silent."""
+    directory = tmp_path_factory.mktemp("trained")
+    home = directory / "home"
+    output, code = pexpect.run(
+        f"{sys.executable} -m loopline.cli train {_small_run(directory, steps=2, eval_tasks=100000)}", cwd=str(ROOT),
+        env={**_home_env(home), "COLUMNS": "300"}, encoding="utf-8", timeout=300, withexitstatus=True,
+    )
+    assert code == 0, output[-3000:]
+    said = _plain(output)
+    assert "eval.tasks: 100000 is more than the 200 eval tasks of" in said and "each evaluation plays those 200" in said, said[-3000:]
+    assert "v2: held-out success" in said, said[-3000:]  # (the final version, evaluated on those 200)
+    return home
+
+
+def _containers() -> list[str]:
+    import docker
+
+    return [c.short_id for c in docker.from_env().containers.list(all=True, filters={"label": "loopline.sandbox"})]
+
+
+AGAIN = "nothing committed is lost; run the command again"
+
+
+@pytest.mark.parametrize(
+    "command, at, stop, says",
+    [
+        ("eval small --version 1", "evaluating small v1", "Ctrl-C", AGAIN),
+        ("eval small --version 1", "evaluating small v1", "SIGTERM", AGAIN),
+        ("replay small --step 2", "replaying small step 2", "Ctrl-C", AGAIN),
+        ("replay small --step 2", "replaying small step 2", "SIGTERM", AGAIN),
+        ("inspect --run small --port PORT", "You can now view your Streamlit app", "Ctrl-C", "the inspector stopped (it only reads the ledger)"),
+        ("inspect --run small --port PORT", "You can now view your Streamlit app", "SIGHUP", None),
+        ("models build-tiny --out OUT", "SFT warm start", "Ctrl-C", AGAIN),
+        ("models build-tiny --out OUT", "SFT warm start", "SIGHUP", None),
+        ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "Ctrl-C", AGAIN),
+        ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "SIGTERM", AGAIN),
+        ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "Ctrl-C", "the deployments are paused until `loopline deploy`"),
+    ],
+    ids=[
+        "eval", "eval-sigterm", "replay", "replay-sigterm", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed",
+        "envreg-test", "envreg-test-sigterm", "deploy",
+    ],
+)
+def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(trained, tmp_path, command, at, stop, says):
+    from loopline.ports import free_port
+
+    env = _home_env(trained)
+    if command.startswith("deploy"):  # deployments need a Prefect server that stays up (set in a Prefect profile: this
+        # test's own), started from a terminal that then closes: it must outlive it (it died with it) and not hold it open
+        env["PREFECT_HOME"] = str(tmp_path / "prefect")
+        output, code = pexpect.run(f"{sys.executable} -m loopline.cli server start --port {free_port()}", cwd=str(ROOT), env=env,
+                                   encoding="utf-8", timeout=180, withexitstatus=True)
+        assert code == 0, output
+    containers_before = set(_containers())
+    module = "envreg" if command.startswith("envreg ") else "cli"  # (each CLI as its console script runs it)
+    port = free_port()
+    argv = command.removeprefix("envreg ").replace("PORT", str(port)).replace("OUT", str(tmp_path / "tiny")).split()
+    child = pexpect.spawn(
+        sys.executable, ["-c", f"from loopline.{module} import main; main()", *argv],
+        cwd=str(ROOT), env=env, encoding="utf-8", codec_errors="replace", dimensions=(50, 200), timeout=300,
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")
+    try:
+        child.expect(at)
+        started = time.monotonic()
+        if stop == "SIGHUP":  # the terminal closes: nobody reads what it says
+            _close_the_terminal(child, started, lambda: _processes(f"{trained}/pgdata") + _processes(f"--server.port {port}"))
+            assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
+        else:
+            if stop == "Ctrl-C":
+                child.sendintr()
+            else:
+                os.killpg(os.getpgid(child.pid), signal.SIGTERM)
+            printed = _stopped(child, started)
+            said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
+            assert "Traceback" not in printed and f"{said}: {says}" in printed, printed[-3000:]
+            assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
+    finally:
+        if child.ptyproc.isalive():
+            child.ptyproc.kill(signal.SIGKILL)
+        child.logfile_read.close()
+        if command.startswith("deploy"):
+            pexpect.run(f"{sys.executable} -m loopline.cli server stop", cwd=str(ROOT), env=env, timeout=120)
+    assert _processes(f"{trained}/pgdata") == [] and _processes(f"--server.port {port}") == []
+    assert set(_containers()) <= containers_before  # (the sandbox being created as Ctrl-C came: removed too)
+    assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
