@@ -189,10 +189,17 @@ def friendly_errors(fn: F) -> F:
             if os.environ.get("LOOPLINE_DEBUG") or not is_database_outage(exc):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            print_error(
-                f"the ledger could not be reached ({first}); nothing it committed is lost: once it is back, run the "
-                "command again (a run resumes with `loopline train --resume RUN`)"
-            )
+            if _lock_timed_out(exc):  # reachable, but another session held a row this one had to write
+                print_error(
+                    "another database session kept a row of the ledger locked past the lock timeout "
+                    "(LOOPLINE_DB_LOCK_TIMEOUT_S, default 120 s); `loopline runs` names the process driving each run: "
+                    "once it has ended, run the command again (nothing committed is lost)"
+                )
+            else:
+                print_error(
+                    f"the ledger could not be reached ({first}); nothing it committed is lost: once it is back, run "
+                    "the command again (a run resumes with `loopline train --resume RUN`)"
+                )
             sys.exit(1)
         except BaseException as exc:  # Prefect's TerminationSignal: a SIGTERM inside a flow run
             if type(exc).__name__ != "TerminationSignal":
@@ -204,6 +211,12 @@ def friendly_errors(fn: F) -> F:
             sys.exit(128 + signal.SIGTERM)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _lock_timed_out(exc: BaseException) -> bool:
+    import psycopg.errors
+
+    return isinstance(getattr(exc, "orig", exc), psycopg.errors.LockNotAvailable)
 
 
 @contextlib.contextmanager

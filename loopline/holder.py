@@ -42,6 +42,15 @@ def this_process() -> str:
     return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}"
 
 
+def application_name(holder: str) -> str:
+    """The name a holder's database sessions carry (PostgreSQL's `application_name`, cut at 63 bytes), so that a
+    process taking a run over can end the sessions of the one it replaced: pid and start first, the host last,
+    where a cut can only shorten an unusually long host name."""
+    parts = holder.split(":")
+    name = f"loopline {parts[1]}:{parts[2]}@{parts[0]}" if len(parts) >= 3 else f"loopline {holder}"
+    return name.encode()[:63].decode(errors="ignore")
+
+
 def is_dead(holder: str | None) -> bool:
     """True only when certain: the holder ran on this host and that process no longer exists."""
     parts = (holder or "").split(":")

@@ -155,6 +155,8 @@ def is_embedded() -> bool:
 # (SIGSTOP, a stalled VM) inside a transaction held its row locks, and every other worker of the run waited
 # on them for as long as it was frozen: the server ends such a transaction after `idle in transaction`,
 # and its process retries as after an outage. Waiting for a lock outlasts that, so waiters simply go on.
+# A statement left open (a COPY the frozen client stopped feeding) is not idle: a process taking a run over
+# ends the stale driver's sessions, found by their application_name (runs.end_sessions_of).
 # A backend whose client is gone (killed, cut off) notices only when it next reads from it: a statement it was
 # running (a lock wait, a long insert) went on, holding its locks, until it ended; the server now checks the
 # client every few seconds while a statement runs (`client_connection_check_interval`, PostgreSQL >= 14).
@@ -206,6 +208,7 @@ def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
     resolved = resolve_url(url)
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args["options"] = f"{session_options()} {connect_args.get('options', '')}".strip()
+    connect_args.setdefault("application_name", holder.application_name(holder.this_process()))  # runs.start_run ends them
     connect_args.setdefault("connect_timeout", 10)  # a server host that vanished answers nothing: fail, then retry
     for key, value in dead_peer_options().items():
         connect_args.setdefault(key, value)

@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
+from loopline.holder import application_name
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict, LostTheRun
 from loopline.store.learning import _group_states, _groups_of_step
@@ -80,13 +81,18 @@ def start_run(session: Session, run_id: uuid.UUID, holder: str) -> None:
     the row lock makes two that start at the same moment one refusal."""
     from loopline.store.queries import shown_status
 
+    state = (
+        "SELECT name, status, holder, extract(epoch FROM now() - heartbeat_at) AS silent_s, "
+        "coalesce((config->>'lease_seconds')::float, 60) AS lease, heartbeat_at FROM run WHERE id = :r"
+    )
     with transaction(session):
-        now = q(
-            session,
-            "SELECT name, status, holder, extract(epoch FROM now() - heartbeat_at) AS silent_s, "
-            "coalesce((config->>'lease_seconds')::float, 60) AS lease, heartbeat_at FROM run WHERE id = :r FOR UPDATE",
-            r=run_id,
-        ).one()
+        before = q(session, state, r=run_id).one()
+    if before.holder not in (None, holder) and shown_status(
+        before.status, before.holder, float(before.silent_s) if before.silent_s is not None else None, float(before.lease)
+    )[0] == "stale":
+        end_sessions_of(session, before.holder)
+    with transaction(session):
+        now = q(session, state + " FOR UPDATE", r=run_id).one()
         silent = float(now.silent_s) if now.silent_s is not None else None
         if now.holder != holder and shown_status(now.status, now.holder, silent, float(now.lease))[0] == "running":
             raise LedgerConflict(
@@ -99,6 +105,23 @@ def start_run(session: Session, run_id: uuid.UUID, holder: str) -> None:
             "cancel_requested_at = NULL WHERE id = :r",
             h=holder, r=run_id,
         )
+
+
+def end_sessions_of(session: Session, previous: str) -> int:
+    """End the database sessions of a run's previous driving process, which was frozen (SIGSTOP, a stalled VM) or
+    cut off past its lease, before taking the run over; returns how many. Frozen inside a transaction, it held
+    row locks that every write of the new driver waited on: the server's `idle in transaction` limit does not
+    end a session whose statement is still open (a COPY the client stopped feeding), and `lock_timeout` then
+    failed the new driver instead. Ended, its transaction rolls back; woken, it reconnects and is fenced at its
+    next commit (LostTheRun). Sessions of another database role are left to the server's own limits."""
+    with transaction(session):
+        return q(
+            session,
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = :a AND pid <> pg_backend_pid() "
+            "AND usename = current_user",
+            a=application_name(previous),
+        ).scalar_one()
 
 
 def heartbeat(session: Session, run_id: uuid.UUID, holder: str) -> str | None:

@@ -520,6 +520,49 @@ def test_a_run_driven_by_a_live_process_cannot_be_started_by_another(db, run):
     assert ledger.get_run(db, run.name).holder == holder.this_process()
 
 
+def test_taking_a_run_over_ends_the_frozen_drivers_sessions_and_their_locks(db, run, database_url, monkeypatch):
+    """Seen in CI: a trainer frozen (SIGSTOP) in the middle of a COPY held its row locks; the server's `idle in
+    transaction` limit does not end an open statement, so the trainer taking the run over waited out its lock
+    timeout and stopped. The new driver now ends the stale driver's sessions (by their application_name) first."""
+    import psycopg
+
+    from loopline.store.db import make_engine
+
+    frozen_holder = "gpu-7:4242:99"
+    db.execute(sa.text("UPDATE run SET status = 'running', holder = :h, heartbeat_at = now() - interval '1 hour' WHERE id = :r"),
+               {"h": frozen_holder, "r": run.id})
+    db.commit()
+    frozen = psycopg.connect(database_url.replace("postgresql+psycopg://", "postgresql://"),
+                             application_name=holder.application_name(frozen_holder), autocommit=False)
+    try:
+        frozen.execute("CREATE TEMP TABLE fed (a int)")
+        frozen.execute("SELECT 1 FROM run WHERE id = %s FOR UPDATE", (run.id,))
+        opened = frozen.cursor().copy("COPY fed FROM STDIN")
+        copying = opened.__enter__()  # the statement is open: the server waits for rows that never come
+        monkeypatch.setenv("LOOPLINE_DB_LOCK_TIMEOUT_S", "5")  # (fails in 5 s, not 120, if the lock is still held)
+        engine = make_engine(database_url)
+        try:
+            with new_session(engine) as mine:
+                assert mine.execute(sa.text("SHOW application_name")).scalar_one() == holder.application_name(holder.this_process())
+                mine.commit()
+                ledger.start_run(mine, run.id, holder.this_process())
+                assert ledger.get_run(mine, run.name).holder == holder.this_process()
+                assert mine.execute(sa.text("SELECT 1")).scalar_one() == 1  # its own sessions go on
+        finally:
+            engine.dispose()
+        with pytest.raises(psycopg.OperationalError):
+            copying.write_row((1,))
+            opened.__exit__(None, None, None)
+    finally:
+        frozen.close()
+
+
+def test_a_holders_application_name_puts_pid_and_start_first_and_fits_postgresql(db):
+    assert holder.application_name("gpu-7:4242:99") == "loopline 4242:99@gpu-7"
+    long = holder.application_name("h" * 80 + ":4242:99")
+    assert long.startswith("loopline 4242:99@hhh") and len(long.encode()) == 63
+
+
 def test_each_process_registers_the_servers_it_syncs_and_releases_them(db, run):
     """Two workers share server A (a router or a fixed list); worker 2 also launched B. What each loaded is kept
     per (server, worker); a worker that stops releases only its own rows, and one that comes back re-registers."""

@@ -213,6 +213,11 @@ def test_a_ledger_outage_reaches_the_terminal_as_one_line_and_prefects_retries_w
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: the ledger could not be reached (")
     assert "loopline train --resume RUN" in lines[0]
+    lost = sqlalchemy.exc.OperationalError("UPDATE", {}, psycopg.errors.LockNotAvailable("canceling statement due to lock timeout"))
+    with pytest.raises(SystemExit) as exit:
+        command()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 1 and len(lines) == 1 and "kept a row of the ledger locked past the lock timeout" in lines[0], lines
 
     retry = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed; retry 1/8 in 2 s", None, (type(lost), lost, None))
     assert _UserErrorsOnce().filter(retry) and retry.exc_info is None  # the line stays, its traceback goes
