@@ -161,7 +161,7 @@ def eval_(
         if version is not None and not 0 <= version <= newest:
             raise LooplineError(f"run {name} has no policy version {version}; its versions are 0 to {newest}")
         asked = newest if version is None else version
-        measured = {v: (n, rate) for v, n, rate in queries.eval_results(s, run_id)}
+        measured = {e.version: (e.tasks, e.success) for e in queries.eval_results(s, run_id)}
     if asked in measured:  # stored once: read back without starting a flow
         tasks_, rate = measured[asked]
         console.print(f"run {name} v{asked}: held-out success {rate:.1%} on {tasks_} tasks (measured before)")

@@ -5,7 +5,7 @@ so that neither the rollout nor the trainer depends on the database layer for it
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, Sequence
 
@@ -32,6 +32,9 @@ class SegmentRecord:
     version_spans: Sequence[dict[str, Any]] | None = None
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    # The call did not extend the previous one's ids (an agent that rewrote its history, a parallel call): it
+    # starts a chain of its own, trained as a sequence of its own (see `chains`)
+    starts_chain: bool = False
 
     def versions(self) -> list[int]:
         spans = [int(s["version"]) for s in self.version_spans or ()]
@@ -78,13 +81,27 @@ class TrajectoryRecord:
 
 def first_chain_break(segments: Sequence[Any]) -> int | None:
     """The trajectory rule every reader checks: each model call's prompt starts with exactly the previous
-    call's prompt and generated tokens (the history is never re-tokenised). Returns the index of the first
-    segment that breaks it, or None. Segments are anything with `prompt_ids` and `generated_ids`."""
+    call's prompt and generated tokens (the history is never re-tokenised), except a call recorded as starting
+    a chain of its own (`starts_chain`). Returns the index of the first segment that breaks it, or None.
+    Segments are anything with `prompt_ids` and `generated_ids` (and optionally `starts_chain`)."""
     for i in range(1, len(segments)):
+        if getattr(segments[i], "starts_chain", False):
+            continue
         head = list(segments[i - 1].prompt_ids) + list(segments[i - 1].generated_ids)
         if list(segments[i].prompt_ids[: len(head)]) != head:
             return i
     return None
+
+
+def chains(segments: Sequence[Any]) -> list[list[Any]]:
+    """A trajectory's segments cut where a segment starts a chain: each chain is one prefix chain, trained as one
+    sequence (its last call's prompt and generation hold every earlier call of the chain)."""
+    out: list[list[Any]] = []
+    for i, segment in enumerate(segments):
+        if i == 0 or getattr(segment, "starts_chain", False):
+            out.append([])
+        out[-1].append(segment)
+    return out
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,7 @@ class StoredSegment:
     generated_ids: Sequence[int]
     action_loss_mask: Sequence[int]
     rollout_logprobs: Sequence[float]
+    starts_chain: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,3 +147,24 @@ class TrainedSample:
 
     def details(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("advantage", "learner_logprobs")}
+
+    def then(self, chain: "TrainedSample") -> "TrainedSample":
+        """This trajectory's sample with its next chain's (trained as a sequence of its own, with the same
+        advantage): token counts added, means weighted by tokens, π_old in chain order (None when a chain
+        with action tokens has none here: another rank's)."""
+
+        def mean(a: float | None, wa: int, b: float | None, wb: int) -> float | None:
+            parts = [(x, w) for x, w in ((a, wa), (b, wb)) if x is not None and w > 0]
+            return sum(x * w for x, w in parts) / sum(w for _, w in parts) if parts else None
+
+        kept, kept_next = self.action_tokens - self.rejected_tokens, chain.action_tokens - chain.rejected_tokens
+        unknown = any(s.learner_logprobs is None and s.action_tokens for s in (self, chain))
+        gaps = [x for x in (self.logprob_abs_diff_max, chain.logprob_abs_diff_max) if x is not None]
+        return replace(
+            self, trained=self.trained or chain.trained, action_tokens=self.action_tokens + chain.action_tokens,
+            rejected_tokens=self.rejected_tokens + chain.rejected_tokens,
+            correction_weight_mean=mean(self.correction_weight_mean, kept, chain.correction_weight_mean, kept_next),
+            learner_logprobs=None if unknown else (self.learner_logprobs or ()) + (chain.learner_logprobs or ()),
+            logprob_abs_diff_mean=mean(self.logprob_abs_diff_mean, self.action_tokens, chain.logprob_abs_diff_mean, chain.action_tokens),
+            logprob_abs_diff_max=max(gaps) if gaps else None,
+        )

@@ -23,7 +23,7 @@ def evaluate(run: str, version: int | None = None) -> dict:
     config, run_id = parts.config, parts.run_id
     with parts.session() as s:
         weights = ledger.version_weights(s, run_id, version)
-        done = {v: rate for v, _, rate in queries.eval_results(s, run_id)}
+        done = {e.version: e.success for e in queries.eval_results(s, run_id)}
     version = weights.version
     if version in done:
         log.info("run %s v%d: already evaluated, held-out success %.1f%%", config.name, version, 100 * done[version])

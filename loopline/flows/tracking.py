@@ -292,14 +292,15 @@ class _Projection:
         try:
             with self.session_factory() as s:
                 steps = queries.metrics_after(s, self.owner.run_id, self.step)
-                evaluations = [e for e in queries.eval_results(s, self.owner.run_id) if e[0] > self.version]
+                evaluations = [e for e in queries.eval_results(s, self.owner.run_id) if e.version > self.version]
         except Exception as exc:  # noqa: BLE001 - the ledger out of reach (the loop says so): tried at the next wake
             log.debug("tracker %s: the ledger could not be read (%s)", self.name, exc)
             return
         # in step order, an evaluation at its version's step after that step's metrics (W&B drops a step older
         # than the last it got: the v0 evaluation sent after step 2 was lost)
         sends = [(step, 0, metrics) for step, metrics in steps.items()]
-        sends += [(version, 1, {"eval/success_rate": success, "eval/tasks": float(tasks)}) for version, tasks, success in evaluations]
+        sends += [(e.version, 1, {"eval/success_rate": e.success, "eval/tasks": float(e.tasks)}
+                   | ({"timing_s/eval": e.seconds} if e.seconds is not None else {})) for e in evaluations]
         for step, is_eval, metrics in sorted(sends, key=lambda send: send[:2]):
             doing = f"failed to record v{step}'s evaluation" if is_eval else f"failed at step {step}"
             if not self._call(doing, lambda t: t.log(step, metrics)):

@@ -255,7 +255,7 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
 
 def _summary(ctx: LoopContext, config: RunConfig, trackers: Trackers) -> dict:
     """What the flow returns (and persists for `run_deployment` callers); the newest model to the trackers."""
-    history = [(version, rate) for version, _, rate in tasks.waiting_out_outages(lambda: stages.read(ctx, queries.eval_results))]
+    history = [(e.version, e.success) for e in tasks.waiting_out_outages(lambda: stages.read(ctx, queries.eval_results))]
     if trackers.active:  # the newest model on disk, for the trackers that keep artifacts
         with ctx.session_factory() as s:
             newest = ledger.version_weights(s, ctx.run_id, ledger.exported_versions(s, ctx.run_id)[-1])

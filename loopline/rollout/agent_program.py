@@ -141,10 +141,10 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
         result = None if run.cancelled() else run.result()
         if calls.engine_error:
             raise EngineError(f"episode {request_id}: {calls.engine_error}")
-        if not calls.segments and not calls.discarded_calls and not calls.refusals:
+        if not calls.segments and not calls.refusals:
             detail = f"exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-400:]}" if result else "stopped by the wall-time budget"
             raise InfraFailure(f"the agent program `{spec.agent.command}` never called the model ({detail})")
-        if not calls.segments and not calls.discarded_calls:  # every call it made was refused: its failure, not the sandbox's
+        if not calls.segments:  # every call it made was refused: its failure, not the sandbox's
             return _refused(setup, reset, calls, result, started, start_seconds)
         try:
             final = await env_episode.sandbox.read_file(ANSWER_FILE)
@@ -175,7 +175,7 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
         },
         info={
             "verdict": verdict.details, "end": end, "generated_tokens": calls.generated, "exit_code": result.exit_code if result else None,
-            "discarded_calls": calls.discarded_calls, "stderr": (result.stderr[-2000:] if result else ""),
+            "chains": calls.chains, "stderr": (result.stderr[-2000:] if result else ""),
         },
     )
 
@@ -200,7 +200,7 @@ def _refused(setup, reset, calls: AgentEpisode, result, started: float, start_se
         timings={"episode_s": time.monotonic() - started, "sandbox_start_s": start_seconds, "model_s": calls.model_seconds, "verify_s": 0.0},
         info={
             "verdict": {"refused": True}, "end": "refused", "refused": calls.refused, "refusals": calls.refusals, "generated_tokens": 0,
-            "exit_code": result.exit_code if result else None, "discarded_calls": 0, "stderr": (result.stderr[-2000:] if result else ""),
+            "exit_code": result.exit_code if result else None, "chains": 0, "stderr": (result.stderr[-2000:] if result else ""),
         },
     )
 

@@ -85,9 +85,7 @@ class ChatFormat:
     def with_tools(self, tools: tuple[dict, ...]) -> "ChatFormat":
         """The template's own tool calling: it renders `tools` into the first prompt, and a tool's output comes
         back as its `tool` message. A template that ignores `tools` cannot be used so (one line says so)."""
-        plain = [{"role": "user", "content": "q"}]
-        render = lambda **kw: self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
-        if not tools or render(tools=list(tools)) == render():
+        if not tools or not self.renders_tools():
             raise ValueError(
                 "the policy's chat template does not render tools (no tool calling of its own); use the env's tool_calls: tags"
             )

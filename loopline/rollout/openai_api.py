@@ -8,8 +8,9 @@ generated) and, when the next call's messages extend that conversation (the agen
 and what followed: tool results, a new user turn), the new prompt is exactly those ids followed by the
 template's rendering of what was appended, as the built-in harness builds its turns (`ChatFormat`). The
 sampled ids are never decoded and encoded again. A call whose messages do not extend the previous call's
-(the agent rewrote or trimmed its history) starts a new chain of segments: the episode's trajectory is then
-its last chain, and the calls before it are counted (`discarded_calls`), not trained.
+(the agent rewrote or trimmed its history, re-sent its tool results as text, or made two calls at once) starts
+a new chain of segments (`starts_chain`): the trajectory keeps every chain, and each is trained as a sequence of
+its own with the episode's advantage.
 
 `/v1/completions` (a prompt the agent builds itself, as ReAct loops do) chains the same way: a prompt that
 starts with the previous call's prompt and the text of the ids it generated continues those ids, and only the
@@ -187,7 +188,7 @@ class AgentEpisode:
     request_id: str
     model_name: str = "policy"
     segments: list[SegmentRecord] = field(default_factory=list)
-    discarded_calls: int = 0
+    chains: int = 0  # chains of segments so far (a call that does not extend the previous one's ids starts one)
     generated: int = 0
     calls: int = 0
     exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine", "requests")
@@ -238,15 +239,16 @@ class AgentEpisode:
                     return ids + self.chat.continuation_ids(full[len(head) :], generated)
         return self.chat.tokenizer.encode(self._render(messages, tools, True), add_special_tokens=False)
 
-    def _chained(self, ids: list[int]) -> list[int]:
-        """`ids`, after ending the chain of segments when they do not extend its last call's ids."""
+    def _starts_chain(self, ids: list[int]) -> bool:
+        """Whether a call of these ids starts a chain: the episode's first call, or one whose ids do not extend
+        the last call's (counted in `chains`)."""
         if self.segments:
             last = self.segments[-1]
             head = list(last.prompt_ids) + list(last.generated_ids)
-            if ids[: len(head)] != head:
-                self.discarded_calls += len(self.segments)
-                self.segments = []
-        return ids
+            if ids[: len(head)] == head:
+                return False
+        self.chains += 1
+        return True
 
     def refuse(self, error: "RequestError") -> None:
         """A request of the program's this endpoint refused: the program's doing (a parameter not served, a prompt
@@ -357,7 +359,8 @@ class AgentEpisode:
         if remaining <= 0:
             self.exhausted = "tokens"
             raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
-        ids = self._chained(prompt_ids())
+        ids = prompt_ids()
+        starts_chain = self._starts_chain(ids) and bool(self.segments)  # (the first chain is the trajectory's own)
         asked = call.max_tokens or self.sampling.max_new_tokens
         sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)), stop=call.stop)
         if call.seed is not None:  # the same draws for the same call of the same sample; the group's samples still differ
@@ -382,7 +385,7 @@ class AgentEpisode:
             request_id=rid, policy_version=gen.policy_version, tokenizer_version=self.chat.version, prompt_ids=ids,
             generated_ids=kept, action_loss_mask=[1] * len(kept), rollout_logprobs=logprobs,
             logprob_semantics=gen.logprob_semantics, sampling_config=sampling.to_dict(),
-            version_spans=gen.recorded_spans(len(kept)), started_at=started, ended_at=_now(),
+            version_spans=gen.recorded_spans(len(kept)), started_at=started, ended_at=_now(), starts_chain=starts_chain,
         ))
         return _Reply(ids, kept, text, logprobs, "length" if gen.finish_reason == "length" and not stopped else "stop")
 

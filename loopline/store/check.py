@@ -107,11 +107,12 @@ def check_run(session: Session, run_id: uuid.UUID) -> CheckReport:
 
 def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:
     """1: recorded logprobs are real logprobs with named semantics; 2: masks are 0/1 on generated tokens only,
-    and each trajectory is one prefix chain (tool output and prompts only ever appear as context)."""
+    and each trajectory's segments are prefix chains, broken only where a segment was recorded as starting a
+    chain (tool output and prompts only ever appear as context)."""
     rows = _rows(
         session,
         "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, "
-        "s.logprob_semantics FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
+        "s.logprob_semantics, s.starts_chain FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
         "WHERE t.run_id = :r ORDER BY s.trajectory_id, s.seq",
         r=run_id,
     )

@@ -15,7 +15,7 @@ from loopline.store._sql import q, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome
 from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
-from loopline.store.slots import _NO_LEASE, _end_attempt
+from loopline.store.slots import _NO_LEASE, _end_attempt, group_id_for, slot_id_for
 
 BulkMethod = Literal["copy", "executemany"]
 
@@ -54,101 +54,134 @@ def commit_trajectories(
     """
     for _, traj in items:
         traj.validate()
-    outcomes: dict[uuid.UUID, CommitOutcome] = {}
     with transaction(session):
-        refs = q(
+        return _commit(session, items, method)
+
+
+def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]], method: BulkMethod) -> list[CommitOutcome]:
+    """commit_trajectories inside the caller's transaction."""
+    outcomes: dict[uuid.UUID, CommitOutcome] = {}
+    refs = q(
+        session,
+        "SELECT a.id AS attempt_id, s.id AS slot_id, s.group_id FROM attempt a "
+        "JOIN slot s ON s.id = a.slot_id WHERE a.id = ANY(:ids)",
+        ids=[a for a, _ in items],
+    ).all()
+    known = {r.attempt_id for r in refs}
+    missing = [a for a, _ in items if a not in known]
+    if missing:
+        raise LooplineError(f"no attempt {missing[0]} in the ledger")
+    q(
+        session,
+        "SELECT id FROM rollout_group WHERE id = ANY(:g) ORDER BY id FOR UPDATE",
+        g=sorted({r.group_id for r in refs}),
+    )
+    slots = {
+        r.id: r
+        for r in q(
             session,
-            "SELECT a.id AS attempt_id, s.id AS slot_id, s.group_id FROM attempt a "
-            "JOIN slot s ON s.id = a.slot_id WHERE a.id = ANY(:ids)",
-            ids=[a for a, _ in items],
-        ).all()
-        known = {r.attempt_id for r in refs}
-        missing = [a for a, _ in items if a not in known]
-        if missing:
-            raise LooplineError(f"no attempt {missing[0]} in the ledger")
+            "SELECT id, run_id, group_id, split, task_id, state, lease_attempt_id FROM slot WHERE id = ANY(:s) ORDER BY id FOR UPDATE",
+            s=sorted({r.slot_id for r in refs}),
+        )
+    }
+    slot_of = {r.attempt_id: r.slot_id for r in refs}
+
+    trajectory_rows: list[tuple] = []
+    segment_rows: list[tuple] = []
+    done_slots: set[uuid.UUID] = set()
+    statuses: list[tuple[uuid.UUID, str]] = []
+    for attempt_id, traj in items:
+        slot = slots[slot_of[attempt_id]]
+        if slot.id in done_slots or slot.state == "done":
+            outcomes[attempt_id] = CommitOutcome(attempt_id, None, "slot already has a committed trajectory")
+            _end_attempt(session, attempt_id, "cancelled", "SlotAlreadyCommitted", outcomes[attempt_id].reason)
+            continue
+        if slot.state == "abandoned":
+            outcomes[attempt_id] = CommitOutcome(attempt_id, None, "its group was dropped after infra failures")
+            _end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
+            continue
+        if slot.state == "leased" and slot.lease_attempt_id != attempt_id:  # fencing: a worker frozen past its lease
+            outcomes[attempt_id] = CommitOutcome(attempt_id, None, "another attempt holds the slot now (this one's lease expired)")
+            _end_attempt(session, attempt_id, "cancelled", "LeaseLost", outcomes[attempt_id].reason)
+            continue
+        trajectory_id = uuid.uuid4()
+        done_slots.add(slot.id)
+        outcomes[attempt_id] = CommitOutcome(attempt_id, trajectory_id)
+        statuses.append((attempt_id, "ok" if traj.failure_type is None else "task_failed"))
+        vmin, vmax = traj.version_range()
+        trajectory_rows.append(_row(_TRAJECTORY_COLUMNS, dict(
+            id=trajectory_id, run_id=slot.run_id, slot_id=slot.id, attempt_id=attempt_id, group_id=slot.group_id,
+            task_id=slot.task_id, split=slot.split, env_name=traj.env_name, env_version=traj.env_version,
+            verifier_version=traj.verifier_version, harness_version=traj.harness_version, reward=float(traj.reward),
+            terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
+            policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
+        )))
+        for seq, seg in enumerate(traj.segments):
+            segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
+                trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
+                version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
+                tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids),
+                generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
+                rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
+                sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
+                started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=seq > 0 and seg.starts_chain,
+            )))
+
+    if trajectory_rows:
+        raw = session.connection().connection.driver_connection
+        _bulk_write(raw, "trajectory", _TRAJECTORY_COLUMNS, _TRAJECTORY_TYPES, trajectory_rows, method)
+        _bulk_write(raw, "segment", _SEGMENT_COLUMNS, _SEGMENT_TYPES, segment_rows, method)
         q(
             session,
-            "SELECT id FROM rollout_group WHERE id = ANY(:g) ORDER BY id FOR UPDATE",
-            g=sorted({r.group_id for r in refs}),
+            "UPDATE slot SET state = 'done', " + _NO_LEASE + " WHERE id = ANY(:s)",
+            s=list(done_slots),
         )
-        slots = {
-            r.id: r
-            for r in q(
-                session,
-                "SELECT id, run_id, group_id, split, task_id, state, lease_attempt_id FROM slot WHERE id = ANY(:s) ORDER BY id FOR UPDATE",
-                s=sorted({r.slot_id for r in refs}),
-            )
-        }
-        slot_of = {r.attempt_id: r.slot_id for r in refs}
-
-        trajectory_rows: list[tuple] = []
-        segment_rows: list[tuple] = []
-        done_slots: set[uuid.UUID] = set()
-        statuses: list[tuple[uuid.UUID, str]] = []
-        for attempt_id, traj in items:
-            slot = slots[slot_of[attempt_id]]
-            if slot.id in done_slots or slot.state == "done":
-                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "slot already has a committed trajectory")
-                _end_attempt(session, attempt_id, "cancelled", "SlotAlreadyCommitted", outcomes[attempt_id].reason)
-                continue
-            if slot.state == "abandoned":
-                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "its group was dropped after infra failures")
-                _end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
-                continue
-            if slot.state == "leased" and slot.lease_attempt_id != attempt_id:  # fencing: a worker frozen past its lease
-                outcomes[attempt_id] = CommitOutcome(attempt_id, None, "another attempt holds the slot now (this one's lease expired)")
-                _end_attempt(session, attempt_id, "cancelled", "LeaseLost", outcomes[attempt_id].reason)
-                continue
-            trajectory_id = uuid.uuid4()
-            done_slots.add(slot.id)
-            outcomes[attempt_id] = CommitOutcome(attempt_id, trajectory_id)
-            statuses.append((attempt_id, "ok" if traj.failure_type is None else "task_failed"))
-            vmin, vmax = traj.version_range()
-            trajectory_rows.append(_row(_TRAJECTORY_COLUMNS, dict(
-                id=trajectory_id, run_id=slot.run_id, slot_id=slot.id, attempt_id=attempt_id, group_id=slot.group_id,
-                task_id=slot.task_id, split=slot.split, env_name=traj.env_name, env_version=traj.env_version,
-                verifier_version=traj.verifier_version, harness_version=traj.harness_version, reward=float(traj.reward),
-                terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
-                policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
-            )))
-            for seq, seg in enumerate(traj.segments):
-                segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
-                    trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
-                    version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
-                    tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids),
-                    generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
-                    rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
-                    sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
-                    started_at=seg.started_at, ended_at=seg.ended_at,
-                )))
-
-        if trajectory_rows:
-            raw = session.connection().connection.driver_connection
-            _bulk_write(raw, "trajectory", _TRAJECTORY_COLUMNS, _TRAJECTORY_TYPES, trajectory_rows, method)
-            _bulk_write(raw, "segment", _SEGMENT_COLUMNS, _SEGMENT_TYPES, segment_rows, method)
-            q(
-                session,
-                "UPDATE slot SET state = 'done', " + _NO_LEASE + " WHERE id = ANY(:s)",
-                s=list(done_slots),
-            )
-            for status in ("ok", "task_failed"):
-                ids = [a for a, s in statuses if s == status]
-                if ids:
-                    q(
-                        session,
-                        "UPDATE attempt SET status = :st, ended_at = now(), error_class = NULL, error_text = NULL "
-                        "WHERE id = ANY(:ids)",
-                        st=status,
-                        ids=ids,
-                    )
-            q(
-                session,
-                "UPDATE rollout_group g SET state = 'complete', completed_at = now() "
-                "WHERE g.id = ANY(:g) AND g.state = 'open' "
-                "AND NOT EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
-                g=list({slots[s].group_id for s in done_slots}),
-            )
+        for status in ("ok", "task_failed"):
+            ids = [a for a, s in statuses if s == status]
+            if ids:
+                q(
+                    session,
+                    "UPDATE attempt SET status = :st, ended_at = now(), error_class = NULL, error_text = NULL "
+                    "WHERE id = ANY(:ids)",
+                    st=status,
+                    ids=ids,
+                )
+        q(
+            session,
+            "UPDATE rollout_group g SET state = 'complete', completed_at = now() "
+            "WHERE g.id = ANY(:g) AND g.state = 'open' "
+            "AND NOT EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
+            g=list({slots[s].group_id for s in done_slots}),
+        )
     return [outcomes[a] for a, _ in items]
+
+
+def write_eval_episodes(session: Session, run_id: uuid.UUID, version: int, episodes: Sequence[TrajectoryRecord], task_ids: Sequence[str], worker: str) -> int:
+    """An evaluation's episodes as trajectories of the `eval` split, inside the caller's transaction (the one that
+    records the evaluation's result, so both are written once or not at all): one group of one slot per task, at
+    step = the evaluated version, browsable as training's are and refused by the learner (the ledger's checks).
+    Returns how many were written: none where this version's eval groups exist already (another environment's
+    evaluation of the same version)."""
+    if not episodes or q(session, "SELECT 1 FROM rollout_group WHERE run_id = :r AND split = 'eval' AND step = :v LIMIT 1",
+                         r=run_id, v=version).first():
+        return 0
+    for traj in episodes:
+        traj.validate()
+    groups = [group_id_for(run_id, "eval", version, i) for i in range(len(episodes))]
+    slots = [slot_id_for(g, 0) for g in groups]
+    attempts = [uuid.uuid4() for _ in episodes]
+    q(session,
+      "INSERT INTO rollout_group (id, run_id, split, step, group_index, task_id, size, max_attempts) "
+      "SELECT g, :r, 'eval', :v, i - 1, t, 1, 1 FROM unnest(CAST(:g AS uuid[]), CAST(:t AS text[])) WITH ORDINALITY AS u(g, t, i)",
+      r=run_id, v=version, g=groups, t=list(task_ids))
+    q(session,
+      "INSERT INTO slot (id, run_id, group_id, split, step, task_id, sample_index) "
+      "SELECT s, :r, g, 'eval', :v, t, 0 FROM unnest(CAST(:s AS uuid[]), CAST(:g AS uuid[]), CAST(:t AS text[])) AS u(s, g, t)",
+      r=run_id, v=version, s=slots, g=groups, t=list(task_ids))
+    q(session,
+      "INSERT INTO attempt (id, slot_id, run_id, worker) SELECT a, s, :r, :w FROM unnest(CAST(:a AS uuid[]), CAST(:s AS uuid[])) AS u(a, s)",
+      r=run_id, w=worker, a=attempts, s=slots)
+    return sum(o.trajectory_id is not None for o in _commit(session, list(zip(attempts, episodes)), "copy"))
 
 
 def _row(columns: tuple[str, ...], values: dict) -> tuple:
@@ -211,7 +244,7 @@ def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> 
     rows = q(
         session,
         "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
-        "s.generated_ids, s.action_loss_mask, s.rollout_logprobs FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
+        "s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.starts_chain FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
         "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
         ids=list(trajectory_ids),
     ).all()
@@ -230,7 +263,8 @@ def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> 
             StoredTrajectory(
                 first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
                 tuple(
-                    StoredSegment(r.seq, r.prompt_ids, r.generated_ids, r.action_loss_mask, r.rollout_logprobs) for r in segs
+                    StoredSegment(r.seq, r.prompt_ids, r.generated_ids, r.action_loss_mask, r.rollout_logprobs, r.starts_chain)
+                    for r in segs
                 ),
             )
         )

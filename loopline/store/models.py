@@ -319,6 +319,7 @@ class Segment(SQLModel, table=True):
             "AND cardinality(generated_ids) = cardinality(rollout_logprobs)",
             name="ck_segment_lengths",
         ),
+        CheckConstraint("seq > 0 OR NOT starts_chain", name="ck_segment_first_starts_no_chain"),
     )
 
     trajectory_id: uuid.UUID = Field(
@@ -342,6 +343,7 @@ class Segment(SQLModel, table=True):
     )
     started_at: datetime | None = _timestamp()
     ended_at: datetime | None = _timestamp()
+    starts_chain: bool = Field(default=False, sa_column=Column(Boolean, nullable=False, server_default="false"))
 
 
 class Consumption(SQLModel, table=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlmodel import Session
@@ -124,11 +125,19 @@ def metrics_after(session: Session, run_id: uuid.UUID, after: int, upto: int | N
     return steps
 
 
-def eval_results(session: Session, run_id: uuid.UUID) -> list[tuple[int, int, float]]:
-    """(policy version, tasks, held-out success) in version order."""
+class EvalRow(NamedTuple):
+    version: int
+    tasks: int
+    success: float  # held-out success rate
+    seconds: float | None  # the evaluation's wall time (not recorded before loopline stored it)
+
+
+def eval_results(session: Session, run_id: uuid.UUID) -> list[EvalRow]:
+    """Each evaluation of the run, in version order."""
     rows = session.execute(
-        sa.text("SELECT policy_version, n_tasks, success_rate FROM eval_result WHERE run_id = :r ORDER BY policy_version"),
+        sa.text("SELECT policy_version, n_tasks, success_rate, (details->>'seconds')::float8 FROM eval_result "
+                "WHERE run_id = :r ORDER BY policy_version"),
         {"r": run_id},
     ).all()
     session.rollback()
-    return [tuple(r) for r in rows]
+    return [EvalRow(*r) for r in rows]

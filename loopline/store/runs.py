@@ -6,7 +6,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import sqlalchemy as sa
 from psycopg.types.json import Jsonb
@@ -19,6 +19,7 @@ from loopline.store.errors import LedgerConflict, LostTheRun
 from loopline.store.learning import _group_states, _groups_of_step
 from loopline.store.models import Run
 from loopline.store.records import CheckpointInfo, ResumeState
+from loopline.types import TrajectoryRecord
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -310,8 +311,13 @@ def record_eval_result(
     n_tasks: int,
     n_success: int,
     details: dict[str, Any] | None = None,
+    episodes: Sequence[tuple[str, TrajectoryRecord]] = (),
+    worker: str = "",
 ) -> bool:
-    """Store a policy version's held-out success once; returns False if it was already recorded."""
+    """Store a policy version's held-out success once, with the episodes (task id, trajectory) it was measured on
+    (commits.write_eval_episodes); returns False if it was already recorded."""
+    from loopline.store.commits import write_eval_episodes
+
     with transaction(session):
         inserted = q(
             session,
@@ -320,6 +326,8 @@ def record_eval_result(
             r=run_id, v=policy_version, e=env_name, ev=env_version, n=n_tasks, k=n_success,
             rate=n_success / n_tasks if n_tasks else 0.0, d=Jsonb(details or {}),
         ).rowcount
+        if inserted == 1 and episodes:
+            write_eval_episodes(session, run_id, policy_version, [t for _, t in episodes], [i for i, _ in episodes], worker)
     return inserted == 1
 
 

@@ -92,11 +92,11 @@ def evals(conn: sa.Connection, run: uuid.UUID) -> Table:
 
 
 def throughput(conn: sa.Connection, run: uuid.UUID) -> Table:
-    """Trajectories committed per minute since the run started."""
+    """Training trajectories committed per minute since the run started."""
     return _table(
         conn,
         "SELECT floor(extract(epoch FROM t.created_at - r.created_at) / 60)::int AS minute, count(*) AS trajectories "
-        "FROM trajectory t JOIN run r ON r.id = t.run_id WHERE t.run_id = :r GROUP BY 1 ORDER BY 1",
+        "FROM trajectory t JOIN run r ON r.id = t.run_id WHERE t.run_id = :r AND t.split = 'train' GROUP BY 1 ORDER BY 1",
         r=run,
     )
 

@@ -119,7 +119,7 @@ def evaluate(
     success = aio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency))
     with session_factory() as s:
         rows = queries.eval_results(s, run_id)
-    table = "\n".join(f"| {v} | {n} | {rate:.1%} |" for v, n, rate in rows)
+    table = "\n".join(f"| {e.version} | {e.tasks} | {e.success:.1%} |" for e in rows)
     create_markdown_artifact(
         key="eval-success",
         markdown=f"| policy version | tasks | held-out success |\n|---|---|---|\n{table}\n",

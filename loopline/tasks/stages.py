@@ -39,7 +39,7 @@ from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerCo
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
-from loopline.trainer.batch import TrainSequence, batch_metrics, sequence_from_trajectory
+from loopline.trainer.batch import TrainSequence, batch_metrics, sequences_from_trajectory
 from loopline.tasks.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
@@ -100,7 +100,7 @@ log = logging.getLogger(__name__)
 
 def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
     """The learner's view of a claimed batch, in the batch's order."""
-    return [sequence_from_trajectory(t) for t in ledger.load_trajectories(session, trajectory_ids)]
+    return [s for t in ledger.load_trajectories(session, trajectory_ids) for s in sequences_from_trajectory(t)]
 
 
 def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
@@ -326,6 +326,7 @@ async def evaluate(
         activity.report(name, done[0], len(eval_tasks))
         return result
 
+    started = time.monotonic()
     try:
         results = await asyncio.gather(*(episode(t) for t in eval_tasks))
     finally:
@@ -335,6 +336,8 @@ async def evaluate(
         ledger.record_eval_result(
             s, run_id, version, setup.spec.name, env_version, len(results), successes,
             {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed,
-             "mean_reward": sum(r.reward for r in results) / len(results)},  # partial credit (coding: tests passed)
+             "mean_reward": sum(r.reward for r in results) / len(results),  # partial credit (coding: tests passed)
+             "seconds": time.monotonic() - started},
+            episodes=[(t.id, r) for t, r in zip(eval_tasks, results)], worker=holder.this_process(),
         )
     return successes / len(results)

@@ -1,10 +1,13 @@
 """From committed trajectories to training sequences, token-exact.
 
-A trajectory's segments form one prefix chain (each prompt is the previous
-prompt + its generated ids + an observation), so the training sequence is the
-last segment's prompt + generated ids, and the action mask and behaviour
-logprobs are placed at each segment's generated positions. A chain that does
-not hold is refused rather than silently re-aligned.
+A trajectory's segments form prefix chains (each prompt is the previous
+prompt + its generated ids + an observation), so a chain's training sequence
+is its last segment's prompt + generated ids, and the action mask and behaviour
+logprobs are placed at each segment's generated positions. A trajectory is
+mostly one chain; an agent program that rewrote its history (or called twice
+at once) made a new chain where a segment records `starts_chain`, and each
+chain is a sequence of its own with the trajectory's advantage. A break
+anywhere else is refused rather than silently re-aligned.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from loopline.types import StoredTrajectory, first_chain_break
+from loopline.types import StoredTrajectory, chains, first_chain_break
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class TrainSequence:
     behaviour_logprobs: tuple[float, ...]  # μ at action positions, 0.0 elsewhere
     policy_version: int = 0  # the oldest version that generated any of its tokens
     policy_version_max: int | None = None  # the newest (None: the same)
+    chain: int = 0  # which chain of its trajectory (0: the first; a trajectory's chains are consecutive sequences)
 
     def generated_by(self, version: int) -> bool:
         """Every action token came from `version` (the learner's own weights: their logprobs must match)."""
@@ -39,10 +43,12 @@ class TrainSequence:
 
 
 def batch_metrics(sequences: list[TrainSequence], learner_s: float) -> dict[str, float]:
-    """What a learner step's batch looked like, named as verl names them: generated tokens per trajectory
+    """What a learner step's batch looked like, named as verl names them: generated tokens per trajectory (over its chains)
     (`response_length/mean`, `/max`) and every token through the learner per second (`perf/tokens_per_s`,
     verl's `perf/throughput` on one device)."""
-    lengths = [s.action_tokens for s in sequences]
+    lengths = [0] * (max(trajectory_index(sequences), default=-1) + 1)
+    for s, t in zip(sequences, trajectory_index(sequences)):  # (a trajectory's chains are its one response)
+        lengths[t] += s.action_tokens
     return {
         "response_length/mean": sum(lengths) / max(len(lengths), 1),
         "response_length/max": float(max(lengths, default=0)),
@@ -50,8 +56,8 @@ def batch_metrics(sequences: list[TrainSequence], learner_s: float) -> dict[str,
     }
 
 
-def sequence_from_trajectory(trajectory: StoredTrajectory) -> TrainSequence:
-    """The whole conversation as one sequence: the last segment's context plus its generation; each
+def sequences_from_trajectory(trajectory: StoredTrajectory) -> list[TrainSequence]:
+    """Each chain of the trajectory as one sequence: its last segment's context plus its generation; each
     segment's action tokens keep their mask and rollout logprobs at their place in it."""
     segments = trajectory.segments
     if not segments:
@@ -59,17 +65,34 @@ def sequence_from_trajectory(trajectory: StoredTrajectory) -> TrainSequence:
     broken = first_chain_break(segments)
     if broken is not None:
         raise ValueError(f"trajectory {trajectory.id}: segment {segments[broken].seq} does not extend the one before")
-    last = segments[-1]
-    ids = list(last.prompt_ids) + list(last.generated_ids)
-    mask, logprobs = [0] * len(ids), [0.0] * len(ids)
-    for seg in segments:
-        start = len(seg.prompt_ids)
-        for i, (m, lp) in enumerate(zip(seg.action_loss_mask, seg.rollout_logprobs)):
-            mask[start + i], logprobs[start + i] = int(m), float(lp)
-    return TrainSequence(
-        trajectory.id, trajectory.group_id, trajectory.reward, tuple(ids), tuple(mask), tuple(logprobs),
-        trajectory.policy_version_min, trajectory.policy_version_max,
-    )
+    out = []
+    for k, chain in enumerate(chains(segments)):
+        last = chain[-1]
+        ids = list(last.prompt_ids) + list(last.generated_ids)
+        mask, logprobs = [0] * len(ids), [0.0] * len(ids)
+        for seg in chain:
+            start = len(seg.prompt_ids)
+            for i, (m, lp) in enumerate(zip(seg.action_loss_mask, seg.rollout_logprobs)):
+                mask[start + i], logprobs[start + i] = int(m), float(lp)
+        out.append(TrainSequence(
+            trajectory.id, trajectory.group_id, trajectory.reward, tuple(ids), tuple(mask), tuple(logprobs),
+            trajectory.policy_version_min, trajectory.policy_version_max, chain=k,
+        ))
+    return out
+
+
+def trajectory_index(sequences: Sequence[TrainSequence]) -> list[int]:
+    """For each sequence, the position of its trajectory among the batch's trajectories (a sequence of chain 0
+    starts the next trajectory; its other chains follow it)."""
+    index: list[int] = []
+    for s in sequences:
+        if s.chain == 0:
+            index.append(index[-1] + 1 if index else 0)
+        elif not index or sequences[len(index) - 1].trajectory_id != s.trajectory_id:
+            raise ValueError(f"trajectory {s.trajectory_id}: chain {s.chain} does not follow its trajectory's other chains")
+        else:
+            index.append(index[-1])
+    return index
 
 
 def micro_batches(sequences: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:

@@ -25,7 +25,7 @@ from loopline.types import TrainedSample
 from loopline.trainer import checkpoint, losses, lora, prefix
 from loopline.trainer.advantages import compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
-from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad
+from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad, trajectory_index
 from loopline.trainer.prefix import token_entropy
 from loopline.trainer.losses import Correction, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.config import LearnerConfig  # noqa: F401 (re-exported: a run config needs no torch)
@@ -209,12 +209,18 @@ class Learner:
         """
         if not sequences:
             raise LearnerError("empty batch: nothing to train on")
-        adv = compute_advantages([s.reward for s in sequences], [s.group_id for s in sequences], self.config.advantage)
+        # a trajectory of several chains is several sequences: its advantage is computed once, over trajectories
+        index = trajectory_index(sequences)
+        firsts = [i for i, s in enumerate(sequences) if s.chain == 0]
+        adv = compute_advantages(
+            [sequences[i].reward for i in firsts], [sequences[i].group_id for i in firsts], self.config.advantage
+        ).per_sequence(index)
         keep = [i for i, s in enumerate(sequences) if adv.keep[i] and s.action_tokens > 0]
         base = {"degenerate_groups": float(adv.degenerate_groups), "groups": float(adv.groups)}
         if not keep:
             return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, adv, [], [], [], {}, {}))
         seqs = [sequences[i] for i in keep]
+        trajectory_of = [index[i] for i in keep]  # index in `seqs` -> its trajectory
         advantages = adv.values[keep].float()
         for s in seqs:
             if not all(math.isfinite(x) for x in s.behaviour_logprobs):
@@ -241,18 +247,21 @@ class Learner:
             with torch.no_grad():
                 for b in micro:
                     anchor(b, self._logprobs(b).detach())
+        # Sequence-level aggregations weigh a trajectory once whatever its number of chains: the count is of
+        # trajectories, and a seq-mean-token-mean divides each chain's token sum by its trajectory's tokens.
+        counted = lambda b: corrections[id(b)].kept if not reuse else b.target_mask.bool()  # noqa: E731
+        trajectory_tokens = [0.0] * (max(trajectory_of) + 1)
+        for b in micro:
+            for row, j in enumerate(b.rows):
+                trajectory_tokens[trajectory_of[j]] += float(counted(b)[row].sum())
         groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
         step_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
         skipped = 0
         for group in (g for g in groups if g):
-            if reuse:  # nothing is rejected: the denominators are the action tokens and the rows that have any
-                tokens = float(sum(int(b.target_mask.sum()) for b in group))
-                seq_count = float(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in group))
-            else:
-                kept = [corrections[id(b)].kept for b in group]
-                tokens = float(sum(int(k.sum()) for k in kept))
-                seq_count = float(sum(int((k.sum(-1) > 0).sum()) for k in kept))
+            # (reused: nothing is rejected, the denominators are the action tokens and the trajectories with any)
+            tokens = float(sum(int(counted(b).sum()) for b in group))
+            seq_count = float(len({trajectory_of[j] for b in group for row, j in enumerate(b.rows) if counted(b)[row].any()}))
 
             def loss_of(batch: Padded):
                 reference = None
@@ -267,6 +276,7 @@ class Learner:
                     logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
                     batch.target_mask.to(self.device), loss_config, ref_logp=reference, total_tokens=max(tokens, 1.0),
                     total_sequences=max(seq_count, 1.0), correction=corrections[id(batch)],
+                    sequence_tokens=torch.tensor([trajectory_tokens[trajectory_of[j]] for j in batch.rows], device=self.device),
                 )
                 if not torch.isfinite(out.loss):
                     raise LearnerError("the loss is NaN or inf; refusing the update")
@@ -295,7 +305,7 @@ class Learner:
             "advantage_std": float(advantages.std(correction=0)),
             "tokens_trained": float(sum(int(b.target_mask.sum()) for b in micro)),
             "sequences_trained": float(len(seqs)),
-            "reward_mean": float(sum(s.reward for s in sequences) / len(sequences)),
+            "reward_mean": float(sum(sequences[i].reward for i in firsts) / len(firsts)),
             "learner_ranks": float(self.backend.world()[0]),
             "learner_threads": float(torch.get_num_threads()),  # a replay computes with the same count
         }
@@ -321,12 +331,13 @@ class Learner:
                     logprob_abs_diff_max=float(gap.max()) if gap.numel() else None,
                 )
         position = {i: j for j, i in enumerate(keep)}  # index in `sequences` -> index in `seqs`
-        out = {}
+        out: dict[object, TrainedSample] = {}
         for i, s in enumerate(sequences):
             facts = tokens.get(position.get(i, -1), dict(action_tokens=s.action_tokens))
-            out[s.trajectory_id] = TrainedSample(
+            sample = TrainedSample(
                 float(adv.values[i]), float(adv.group_mean[i]), float(adv.group_std[i]), bool(adv.degenerate[i]), i in position, **facts
             )
+            out[s.trajectory_id] = out[s.trajectory_id].then(sample) if s.chain else sample
         return out
 
     def sft_step(self, sequences: Sequence[TrainSequence]) -> StepResult:

@@ -42,7 +42,7 @@ TOKEN_MEANS = (
 )
 
 
-def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Every action token weighs the same: long trajectories weigh more."""
     return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
 
@@ -55,19 +55,22 @@ def _sequences(per_token: torch.Tensor, mask: torch.Tensor, total_sequences) -> 
     return per_token.sum(-1)[has_tokens], tokens[has_tokens], count
 
 
-def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Each trajectory weighs its token count (unnormalised length bias)."""
     sums, _, count = _sequences(per_token, mask, total_sequences)
     return sums.sum() / count
 
 
-def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
-    """Each trajectory weighs the same, whatever its length."""
+def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
+    """Each trajectory weighs the same, whatever its length (and its number of chains: a chain's token sum is
+    divided by all its trajectory's tokens, `sequence_tokens`, where the caller gives them)."""
     sums, tokens, count = _sequences(per_token, mask, total_sequences)
+    if sequence_tokens is not None:
+        tokens = sequence_tokens.to(per_token.dtype)[mask.sum(-1) > 0]
     return (sums / tokens).sum() / count
 
 
-def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length) -> torch.Tensor:
+def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)."""
     if norm_length is None:
         raise ValueError("seq_mean_token_sum_norm needs norm_length (a constant number of tokens)")
@@ -92,15 +95,18 @@ def aggregate(
     total_tokens: float | None = None,
     total_sequences: float | None = None,
     norm_length: int | None = None,
+    sequence_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a [B, T] loss to a scalar; how each trajectory is weighted differs (see tests).
 
     With `total_tokens` / `total_sequences` (the whole step's counts) a micro-batch's result is its
     share of the step's loss, so the shares of all micro-batches add up to the loss of the whole batch.
+    A trajectory trained as several sequences (its chains) weighs as one: `total_sequences` then counts
+    trajectories, and `sequence_tokens` [B] gives each row its trajectory's tokens over all its chains.
     """
     per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))  # padding may hold anything
     mask = mask.to(per_token.dtype)
-    return AGGREGATIONS[how](per_token, mask, total_tokens, total_sequences, norm_length)
+    return AGGREGATIONS[how](per_token, mask, total_tokens, total_sequences, norm_length, sequence_tokens)
 
 
 # k3 per token is capped at 10, as verl's `low_var_kl` (kl_penalty in core_algos.py): unbounded it reaches e^20
@@ -167,6 +173,7 @@ def policy_loss(
     total_tokens: float | None = None,
     total_sequences: float | None = None,
     correction: Correction | None = None,
+    sequence_tokens: torch.Tensor | None = None,
 ) -> LossOutput:
     """Decoupled PPO: max(-r A, -clip(r) A) with r = π_θ/π_old (dual-clipped for A < 0), weighted by the
     π_old/μ correction, over the tokens the correction keeps. `advantages` is [B] or [B, T].
@@ -198,7 +205,7 @@ def policy_loss(
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         kl = kl_penalty(logp, ref_logp, config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-    loss = aggregate(per_token, kept, config.aggregation, total_tokens, total_sequences, config.norm_length)
+    loss = aggregate(per_token, kept, config.aggregation, total_tokens, total_sequences, config.norm_length, sequence_tokens)
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)

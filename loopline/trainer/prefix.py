@@ -138,6 +138,9 @@ def shared_prefix_logprobs(
     return in_rows(picked)
 
 
+ENTROPY_CHUNK = 256  # positions per pass of `token_entropy`
+
+
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """H(π) = -Σ p·log p at each position of [..., V] logits (already divided by the temperature, as verl's
     `entropy_from_logits`), a token a model masks out (-inf) counting 0; no gradient: a metric. A few hundred
@@ -149,6 +152,3 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
             logp = torch.log_softmax(flat[start : start + ENTROPY_CHUNK].float(), dim=-1)
             out[start : start + ENTROPY_CHUNK] = -torch.where(logp > -torch.inf, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
     return out.reshape(logits.shape[:-1])
-
-
-ENTROPY_CHUNK = 256  # positions per pass of `token_entropy`

@@ -140,6 +140,7 @@ EPISODES = {
 
 COMPARED = ("reward_mean", "loss", "entropy", "kl_ref", "grad_norm", "response_length/mean", "rollout/truncated_frac")
 EVAL_AXES = {"version": "policy_version", "wall-clock (s)": "seconds", "trained tokens": "tokens_trained"}
+REFRESH_S = 5.0  # how often the charts of a run that trains are redrawn
 
 
 def compare_runs(db: LedgerView, names: list[str]) -> None:
@@ -189,7 +190,23 @@ def page_runs(db: LedgerView) -> None:
     run_id = db.run_id(name)
     if st.button("Open its trajectories"):
         go("trajectories", run=name)
+    training = runs.loc[runs["name"] == name, "status"].iloc[0] == "running"
+    # a run that trains is redrawn in place (the fragment alone: the widgets above keep their state)
+    st.fragment(run_every=REFRESH_S if training else None)(run_charts)(db, name, run_id)
+    metrics = db.metrics(run_id)
+    if "step" in metrics and not metrics.empty:
+        replay_step(name, int(metrics["step"].max()))
+    with st.expander("The run's config (as the ledger stored it)"):
+        st.code(yaml.safe_dump(db.run_config(run_id), sort_keys=False), language="yaml")
+
+
+def run_charts(db: LedgerView, name: str, run_id: uuid.UUID) -> None:
+    """One run's curves, read afresh each time they are drawn."""
     metrics, evals = db.metrics(run_id), db.evals(run_id)
+    runs = db.runs()
+    status = runs.loc[runs["name"] == name, "status"].iloc[0]
+    steps = int(metrics["step"].max()) if "step" in metrics and not metrics.empty else 0
+    st.caption(f"{name}: {status} · learner step {steps}" + (f" · redrawn every {REFRESH_S:g} s while it trains" if status == "running" else ""))
     left, right = st.columns(2)
     with left:
         st.subheader("Training reward")
@@ -240,8 +257,6 @@ def page_runs(db: LedgerView) -> None:
                 f"planned {planned / 2**30:.2f} GiB on {memory['hardware']} ({memory['verdict'].split(':')[0]}); measured peak RSS of the "
                 f"training process {'-' if measured is None else f'{measured / 2**30:.2f} GiB'} (it also holds the runtime, the tokenizer and the CPU engine's batch)"
             )
-        if "step" in metrics and not metrics.empty:
-            replay_step(name, int(metrics["step"].max()))
         gaps = db.logprob_gaps(run_id)
         if not gaps.empty:
             st.subheader("|μ − π_old| per trajectory, by step (max over its tokens)")
@@ -260,8 +275,6 @@ def page_runs(db: LedgerView) -> None:
             with column:
                 st.caption(charts[metric])
                 st.line_chart(metrics, x="step", y=metric)
-    with st.expander("The run's config (as the ledger stored it)"):
-        st.code(yaml.safe_dump(db.run_config(run_id), sort_keys=False), language="yaml")
 
 
 def replay_step(run: str, last_step: int) -> None:
@@ -368,6 +381,9 @@ def page_trajectory(db: LedgerView) -> None:
     for segment, (prompt, _), generated in zip(segments, rendered, generated_all):
         spans = ", ".join(f"v{s['version']} [{s['start']}:{s['end']})" for s in segment.get("version_spans") or []) or f"v{segment['policy_version']}"
         st.subheader(f"Segment {segment['seq']} · {len(generated)} generated tokens · {spans}")
+        if segment.get("starts_chain"):
+            st.info("this call did not extend the previous one's tokens (the agent rewrote its history, or called twice at once): "
+                    "it starts a chain of its own, trained as a sequence of its own with the episode's advantage")
         st.caption(f"request {segment['request_id']} · logprobs: {segment['logprob_semantics']} · sampling {json.dumps(segment['sampling_config'])}")
         if tokenizer is not None:
             ids = list(segment["prompt_ids"]) + list(segment["generated_ids"])

@@ -223,6 +223,19 @@ for _ in range(2):
 open("answer.txt", "w").write("<answer>0</answer>")
 '''
 
+PARALLEL_THEN_REWRITTEN = '''
+import asyncio
+from openai import AsyncOpenAI
+client = AsyncOpenAI()
+ask = lambda messages: client.chat.completions.create(model="policy", messages=messages)
+async def main():
+    # two calls at once (as asyncio.gather does), then a history rewritten with a new system prompt
+    await asyncio.gather(ask([{"role": "user", "content": "one"}]), ask([{"role": "user", "content": "two"}]))
+    await ask([{"role": "system", "content": "steps left: 1"}, {"role": "user", "content": "three"}])
+    open("answer.txt", "w").write("<answer>0</answer>")
+asyncio.run(main())
+'''
+
 REFUSED_ONLY = '''
 from openai import OpenAI
 OpenAI().chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
@@ -243,6 +256,11 @@ def test_failures_are_classified_as_the_harness_classifies_them(tmp_path):
     assert refused.info["refused"][0].startswith("400 invalid_request_error: n: ") and refused.info["exit_code"] == 1
     (only,) = refused.segments
     assert only.generated_ids == [] and only.prompt_ids and refused.validate() is None
+    # issue 48: calls made at once and a rewritten history were discarded but the last chain's; every call is kept
+    (chained,) = _play(_env(tmp_path / "p", PARALLEL_THEN_REWRITTEN), Scripted(chat, ["a", "b", "c"]))
+    assert not isinstance(chained, Exception), chained
+    assert [s.starts_chain for s in chained.segments] == [False, True, True] and chained.info["chains"] == 3
+    assert chained.validate() is None and first_chain_break(chained.segments) is None
     (spent,) = _play(_env(tmp_path / "c", TOO_MANY_CALLS), Scripted(chat, ["x"] * 10))
     assert (spent.failure_type, spent.info["end"], len(spent.segments)) == ("truncated", "turns", 3)
     # (budgets of 5 s: a python3 that imports the openai SDK can take 2 s to start on a loaded machine)
@@ -382,7 +400,7 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
     consumed, distinct = _rows(db, "SELECT count(*), count(DISTINCT trajectory_id) FROM consumption WHERE run_id = :r", r=run_id)[0]
     assert consumed == distinct == 2 * 4 * 4
     # the episodes in flight at the kill were played again: their first attempts ended without a trajectory
-    assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status <> 'ok'", r=run_id)[0][0] > 0
+    assert _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status NOT IN ('ok', 'task_failed')", r=run_id)[0][0] > 0
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 

@@ -125,6 +125,8 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     captions = [c.value for c in at.caption]
     assert "loss" in captions and "gradient norm (before clipping)" in captions  # the learner's metrics the run recorded
     assert "policy entropy (mean over trained tokens)" in captions and "episodes cut by a budget (fraction)" in captions
+    said = next(c for c in captions if c.startswith(f"{seeded['run']}: "))
+    assert "learner step 2" in said and "redrawn" not in said, said  # not training: drawn once
     import yaml
 
     engine = sa.create_engine(seeded["url"])
@@ -192,6 +194,25 @@ def test_trajectories_page_filters_and_opens_one(app, seeded):
     assert not at.warning  # all 24 shown: nothing to say
     capped = app("trajectories", run=seeded["run"], limit="10")
     assert len(capped.dataframe[0].value) == 10 and "first 10 of 24" in capped.warning[0].value
+
+
+def test_an_evaluations_held_out_episodes_are_listed_and_open_like_training_ones(app, seeded):
+    """Issue 47: only training trajectories were browsable; an evaluation's episodes were counted and lost."""
+    from tests.factories import trajectory
+
+    engine = sa.create_engine(seeded["url"])
+    with new_session(engine) as s:
+        run = ledger.create_run(s, f"{seeded['run']}-evaluated", {"test": "eval episodes"}, "file:///w")
+        episodes = [(f"e{i}", trajectory(reward=float(i % 2), seed=i)) for i in range(3)]
+        assert ledger.record_eval_result(s, run.id, 2, "arithmetic", 1, 3, 1, {}, episodes=episodes, worker="w")
+    engine.dispose()
+    at = app("trajectories", run=run.name)
+    table = at.dataframe[0].value
+    assert sorted(table["task_id"]) == ["e0", "e1", "e2"] and set(table["split"]) == {"eval"} and set(table["step"]) == {2}
+    assert not table["consumed"].any() and sorted(table["reward"]) == [0.0, 0.0, 1.0]
+    opened = app("trajectory", id=str(table["id"].iloc[0]))
+    assert not opened.exception, opened.exception
+    assert "eval" in [m.value for m in opened.metric], [m.value for m in opened.metric]
 
 
 def test_selecting_a_row_opens_its_trajectory(app, seeded):
@@ -416,6 +437,25 @@ def test_browser_opens_a_run_clicks_into_a_trajectory_and_sees_masked_tokens(see
             out = Path(os.environ.get("LOOPLINE_TEST_OUTPUT", ROOT / "test-output"))
             out.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(out / "inspector-trajectory.png"), full_page=True)
+
+            # a run that trains: its page redraws itself as steps land (the user does not reload)
+            from loopline import holder
+
+            writer = sa.create_engine(seeded["url"])
+            with new_session(writer) as s:
+                live = ledger.create_run(s, f"{seeded['run']}-live", {"test": "live"}, "file:///w")
+                ledger.start_run(s, live.id, holder.this_process())
+                for step in (1, 2):
+                    s.execute(sa.text("INSERT INTO metric (run_id, step, name, value) VALUES (:r, :s, 'reward_mean', 0.5)"), {"r": live.id, "s": step})
+                s.commit()
+            page.goto(f"http://127.0.0.1:{port}/?page=runs&run={live.name}")
+            page.get_by_text(f"{live.name}: running · learner step 2").wait_for(timeout=30_000)
+            with new_session(writer) as s:
+                s.execute(sa.text("INSERT INTO metric (run_id, step, name, value) VALUES (:r, 3, 'reward_mean', 0.7)"), {"r": live.id})
+                ledger.heartbeat(s, live.id, holder.this_process())
+                s.commit()
+            page.get_by_text(f"{live.name}: running · learner step 3").wait_for(timeout=30_000)
+            writer.dispose()
             browser.close()
     finally:
         os.killpg(server.pid, 9)

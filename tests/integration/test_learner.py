@@ -396,3 +396,22 @@ def test_kl_to_the_reference_is_zero_at_first_then_the_hand_computed_k3_of_the_m
     assert expected > 1e-5  # the first update moved the policy
     assert learner.rl_step(seqs).metrics["kl_ref"] == pytest.approx(expected, rel=1e-3)
     assert not any(p.requires_grad for p in learner.reference.model.parameters())
+
+
+def test_a_trajectory_of_two_chains_is_trained_as_two_sequences_with_one_advantage(tiny_dirs, batch):
+    """Issue 48: an agent that rewrote its history has two chains; both are trained, with the advantage its one
+    reward earns in its group (counting the chain as a sample would shift the group's mean to 2/3)."""
+    import dataclasses
+    import uuid
+
+    a, b = uuid.uuid4(), uuid.uuid4()
+    first, second = dataclasses.replace(batch[0], trajectory_id=a), dataclasses.replace(batch[1], trajectory_id=b)  # rewards 0, 1
+    extra = dataclasses.replace(batch[2], trajectory_id=b, group_id=second.group_id, reward=second.reward, chain=1)
+    result = Learner(tiny_dirs["v0"], CONFIG, backend="torch").rl_step([first, second, extra])
+    m = result.metrics
+    assert result.skipped is None and m["groups"] == 1 and m["sequences_trained"] == 3 and m["reward_mean"] == 0.5
+    assert m["tokens_trained"] == sum(s.action_tokens for s in (first, second, extra))
+    one, two = result.samples[a], result.samples[b]
+    assert two.advantage == pytest.approx(-one.advantage) and two.advantage > 0 and two.group_mean == 0.5
+    assert two.action_tokens == second.action_tokens + extra.action_tokens and len(two.learner_logprobs) == two.action_tokens
+    assert m["logprob_abs_diff"] < 1e-4  # each chain's recompute matches what the engine sampled

@@ -223,10 +223,12 @@ AGAIN = "nothing committed is lost; run the command again"
         ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "Ctrl-C", AGAIN),
         ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "SIGTERM", AGAIN),
         ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "Ctrl-C", "the deployments are paused until `loopline deploy`"),
+        ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "SIGTERM", "the deployments are paused until `loopline deploy`"),
+        ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "SIGHUP", None),
     ],
     ids=[
         "eval", "eval-sigterm", "replay", "replay-sigterm", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed",
-        "envreg-test", "envreg-test-sigterm", "deploy",
+        "envreg-test", "envreg-test-sigterm", "deploy", "deploy-sigterm", "deploy-terminal-closed",
     ],
 )
 def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(trained, tmp_path, command, at, stop, says):
@@ -272,3 +274,54 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
     assert _processes(f"{trained}/pgdata") == [] and _processes(f"--server.port {port}") == []
     assert set(_containers()) <= containers_before  # (the sandbox being created as Ctrl-C came: removed too)
     assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
+
+
+def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_goes_on(tmp_path, database_url, db):
+    """`loopline worker RUN` typed on a machine that lends its CPUs to a run (a shared ledger: a database URL).
+    Ctrl-C ends it within seconds with one line and no traceback; what it held is handed back at once (no
+    attempt of its left running for a lease to expire), and the run it fed is not stopped: its trainer goes on."""
+    import socket
+    import subprocess
+
+    import sqlalchemy as sa
+
+    name = f"worker-{tmp_path.name[-8:]}".replace("_", "-")
+    config = _small_run(tmp_path, steps=1000)
+    config.write_text(config.read_text().replace(f"name: {NAME}", f"name: {name}").replace("mode: sync", "mode: async\nlocal_rollout: false"))
+    env = {**_home_env(tmp_path / "home"), "LOOPLINE_DATABASE_URL": database_url}
+
+    def rows(sql: str, **params) -> list:
+        found = db.execute(sa.text(sql), params).all()
+        db.rollback()  # (each read sees what was committed since)
+        return found
+
+    trainer = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(config)], cwd=str(ROOT), env=env,
+                               stdout=(tmp_path / "train.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    child = None
+    try:
+        deadline = time.monotonic() + 180
+        while not rows("SELECT 1 FROM run WHERE name = :n AND status = 'running'", n=name):
+            assert time.monotonic() < deadline and trainer.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            time.sleep(0.5)
+        child = pexpect.spawn(sys.executable, ["-m", "loopline.cli", "worker", name], cwd=str(ROOT), env=env, encoding="utf-8",
+                              codec_errors="replace", dimensions=(50, 200), timeout=300)
+        child.logfile_read = open(tmp_path / "terminal.log", "w")
+        mine = f"{socket.gethostname()}:{child.pid}:%"
+        deadline = time.monotonic() + 180
+        while not rows("SELECT 1 FROM attempt WHERE worker LIKE :w AND status = 'ok'", w=mine):  # it is rolling out
+            assert time.monotonic() < deadline and child.isalive(), (tmp_path / "terminal.log").read_text()[-3000:]
+            time.sleep(0.5)
+        started = time.monotonic()
+        child.sendintr()
+        printed = _stopped(child, started)
+        assert "Traceback" not in printed and "interrupted (Ctrl-C): " in printed, printed[-3000:]
+        assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+        assert rows("SELECT count(*) FROM attempt WHERE worker LIKE :w AND status = 'running'", w=mine)[0][0] == 0
+        assert trainer.poll() is None and rows("SELECT status FROM run WHERE name = :n", n=name)[0][0] == "running"
+    finally:
+        if child is not None:
+            if child.ptyproc.isalive():
+                child.ptyproc.kill(signal.SIGKILL)
+            child.logfile_read.close()
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=60)

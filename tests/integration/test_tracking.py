@@ -113,6 +113,9 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
         history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, metric)}
         assert history == {step: value for (step, m), value in ledger.items() if m == metric}, (metric, done.stderr[-3000:])
     assert {m.step: m.value for m in client.get_metric_history(found.info.run_id, "eval/success_rate")} == evals
+    seconds = dict(_rows(db, "SELECT policy_version, (details->>'seconds')::float8 FROM eval_result WHERE run_id = :r", r=run_id))
+    assert {m.step: m.value for m in client.get_metric_history(found.info.run_id, "timing_s/eval")} == pytest.approx(seconds)
+    assert all(0 < s < 600 for s in seconds.values()), seconds
     assert found.data.params["steps"] == "2" and found.data.params["learner.backend"] == "torch"
     assert "config.json" in {Path(a.path).name for a in client.list_artifacts(found.info.run_id, "model")}
     assert found.info.status == "FINISHED"

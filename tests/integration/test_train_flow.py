@@ -79,11 +79,13 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     assert again["policy_version"] == 2 and again["eval"] == first["eval"]  # both read from the ledger
     run_id = first["run_id"]
     counts = db.execute(
-        sa.text("SELECT (SELECT count(*) FROM trajectory WHERE run_id = :r), (SELECT count(*) FROM eval_result WHERE run_id = :r)"),
+        sa.text("SELECT (SELECT count(*) FROM trajectory WHERE run_id = :r AND split = 'train'), "
+                "(SELECT count(*) FROM eval_result WHERE run_id = :r), (SELECT sum(n_tasks) FROM eval_result WHERE run_id = :r), "
+                "(SELECT count(*) FROM trajectory WHERE run_id = :r AND split = 'eval')"),
         {"r": run_id},
     ).one()
     db.rollback()
-    assert tuple(counts) == (16, 3)
+    assert tuple(counts[:2]) == (16, 3) and counts[3] == counts[2] > 0  # each evaluation's episodes are browsable
     report = check_run(db, run_id)
     assert report.ok, report.violations
     # the memory plan is stored with the run, beside the peak RSS each learner step measured
@@ -293,8 +295,9 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(engine_kind, pr
         if servers:
             servers.stop()
     assert result["policy_version"] == 2
-    workers = _scalar_rows(db, "SELECT DISTINCT a.worker FROM attempt a JOIN run r ON r.id = a.run_id WHERE r.name = :n", n=name)
-    # every rollout came from the other process (holders are host:pid:start-time)
+    workers = _scalar_rows(db, "SELECT DISTINCT a.worker FROM attempt a JOIN run r ON r.id = a.run_id JOIN slot s ON s.id = a.slot_id "
+                               "WHERE r.name = :n AND s.split = 'train'", n=name)
+    # every training rollout came from the other process (holders are host:pid:start-time; evaluations are the trainer's)
     assert [w.rsplit(":", 1)[0] for (w,) in workers] == [f"{socket.gethostname()}:{worker.pid}"]
 
 

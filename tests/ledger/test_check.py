@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from loopline.store import ledger
+from loopline.errors import LooplineError
 from loopline.store.check import check_run
 from loopline.types import SegmentRecord, TrajectoryRecord
 
@@ -88,6 +89,34 @@ def test_a_refused_episode_with_nothing_generated_is_stored_trained_on_as_a_zero
     ledger.commit_learner_step(db, batch, "file:///w1", "file:///c1", metrics={"logprob_abs_diff": 0.0})
     report = check_run(db, run.id)
     assert report.ok, report.violations
+
+
+def test_a_trajectory_of_two_chains_is_stored_loaded_as_two_sequences_and_passes_check_only_where_marked(db, run):
+    """Issue 48: an agent that rewrote its history made a second chain; it was discarded, it is kept now."""
+    from dataclasses import replace
+
+    from loopline.tasks.stages import load_sequences
+
+    first = chained_trajectory(1.0, 0)
+    rewritten = SegmentRecord("r2/", 0, "tok", [1, 2, 99], [4], [1], [-0.4], "log_softmax(logits/T)", starts_chain=True)
+    two_chains = replace(first, segments=[*first.segments, rewritten])
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=2)
+    a, b = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert all(o.committed for o in ledger.commit_trajectories(db, [(a.attempt_id, two_chains), (b.attempt_id, chained_trajectory(0.0, 1))]))
+    stored = db.execute(sa.text("SELECT seq, starts_chain FROM segment WHERE trajectory_id = (SELECT id FROM trajectory WHERE attempt_id = :a) ORDER BY seq"),
+                        {"a": a.attempt_id}).all()
+    db.rollback()
+    assert [tuple(r) for r in stored] == [(0, False), (1, False), (2, True)]
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)
+    sequences = load_sequences(db, batch.trajectory_ids)
+    assert sorted((s.chain, s.action_tokens) for s in sequences) == [(0, 5), (0, 5), (1, 1)]
+    assert check_run(db, run.id).ok
+    # the same break where no segment was recorded as starting a chain: re-tokenised history, as before
+    _corrupt(db, "UPDATE segment SET starts_chain = false WHERE seq = 2")
+    report = check_run(db, run.id)
+    assert any("re-tokenised their history" in v.message for v in report.violations), report.violations
+    with pytest.raises(LooplineError, match="does not extend segment 1"):
+        ledger.commit_trajectories(db, [(b.attempt_id, replace(first, segments=[*first.segments, replace(rewritten, starts_chain=False)]))])
 
 
 def test_gap_of_stale_samples_is_lag_not_a_violation(db, trained_run):

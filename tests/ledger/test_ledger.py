@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from loopline import holder
-from loopline.store import ledger, records
+from loopline.store import ledger, queries, records
 from loopline.store.db import session as new_session
 from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict
@@ -432,6 +432,38 @@ def test_eval_groups_are_never_trained(db, run):
             sa.text("UPDATE rollout_group SET state = 'claimed', learner_step = 1 WHERE run_id = :r"), {"r": run.id}
         )
     db.rollback()
+
+
+def test_an_evaluations_episodes_are_stored_with_its_result_once_and_never_trained(db, run):
+    """Issue 47: held-out episodes were counted, then thrown away; they are browsable now, as the `eval` split."""
+    from loopline.store.check import check_run
+
+    episodes = [("e0", trajectory(reward=1.0, seed=1)), ("e1", trajectory(reward=0.0, seed=2)), ("e2", trajectory(reward=1.0, seed=3))]
+    assert ledger.record_eval_result(db, run.id, 4, "arithmetic", 1, 3, 2, {"seconds": 1.5}, episodes=episodes, worker="w")
+    stored = db.execute(sa.text(
+        "SELECT g.step, g.group_index, g.task_id, g.state, t.reward, t.split, a.status, s.state FROM trajectory t "
+        "JOIN rollout_group g ON g.id = t.group_id JOIN attempt a ON a.id = t.attempt_id JOIN slot s ON s.id = t.slot_id "
+        "WHERE t.run_id = :r ORDER BY g.group_index"), {"r": run.id}).all()
+    db.rollback()
+    assert [tuple(r) for r in stored] == [
+        (4, 0, "e0", "complete", 1.0, "eval", "ok", "done"), (4, 1, "e1", "complete", 0.0, "eval", "ok", "done"),
+        (4, 2, "e2", "complete", 1.0, "eval", "ok", "done"),
+    ]
+    segments = _scalar(db, "SELECT count(*) FROM segment s JOIN trajectory t ON t.id = s.trajectory_id WHERE t.run_id = :r", r=run.id)
+    assert segments == 6  # every model call, token for token
+    # recorded once: a second recording of the version (a retried evaluation) writes nothing
+    assert not ledger.record_eval_result(db, run.id, 4, "arithmetic", 1, 3, 2, {}, episodes=episodes, worker="w")
+    assert _scalar(db, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run.id) == 3
+    assert ledger.claim_learner_batch(db, run.id, 1, max_groups=10).empty
+    assert [e.seconds for e in queries.eval_results(db, run.id)] == [1.5]
+    report = check_run(db, run.id)
+    assert report.ok, report.violations
+    # a result whose episodes cannot be stored is not stored either (one transaction)
+    bad = trajectory(seed=4)
+    bad.segments[0].action_loss_mask[0] = 2
+    with pytest.raises(LooplineError, match="other than 0 and 1"):
+        ledger.record_eval_result(db, run.id, 5, "arithmetic", 1, 1, 1, {}, episodes=[("e0", bad)], worker="w")
+    assert [e.version for e in queries.eval_results(db, run.id)] == [4]
 
 
 def test_groups_older_than_max_staleness_are_dropped_not_trained(db, run):

@@ -184,3 +184,42 @@ def test_a_loopline_home_that_cannot_be_made_is_one_line(tmp_path):
     result = _cli("runs", home=tmp_path / "a-file" / "home")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().startswith("error: the loopline home") and "set LOOPLINE_HOME" in result.stderr
+
+
+def test_segments_start_no_chain_after_the_upgrade_and_a_ledger_holding_chains_is_not_downgraded(scratch_url):
+    """e5b7c1d3f926: segment.starts_chain (issue 48: every chain of an episode is trained). Existing segments
+    each extend the one before: false. Downgraded, the older schema could not tell a chain from a re-tokenised
+    history: refused while any trajectory holds one."""
+    from alembic import command
+
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+    from loopline.store.migrate import alembic_config
+    from tests.factories import trajectory
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
+        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
+        ledger.commit_trajectory(s, lease.attempt_id, trajectory(n_segments=2))
+    config = alembic_config()
+
+    def downgrade() -> None:
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "d7e1b3c9a4f2")
+
+    downgrade()  # one chain each: nothing lost
+    upgrade(engine)
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql("SELECT array_agg(starts_chain ORDER BY seq) FROM segment").scalar_one() == [False, False]
+        with pytest.raises(sa.exc.IntegrityError, match="ck_segment_first_starts_no_chain"):
+            with conn.begin_nested():
+                conn.exec_driver_sql("UPDATE segment SET starts_chain = true WHERE seq = 0")
+        conn.exec_driver_sql("UPDATE segment SET starts_chain = true WHERE seq = 1")
+    with pytest.raises(RuntimeError, match="several chains"):
+        downgrade()
+    assert schema_status(engine).current == head_revision()  # (refused whole: still at the head)
+    engine.dispose()

@@ -14,7 +14,7 @@ from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
 from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
-from loopline.types import first_chain_break
+from loopline.types import chains, first_chain_break
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_tool_calls import HERMES_TEMPLATE
 
@@ -146,10 +146,11 @@ def test_a_rewritten_history_starts_a_new_chain_and_budgets_end_the_episode(toke
         a = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "one"}])
         # the agent drops the first exchange and asks afresh: not an extension of the call before
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "two"}])
-        assert episode.discarded_calls == 1 and len(episode.segments) == 1
+        assert episode.chains == 2 and len(episode.segments) == 2 and episode.segments[1].starts_chain  # kept, a chain of its own
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "two"}, {"role": "assistant", "content": "second"},
                                                                   {"role": "user", "content": "three"}])
-        assert len(episode.segments) == 2 and first_chain_break(episode.segments) is None
+        assert len(episode.segments) == 3 and not episode.segments[2].starts_chain and first_chain_break(episode.segments) is None
+        assert [len(c) for c in chains(episode.segments)] == [1, 2]
         with pytest.raises(openai.BadRequestError, match="3 model calls are spent"):
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "four"}])
         assert episode.exhausted == "turns"
@@ -195,9 +196,9 @@ def test_completion_prompts_given_as_ids_are_taken_as_they_are_and_an_unrelated_
         client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
         client.completions.create(model="policy", prompt=ids)
         client.completions.create(model="policy", prompt=ids + engine.returned[0] + ids)  # extends the ids: one chain
-        assert episode.discarded_calls == 0 and len(episode.segments) == 2 and first_chain_break(episode.segments) is None
+        assert episode.chains == 1 and len(episode.segments) == 2 and first_chain_break(episode.segments) is None
         client.completions.create(model="policy", prompt="something else")
-        assert episode.discarded_calls == 2 and len(episode.segments) == 1
+        assert episode.chains == 2 and [s.starts_chain for s in episode.segments] == [False, False, True]
         for bad, said in ((["a", "b"], "a batch of prompts"), ([10**9], "below the vocabulary size"), ("", "non-empty")):
             with pytest.raises(openai.BadRequestError, match=said):
                 client.completions.create(model="policy", prompt=bad)
@@ -243,7 +244,8 @@ def test_tool_choice_required_or_named_forces_a_call_whose_forced_part_is_prompt
     for prompt, forced in zip(engine.prompts, ['<tool_call>\n{"name": "', '<tool_call>\n{"name": "calc", "arguments": ']):
         ids = tokenizer.encode(forced, add_special_tokens=False)
         assert prompt[-len(ids) :] == ids  # what the engine continued from
-    (segment,) = episode.segments  # (the second call started over: a new chain)
+    kept, segment = episode.segments  # (the second call started over: a new chain, kept)
+    assert segment.starts_chain and list(kept.prompt_ids) == engine.prompts[0] and {"forced": '<tool_call>\n{"name": "'} in kept.tool_events
     assert list(segment.prompt_ids) == engine.prompts[1] and list(segment.generated_ids) == arguments + [chat.eos_id]
     assert {"forced": '<tool_call>\n{"name": "calc", "arguments": '} in segment.tool_events
 
