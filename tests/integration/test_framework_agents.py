@@ -1,0 +1,94 @@
+"""Issue 48, section 6: agents written with real frameworks, as each framework's docs show, train unchanged
+with their native tool calls: pydantic-ai (an Agent with a tool), LangGraph (create_react_agent over
+ChatOpenAI) and the raw openai SDK (`tools=`, `role: tool`). Each is played against a scripted model through
+loopline's endpoint, in the local sandbox with the system python3 (where CI installs the frameworks):
+`envreg test` passes, the policy was shown the tool (Hermes's tool prompt: the starter's template drops tools),
+the call it wrote reached the framework's tool, the tool's result came back as a tool turn appended to the same
+token ids (one chain: every call is trained), and the verifier scores the answer. One framework agent then
+trains for real (`loopline train`, the starter policy) and `loopline check` passes on its ledger.
+
+Not yet here: smolagents (its ToolCallingAgent forces every call with tool_choice "required" and ends with a
+`final_answer` call; its CodeAgent writes code) and the OpenAI Agents SDK (its default is the Responses API)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loopline.envregistry.registry import prepare
+from loopline.rollout.chat import ChatFormat
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness import EpisodeSetup, run_episode
+from tests.integration.test_agent_program import Scripted
+from tests.integration.test_train_flow import STARTER
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENTS = ROOT / "examples" / "agents"
+FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
+              "openai-sdk": ("openai_tools_agent.py", "openai")}
+
+
+def _env(tmp_path: Path, framework: str) -> Path:
+    program, module = FRAMEWORKS[framework]
+    probe = subprocess.run(["/usr/bin/python3", "-c", f"import {module}"], capture_output=True)
+    assert probe.returncode == 0, f"the framework agents need {module} in the system python3 (.ci/run installs it)"
+    spec = yaml.safe_load((AGENTS / "arithmetic_tools_env.yaml").read_text())
+    spec["agent"]["files"] = {"agent.py": str(AGENTS / program), "calc_tool.py": str(AGENTS / "calc_tool.py")}
+    path = tmp_path / f"{framework}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_framework_agent_runs_unchanged_and_its_native_tool_call_is_one_chain_of_token_exact_calls(framework, tmp_path):
+    env_file = _env(tmp_path, framework)
+    tested = subprocess.run([sys.executable, "-m", "loopline.envregistry.cli", "test", str(env_file), "--tasks", "2"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
+
+    prepared = prepare(env_file)
+    chat = ChatFormat.for_policy(STARTER)
+    task = next(t for t in prepared.tasks if t.split == "train")
+    call = f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{task.data["expression"]}"}}}}</tool_call>'
+    setup = EpisodeSetup(prepared.spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=64))
+    played = asyncio.run(run_episode(Scripted(chat, [call, f"<answer>{task.data['answer']}</answer>"]), setup, task, "framework-0"))
+    assert played.reward == 1.0 and played.info["chains"] == 1, played.info
+    first, second = played.segments
+    shown = chat.tokenizer.decode(first.prompt_ids)
+    assert "<tools>" in shown and '"name": "calc"' in shown  # the policy saw the tool (Hermes's tool prompt)
+    assert [e["name"] for e in first.tool_events[0]["openai_tool_calls"]] == ["calc"]  # ... and its call reached the framework
+    head = list(first.prompt_ids) + list(first.generated_ids)
+    assert list(second.prompt_ids[: len(head)]) == head  # the next call extends those ids: one chain, trained whole
+    appended = chat.tokenizer.decode(second.prompt_ids[len(head) :])
+    assert f"<|im_start|>tool\n{task.data['answer']}<|im_end|>" in appended, appended  # the tool's result, as a tool turn
+
+
+@pytest.mark.slow
+def test_a_pydantic_ai_agent_trains_and_the_ledger_holds_its_tool_calls_as_trained_chains(database_url, db, tmp_path):
+    from tests.integration.test_chaos import _checked_run, _rows
+
+    name = f"pydantic-ai-{tmp_path.name[-12:]}".replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(_env(tmp_path, "pydantic-ai")), "policy": str(STARTER), "steps": 2, "groups_per_step": 2, "group_size": 4,
+        "concurrency": 8, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 4},
+    }))
+    env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_id = _checked_run(db, name)
+    assert _rows(db, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0] == 2 * 2 * 4
+    # every trained trajectory's first prompt shows the policy the tool it may call
+    from loopline.store import ledger
+
+    trained = [r[0] for r in _rows(db, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id)]
+    tokenizer = ChatFormat.for_policy(STARTER).tokenizer
+    firsts = [tokenizer.decode(t.segments[0].prompt_ids) for t in ledger.load_trajectories(db, trained)]
+    assert all("<tools>" in shown and '"name": "calc"' in shown for shown in firsts)
