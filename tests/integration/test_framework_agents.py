@@ -7,8 +7,9 @@ the call it wrote reached the framework's tool, the tool's result came back as a
 token ids (one chain: every call is trained), and the verifier scores the answer. One framework agent then
 trains for real (`loopline train`, the starter policy) and `loopline check` passes on its ledger.
 
-Not yet here: smolagents (its ToolCallingAgent forces every call with tool_choice "required" and ends with a
-`final_answer` call; its CodeAgent writes code) and the OpenAI Agents SDK (its default is the Responses API)."""
+smolagents' ToolCallingAgent forces every call (tool_choice "required"), ends with its `final_answer` tool and
+re-renders its history each call (its calls as text, results as "Observation:" turns): each call a chain, all
+kept. Not yet here: smolagents' CodeAgent, and the OpenAI Agents SDK (its default is the Responses API)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from tests.integration.test_train_flow import STARTER
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "examples" / "agents"
 FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
-              "openai-sdk": ("openai_tools_agent.py", "openai")}
+              "openai-sdk": ("openai_tools_agent.py", "openai"), "smolagents": ("smolagents_agent.py", "smolagents")}
 
 
 def _env(tmp_path: Path, framework: str) -> Path:
@@ -40,13 +41,16 @@ def _env(tmp_path: Path, framework: str) -> Path:
     assert probe.returncode == 0, f"the framework agents need {module} in the system python3 (.ci/run installs it)"
     spec = yaml.safe_load((AGENTS / "arithmetic_tools_env.yaml").read_text())
     spec["agent"]["files"] = {"agent.py": str(AGENTS / program), "calc_tool.py": str(AGENTS / "calc_tool.py")}
+    if framework == "smolagents":  # (its calls are forced: the scripted model writes what follows the forced prefix)
+        spec["smoke_test"]["replies"] = ['calc", "arguments": {"expression": "{task.expression}"}}</tool_call>',
+                                         'final_answer", "arguments": {"answer": "{task.answer}"}}</tool_call>']
     path = tmp_path / f"{framework}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
-def test_a_framework_agent_runs_unchanged_and_its_native_tool_call_is_one_chain_of_token_exact_calls(framework, tmp_path):
+def test_a_framework_agent_runs_unchanged_its_tool_call_reaches_the_framework_and_every_call_is_kept(framework, tmp_path):
     env_file = _env(tmp_path, framework)
     tested = subprocess.run([sys.executable, "-m", "loopline.envregistry.cli", "test", str(env_file), "--tasks", "2"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
@@ -55,18 +59,28 @@ def test_a_framework_agent_runs_unchanged_and_its_native_tool_call_is_one_chain_
     prepared = prepare(env_file)
     chat = ChatFormat.for_policy(STARTER)
     task = next(t for t in prepared.tasks if t.split == "train")
-    call = f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{task.data["expression"]}"}}}}</tool_call>'
+    expression, answer = task.data["expression"], task.data["answer"]
     setup = EpisodeSetup(prepared.spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=64))
-    played = asyncio.run(run_episode(Scripted(chat, [call, f"<answer>{task.data['answer']}</answer>"]), setup, task, "framework-0"))
-    assert played.reward == 1.0 and played.info["chains"] == 1, played.info
+    if framework == "smolagents":  # every call forced (tool_choice "required": the reply starts `<tool_call>\n{"name": "`),
+        # the last one its `final_answer` tool
+        replies = [f'calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>', f'final_answer", "arguments": {{"answer": "{answer}"}}}}</tool_call>']
+    else:
+        replies = [f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>', f"<answer>{answer}</answer>"]
+    played = asyncio.run(run_episode(Scripted(chat, replies), setup, task, "framework-0"))
     first, second = played.segments
+    assert played.reward == 1.0, played.info
     shown = chat.tokenizer.decode(first.prompt_ids)
     assert "<tools>" in shown and '"name": "calc"' in shown  # the policy saw the tool (Hermes's tool prompt)
     assert [e["name"] for e in first.tool_events[0]["openai_tool_calls"]] == ["calc"]  # ... and its call reached the framework
     head = list(first.prompt_ids) + list(first.generated_ids)
-    assert list(second.prompt_ids[: len(head)]) == head  # the next call extends those ids: one chain, trained whole
-    appended = chat.tokenizer.decode(second.prompt_ids[len(head) :])
-    assert f"<|im_start|>tool\n{task.data['answer']}<|im_end|>" in appended, appended  # the tool's result, as a tool turn
+    if framework == "smolagents":
+        # it re-renders its history (its calls as text, results as "Observation:" user turns): a second chain, kept
+        assert played.info["chains"] == 2 and second.starts_chain and {"forced": '<tool_call>\n{"name": "'} in first.tool_events
+        assert f"Observation:\n{answer}<|im_end|>" in chat.tokenizer.decode(second.prompt_ids)
+    else:
+        assert played.info["chains"] == 1 and list(second.prompt_ids[: len(head)]) == head  # the next call extends those ids
+        appended = chat.tokenizer.decode(second.prompt_ids[len(head) :])
+        assert f"<|im_start|>tool\n{answer}<|im_end|>" in appended, appended  # the tool's result, as a tool turn
 
 
 @pytest.mark.slow
