@@ -1,4 +1,4 @@
-"""The HTTP side of `openai_api`: `/v1/chat/completions`, `/v1/completions` and `/v1/models` for every open episode, served by
+"""The HTTP side of `openai_api`: `/v1/chat/completions`, `/v1/completions`, `/v1/responses` (`openai_responses`) and `/v1/models` for every open episode, served by
 uvicorn on a thread of its own (the engine is an `EngineThread`, callable from any loop).
 
 An episode is addressed by its key: in the path (`/episodes/KEY/v1`, what `base_url(key)` gives: an agent
@@ -23,6 +23,7 @@ from typing import Any
 from loopline.rollout.engine import EngineError
 from loopline.store.nul import unicode
 from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
+from loopline.rollout import openai_responses
 
 
 MAX_BODY_BYTES = 16 << 20  # a request's body (a long agent conversation is ~1 MB of JSON)
@@ -62,6 +63,11 @@ async def _body(request) -> bytes:
             raise RequestError(f"the request body is over {MAX_BODY_BYTES:,} bytes", "request_too_large", 413)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _data(chunks: list[dict]) -> list[str]:
+    """Chunks as the chat and completions streams frame them: each a `data:` line, then `[DONE]`."""
+    return [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
 
 
 def _valid_unicode(value: Any) -> Any:
@@ -149,12 +155,20 @@ class OpenAIServer:
         return self.episodes.get(key) if key else None
 
     async def _chat(self, request):
-        return await self._serve(request, lambda episode: episode.complete, chat_chunks)
+        return await self._serve(request, lambda episode: episode.complete, lambda r: _data(chat_chunks(r)))
 
     async def _text(self, request):
-        return await self._serve(request, lambda episode: episode.complete_text, text_chunks)
+        return await self._serve(request, lambda episode: episode.complete_text, lambda r: _data(text_chunks(r)))
 
-    async def _serve(self, request, method, chunks):
+    async def _responses(self, request):
+        def respond(episode: AgentEpisode):
+            async def serve(body: dict) -> dict:
+                return openai_responses.response(await episode.complete(openai_responses.chat_request(body)), body)
+            return serve
+
+        return await self._serve(request, respond, lambda r: openai_responses.sse(openai_responses.events(r)))
+
+    async def _serve(self, request, method, frames):
         episode = self._episode(request)
         if episode is None:
             return _error("unknown or ended episode: use the base URL or API key loopline gave this episode", "invalid_api_key", 401)
@@ -165,11 +179,11 @@ class OpenAIServer:
             return _error(f"more than {MAX_REQUESTS_PER_EPISODE} requests open at once: the episode ends", "rate_limit_exceeded", 429)
         episode.requests_open += 1
         try:
-            return await self._answer(request, episode, method, chunks)
+            return await self._answer(request, episode, method, frames)
         finally:
             episode.requests_open -= 1
 
-    async def _answer(self, request, episode: AgentEpisode, method, chunks):
+    async def _answer(self, request, episode: AgentEpisode, method, frames):
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
@@ -186,9 +200,8 @@ class OpenAIServer:
             return JSONResponse(response)
 
         async def events():
-            for chunk in chunks(response):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+            for frame in frames(response):
+                yield frame
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -209,18 +222,18 @@ class OpenAIServer:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/episodes/{key}/v1/completions", self._text, methods=["POST"]),
             Route("/v1/completions", self._text, methods=["POST"]),
+            Route("/episodes/{key}/v1/responses", self._responses, methods=["POST"]),
+            Route("/v1/responses", self._responses, methods=["POST"]),
             Route("/episodes/{key}/v1/models", self._models, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/{path:path}", self._not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
         ])
 
     async def _not_served(self, request):
-        """Any other path, in OpenAI's error shape naming what is served (the OpenAI Agents SDK calls /v1/responses
-        by default: a bare 404 told its user nothing)."""
+        """Any other path, in OpenAI's error shape naming what is served (a bare 404 told its user nothing)."""
         episode = self._episode(request)
         asked = "/v1/" + request.url.path.split("/v1/", 1)[1] if "/v1/" in request.url.path else request.url.path
-        hint = " (the OpenAI Agents SDK: set_default_openai_api(\"chat_completions\"))" if asked.startswith("/v1/responses") else ""
-        error = RequestError(f"{request.method} {asked} is not served; loopline serves /v1/chat/completions, /v1/completions and /v1/models{hint}", "not_found", 404)
+        error = RequestError(f"{request.method} {asked} is not served; loopline serves /v1/chat/completions, /v1/completions, /v1/responses and /v1/models", "not_found", 404)
         if episode is not None:
             episode.refuse(error)
         return _error(str(error), error.code, error.status)

@@ -1,6 +1,7 @@
 """Issue 48, section 6: agents written with real frameworks, as each framework's docs show, train unchanged
 with their native tool calls: pydantic-ai (an Agent with a tool), LangGraph (create_react_agent over
-ChatOpenAI) and the raw openai SDK (`tools=`, `role: tool`). Each is played against a scripted model through
+ChatOpenAI), smolagents (ToolCallingAgent), the OpenAI Agents SDK (Agent, function_tool, Runner) and the raw
+openai SDK (`tools=`, `role: tool`). Each is played against a scripted model through
 loopline's endpoint, in the local sandbox with the system python3 (where CI installs the frameworks):
 `envreg test` passes, the policy was shown the tool (Hermes's tool prompt: the starter's template drops tools),
 the call it wrote reached the framework's tool, the tool's result came back as a tool turn appended to the same
@@ -9,7 +10,8 @@ trains for real (`loopline train`, the starter policy) and `loopline check` pass
 
 smolagents' ToolCallingAgent forces every call (tool_choice "required"), ends with its `final_answer` tool and
 re-renders its history each call (its calls as text, results as "Observation:" turns): each call a chain, all
-kept. Not yet here: smolagents' CodeAgent, and the OpenAI Agents SDK (its default is the Responses API)."""
+kept. The OpenAI Agents SDK runs with its defaults: the Responses API (`/v1/responses`). Not yet here:
+smolagents' CodeAgent."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from tests.integration.test_train_flow import STARTER
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "examples" / "agents"
 FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
-              "openai-sdk": ("openai_tools_agent.py", "openai"), "smolagents": ("smolagents_agent.py", "smolagents")}
+              "openai-sdk": ("openai_tools_agent.py", "openai"), "smolagents": ("smolagents_agent.py", "smolagents"),
+              "openai-agents": ("openai_agents_sdk_agent.py", "agents")}
 
 
 def _env(tmp_path: Path, framework: str) -> Path:

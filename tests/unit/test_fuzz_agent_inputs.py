@@ -132,10 +132,18 @@ CHAT = st.fixed_dictionaries(
     optional={key: JSON for key in ("n", "stop", "tools", "tool_choice", "max_tokens", "logprobs", "stream", "temperature")},
 )
 TEXT = st.fixed_dictionaries({"prompt": JSON}, optional={key: JSON for key in ("n", "stop", "max_tokens", "logprobs", "echo", "stream")})
+ITEM = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | JSON},
+    optional={key: JSON for key in ("role", "content", "call_id", "name", "arguments", "output")},
+)
+RESPONSES = st.fixed_dictionaries(
+    {"input": st.lists(ITEM, max_size=4) | JSON},
+    optional={key: JSON for key in ("instructions", "tools", "tool_choice", "max_output_tokens", "text", "stream", "previous_response_id")},
+)
 
 
-@fuzz(150)
-@given(path=st.sampled_from(["chat/completions", "completions"]), body=CHAT | TEXT | JSON, raw=st.binary(max_size=64))
+@fuzz(200)
+@given(path=st.sampled_from(["chat/completions", "completions", "responses"]), body=CHAT | TEXT | RESPONSES | JSON, raw=st.binary(max_size=64))
 def test_any_request_gets_an_answer_in_openais_shape_never_a_500(endpoint, path, body, raw):
     for content in (json.dumps(body), raw):
         response = httpx.post(f"{endpoint}/{path}", content=content, headers={"content-type": "application/json"}, timeout=30)

@@ -267,3 +267,36 @@ def test_an_agents_seed_repeats_its_sample_yet_the_groups_samples_differ_and_par
         assert len(reply.choices[0].message.tool_calls) == 1  # (the model wrote two)
         seeds.setdefault(sample, []).append(engine.samplings[0].seed)
     assert seeds["a"][0] == seeds["a"][1] is not None and seeds["a"][0] != seeds["b"][0]
+
+
+def test_the_responses_api_serves_function_calls_streamed_or_not_and_the_whole_input_resent_extends_the_same_ids(tokenizer):
+    """Issue 48, section 4: the OpenAI Agents SDK calls /v1/responses by default (it was a 404). Its calls: the
+    instructions and input items, function tools; it sends the whole conversation back each call, its earlier
+    function_call and their function_call_output items, which must extend the ids the policy sampled."""
+    call = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"expression": "12 + 3"}}</tool_call>', add_special_tokens=False)
+    answer = tokenizer.encode("<answer>15</answer>", add_special_tokens=False)
+    episode, engine, chat = _episode(tokenizer, [call, answer])
+    tools = [{"type": "function", "name": "calc", "description": "arithmetic", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]
+    with OpenAIServer() as server:
+        client = openai.OpenAI(base_url=server.base_url(server.open(episode)), api_key="unused")
+        first = client.responses.create(model="policy", instructions="Use the calculator.", input="What is 12 + 3?", tools=tools)
+        (called,) = first.output
+        assert (called.type, called.name, json.loads(called.arguments), first.status) == ("function_call", "calc", {"expression": "12 + 3"}, "completed")
+        conversation = [{"role": "user", "content": "What is 12 + 3?"}, called.model_dump(exclude_none=True),
+                        {"type": "function_call_output", "call_id": called.call_id, "output": "15"}]
+        with client.responses.stream(model="policy", instructions="Use the calculator.", input=conversation, tools=tools) as stream:
+            kinds = [event.type for event in stream]
+            done = stream.get_final_response()
+        assert done.output_text == "<answer>15</answer>" and done.usage.output_tokens == len(answer) + 1
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+        for refused, said in (({"previous_response_id": first.id}, "keeps no responses"), ({"tools": [{"type": "web_search"}]}, "'web_search' tools are not served"),
+                              ({"text": {"format": {"type": "json_object"}}}, "text.format: 'json_object' is not served")):
+            with pytest.raises(openai.BadRequestError, match=said):
+                client.responses.create(model="policy", input="hi", **refused)
+    one, two = episode.segments
+    assert first_chain_break(episode.segments) is None and not two.starts_chain  # one chain: the second call extends the first's ids
+    head = list(one.prompt_ids) + list(one.generated_ids)
+    assert chat.tokenizer.decode(two.prompt_ids[len(head) :]).endswith("<|im_start|>tool\n15<|im_end|>\n<|im_start|>assistant\n")
+    assert "<tools>" in chat.tokenizer.decode(one.prompt_ids)  # the tool, shown to the policy
+    assert episode.refusals == 3
