@@ -60,9 +60,10 @@ def _add(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
             raise RequestError(f"input: a message's role is system, developer, user or assistant, not {role!r}")
         messages.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"))})
     elif kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-        if not all(isinstance(v, str) for v in (call["id"], call["function"]["name"], call["function"]["arguments"])):
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+        if not all(isinstance(v, str) for v in (call_id, name, arguments)):
             raise RequestError("input: a function_call item has a call_id, a name and its arguments as a JSON string")
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":  # the reply's text and its calls: one assistant message
             last.setdefault("tool_calls", []).append(call)
