@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from loopline.rollout.tool_formats import FORMATS, ToolCallFormat, of_template
+
 _ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
 _OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"
 
@@ -102,6 +104,11 @@ class ChatFormat:
             render = lambda **kw: self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kw)  # noqa: E731
             _RENDERS_TOOLS[self.version] = render(tools=[_PROBE_TOOL]) != render()
         return _RENDERS_TOOLS[self.version]
+
+    def tool_format(self) -> ToolCallFormat:
+        """How the policy writes a tool call: its template's convention, or Hermes's where the template drops
+        tools (loopline then shows them as Hermes's tool prompt)."""
+        return of_template(self.tokenizer.chat_template) if self.renders_tools() else FORMATS["hermes"]
 
     @property
     def eos_id(self) -> int:

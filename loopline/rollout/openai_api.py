@@ -35,7 +35,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -45,10 +44,10 @@ from typing import Any
 
 from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
 from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
+from loopline.rollout.tool_formats import FORMATS, ToolCallFormat
 from loopline.types import SegmentRecord
 
 log = logging.getLogger(__name__)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class RequestError(Exception):
@@ -135,45 +134,31 @@ def _say_once(message: str) -> None:
         log.warning(message)
 
 
-def forced_call_prefix(choice: Any, tools: list[dict]) -> str:
-    """What `tool_choice` forces the reply to start with, in the Hermes format the calls are read back in:
-    `required` opens a call and leaves the policy the function's name; a named function also writes the name.
-    The policy samples the rest (its arguments); the forced text is prompt, never trained."""
+def forced_call_prefix(choice: Any, tools: list[dict], fmt: ToolCallFormat = FORMATS["hermes"]) -> str:
+    """What `tool_choice` forces the reply to start with, in the policy's tool-call format (`fmt`): `required`
+    opens a call and leaves the policy the function's name; a named function also writes the name. The policy
+    samples the rest (its arguments); the forced text is prompt, never trained."""
     names = [t["function"]["name"] for t in tools]
     if choice in (None, "auto", "none"):
         return ""
     if choice == "required":
         if not tools:
             raise RequestError("tool_choice: 'required' needs tools")
-        return '<tool_call>\n{"name": "'
+        return fmt.required
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(name, str):
         raise RequestError("tool_choice: 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     if name not in names:
         raise RequestError(f"tool_choice: function {name!r} is not one of the request's tools ({', '.join(names) or 'none'})")
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+    return fmt.named(name)
 
 
-def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str, list[dict]]:
-    """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of a reply (Hermes/Qwen convention) that
-    name one of `tools`, as OpenAI tool calls; the text before the first is the content. A block that is not
-    such a call stays in the content: the agent sees what the model wrote."""
-    names = {t.get("function", {}).get("name") for t in tools}
-    calls = []
-    for found in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(found.group(1))
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(call, dict) or call.get("name") not in names:
-            return text, []
-        arguments = call.get("arguments", {})
-        calls.append({
-            "id": f"call_{secrets.token_hex(8)}", "type": "function",
-            "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-        })
-    content = text[: text.find("<tool_call>")].strip() if calls else text
-    return content, calls
+def parse_tool_calls(text: str, tools: list[dict], fmt: ToolCallFormat = FORMATS["hermes"]) -> tuple[str, list[dict]]:
+    """The calls of `tools` a reply makes in the policy's tool-call format (`tool_formats`), as OpenAI tool calls;
+    the text before them is the content. A reply without a well-formed call of one of `tools` is all content:
+    the agent sees what the model wrote."""
+    content, calls = fmt.parse(text, tools)
+    return content, [{"id": f"call_{secrets.token_hex(8)}", **call} for call in calls]
 
 
 @dataclass
@@ -283,15 +268,17 @@ class AgentEpisode:
 
     async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
         messages, tools = _checked_messages(body.get("messages")), _checked_tools(body.get("tools") or [])
-        forced = forced_call_prefix(body.get("tool_choice"), tools)
+        fmt = self.chat.tool_format()
+        forced = forced_call_prefix(body.get("tool_choice"), tools, fmt)
         if body.get("tool_choice") == "none":
             tools = []
         call = _Call.of(body)
         async with self._lock:
             # a forced prefix goes after the prompt, as prompt: the policy did not choose it, so it is never trained
             reply = await self._sample(call, lambda: self.prompt_ids(messages, tools) + self.chat.tokenizer.encode(forced, add_special_tokens=False))
-            said = forced + reply.text + ("\n</tool_call>" if forced and "</tool_call>" not in reply.text else "")  # (a call left open)
-            content, calls = parse_tool_calls(said, tools) if tools else (reply.text, [])
+            said = forced + reply.text
+            said += fmt.close(said) if forced else ""  # (a forced call the policy left open)
+            content, calls = parse_tool_calls(said, tools, fmt) if tools else (reply.text, [])
             calls = calls[:1] if call.one_call else calls
             events = ([{"openai_tool_calls": [c["function"] for c in calls]}] if calls else []) + ([{"forced": forced}] if forced else [])
             if events:
