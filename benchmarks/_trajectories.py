@@ -7,7 +7,7 @@ import random
 
 def multi_turn(rng: random.Random, turns: int, first: int, generated: int, observation: int):
     """Each segment's prompt is the whole context so far (the previous prompt, its generated tokens and the
-    tool's output): what `TrajectoryRecord.validate` requires, and why stored ids grow with the square of the turns."""
+    tool's output): what `TrajectoryRecord.validate` requires. The ledger stores each prompt's new part only."""
     from loopline.types import SegmentRecord, TrajectoryRecord
 
     context = [rng.randrange(150_000) for _ in range(first)]
@@ -25,4 +25,6 @@ def multi_turn(rng: random.Random, turns: int, first: int, generated: int, obser
 
 
 def stored_ids(turns: int, first: int, generated: int, observation: int) -> int:
-    return sum(first + t * (generated + observation) + generated for t in range(turns))
+    """Token ids the ledger stores for such a trajectory: each segment only what the previous one does not hold
+    (the first prompt once, every generation, every tool output but the last turn's)."""
+    return first + turns * generated + (turns - 1) * observation

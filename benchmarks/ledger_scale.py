@@ -8,7 +8,8 @@ clients of a level start together and run for `--seconds`; the table gives claim
 the level, p50/p95 latency of each operation, and the errors a worker would see (deadlocks and
 serialisation failures must be 0). Profiles: `small` is a short agent (4 turns: a 256-token prompt, 64
 generated and 32 tool-output tokens a turn); `coding` a coding agent's (16 turns: a 1,024-token prompt,
-256 generated and 256 tool-output tokens a turn; each segment stores its whole context: ~82k token ids).
+256 generated and 256 tool-output tokens a turn: the 82k ids of its prompts, of which the ledger stores the
+8,960 that each segment adds to the previous one's: 9.1x fewer).
 
 Clients and PostgreSQL share this machine's cores, so past a few clients the numbers measure the CPU,
 not the ledger: the ratios between levels are the finding, and the README's paper estimate uses them.

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from sqlmodel import Session
 
 from loopline.store._sql import q
+from loopline.store.commits import StoredPromptBroken, whole_prompts
 from loopline.types import first_chain_break
 
 # What each invariant promises (DESIGN.md's list, as users read it in `loopline check`).
@@ -111,13 +113,13 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
     chain (tool output and prompts only ever appear as context)."""
     rows = _rows(
         session,
-        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, "
+        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, "
         "s.logprob_semantics, s.starts_chain FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
         "WHERE t.run_id = :r ORDER BY s.trajectory_id, s.seq",
         r=run_id,
     )
     bad_logprobs, unnamed, bad_masks, broken_chains = set(), set(), set(), set()
-    previous = None
+    by_trajectory: dict[uuid.UUID, list] = {}
     for row in rows:
         if any(not math.isfinite(x) or x > 1e-6 for x in row.rollout_logprobs):
             bad_logprobs.add(row.trajectory_id)
@@ -125,9 +127,16 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
             unnamed.add(row.trajectory_id)
         if any(m not in (0, 1) for m in row.action_loss_mask) or len(row.action_loss_mask) != len(row.generated_ids):
             bad_masks.add(row.trajectory_id)
-        if previous is not None and previous.trajectory_id == row.trajectory_id and first_chain_break([previous, row]):
-            broken_chains.add(row.trajectory_id)
-        previous = row
+        by_trajectory.setdefault(row.trajectory_id, []).append(row)
+    for trajectory_id, segments in by_trajectory.items():  # each prompt read whole, as the learner reads it
+        try:
+            prompts = whole_prompts(segments)
+        except StoredPromptBroken:
+            broken_chains.add(trajectory_id)
+            continue
+        whole = [SimpleNamespace(prompt_ids=p, generated_ids=r.generated_ids, starts_chain=r.starts_chain) for p, r in zip(prompts, segments)]
+        if first_chain_break(whole) is not None:
+            broken_chains.add(trajectory_id)
     if bad_logprobs:
         report.add(1, f"{len(bad_logprobs)} trajectories hold logprobs that are not finite log-probabilities (> 0 or NaN)", bad_logprobs)
     if unnamed:

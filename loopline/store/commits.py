@@ -116,16 +116,20 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
             terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
             policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
         )))
+        head: list[int] = []  # the previous segment's prompt and generated ids
         for seq, seg in enumerate(traj.segments):
+            starts_chain = seq > 0 and seg.starts_chain
+            prefix = len(head) if seq > 0 and not starts_chain else 0  # (validate() checked that the prompt extends it)
             segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
                 trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
                 version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
-                tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids),
+                tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids[prefix:]), prompt_prefix_len=prefix,
                 generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
                 rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
                 sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
-                started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=seq > 0 and seg.starts_chain,
+                started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=starts_chain,
             )))
+            head = list(seg.prompt_ids) + list(seg.generated_ids)
 
     if trajectory_rows:
         raw = session.connection().connection.driver_connection
@@ -239,12 +243,35 @@ def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequenc
     }
 
 
+class StoredPromptBroken(LooplineError):
+    """A stored segment's prefix length is not its previous segment's ids (a corrupted ledger: `loopline check`)."""
+
+
+def whole_prompts(segments: Sequence) -> list[list[int]]:
+    """Each stored segment's whole prompt, from one trajectory's rows in seq order (each with `prompt_ids`, the
+    stored suffix, `prompt_prefix_len` and `generated_ids`): the previous segment's prompt and generated ids,
+    then the suffix. Exact by construction; a prefix length that is not 0 or the previous segment's whole length
+    is a corrupted row, refused."""
+    out: list[list[int]] = []
+    head: list[int] = []
+    for i, row in enumerate(segments):
+        if row.prompt_prefix_len not in (0, len(head)):
+            raise StoredPromptBroken(
+                f"segment {row.seq} stores a prompt after {row.prompt_prefix_len} ids, but segment {i - 1} holds {len(head)}"
+            )
+        whole = head[: row.prompt_prefix_len] + list(row.prompt_ids)
+        out.append(whole)
+        head = whole + list(row.generated_ids)
+    return out
+
+
 def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:
     """Committed trajectories with their segments' tokens, in the order asked for; all must exist."""
     rows = q(
         session,
         "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
-        "s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.starts_chain FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
+        "s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.starts_chain "
+        "FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
         "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
         ids=list(trajectory_ids),
     ).all()
@@ -263,8 +290,8 @@ def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> 
             StoredTrajectory(
                 first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
                 tuple(
-                    StoredSegment(r.seq, r.prompt_ids, r.generated_ids, r.action_loss_mask, r.rollout_logprobs, r.starts_chain)
-                    for r in segs
+                    StoredSegment(r.seq, prompt, r.generated_ids, r.action_loss_mask, r.rollout_logprobs, r.starts_chain)
+                    for r, prompt in zip(segs, whole_prompts(segs))
                 ),
             )
         )

@@ -65,6 +65,7 @@ from loopline.store.commits import (
     commit_trajectories,
     commit_trajectory,
     load_trajectories,
+    whole_prompts,
     rollout_metrics,
 )
 from loopline.store.learning import (
@@ -110,6 +111,7 @@ __all__ = [
     "initial_weights",
     "latest_policy_version",
     "lease_holders",
+    "whole_prompts",
     "load_trajectories",
     "rollout_metrics",
     "mark_published",

@@ -320,6 +320,9 @@ class Segment(SQLModel, table=True):
             name="ck_segment_lengths",
         ),
         CheckConstraint("seq > 0 OR NOT starts_chain", name="ck_segment_first_starts_no_chain"),
+        CheckConstraint(
+            "prompt_prefix_len >= 0 AND (prompt_prefix_len = 0 OR (seq > 0 AND NOT starts_chain))", name="ck_segment_prompt_prefix"
+        ),
     )
 
     trajectory_id: uuid.UUID = Field(
@@ -332,7 +335,10 @@ class Segment(SQLModel, table=True):
     policy_version: int
     version_spans: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
     tokenizer_version: str = Field(sa_column=Column(Text, nullable=False))
+    # the prompt ids after the `prompt_prefix_len` ids the previous segment of its chain holds (its prompt and
+    # generated ids): stored ids grow linearly with a trajectory's turns (`commits.whole_prompts` reads them whole)
     prompt_ids: list[int] = Field(sa_column=Column(ARRAY(Integer), nullable=False))
+    prompt_prefix_len: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
     generated_ids: list[int] = Field(sa_column=Column(ARRAY(Integer), nullable=False))
     action_loss_mask: list[int] = Field(sa_column=Column(ARRAY(SmallInteger), nullable=False))
     rollout_logprobs: list[float] = Field(sa_column=Column(ARRAY(Double), nullable=False))

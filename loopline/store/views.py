@@ -12,6 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from loopline.store.commits import StoredPromptBroken, whole_prompts
 from loopline.store.nul import restored
 from loopline.store.queries import shown_status
 
@@ -212,8 +213,13 @@ def trajectory(conn: sa.Connection, trajectory_id: uuid.UUID) -> dict | None:
 
 
 def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
-    rows = conn.execute(sa.text("SELECT * FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id})
-    return [{**r, "tool_events": restored(r["tool_events"])} for r in rows.mappings().all()]
+    """The trajectory's segments, each prompt whole (the ledger stores what the previous segment does not hold)."""
+    rows = conn.execute(sa.text("SELECT * FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id}).all()
+    try:
+        prompts = whole_prompts(rows)
+    except StoredPromptBroken:  # (a corrupted row: shown as stored; `loopline check` names it)
+        prompts = [list(r.prompt_ids) for r in rows]
+    return [{**r._mapping, "prompt_ids": prompt, "tool_events": restored(r.tool_events)} for r, prompt in zip(rows, prompts)]
 
 
 def learner_logprobs(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[float] | None:

@@ -49,7 +49,10 @@ def test_clean_run_passes(db, trained_run):
 CORRUPTIONS = [
     (1, "UPDATE segment SET rollout_logprobs[1] = 0.5 WHERE seq = 0 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "not finite log-probabilities"),
     (2, "UPDATE segment SET action_loss_mask[1] = 2 WHERE seq = 0 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "loss masks other than 0/1"),
-    (2, "UPDATE segment SET prompt_ids[2] = 99 WHERE seq = 1 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "re-tokenised"),
+    # (a segment stores the prompt after what the previous one holds: its stored prefix no longer matching it, or
+    # the first segment's prompt changed under a later one, both break the chain the learner reads)
+    (2, "UPDATE segment SET prompt_prefix_len = prompt_prefix_len - 1 WHERE seq = 1 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "re-tokenised"),
+    (2, "UPDATE segment SET prompt_prefix_len = 0 WHERE seq = 1 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = :r)", "re-tokenised"),
     (3, "DELETE FROM metric WHERE run_id = :r AND name = 'logprob_abs_diff'", "recorded no logprob gap"),
     (4, "UPDATE trajectory SET task_id = 'other' WHERE id = (SELECT id FROM trajectory WHERE run_id = :r LIMIT 1)", "mix samples of different tasks"),
     (5, "DELETE FROM consumption WHERE trajectory_id = (SELECT trajectory_id FROM consumption WHERE run_id = :r LIMIT 1)", "only partly trained"),
@@ -146,13 +149,13 @@ def test_cli_exits_nonzero_and_names_the_rows(database_url, db, trained_run):
     db.commit()
     assert "…" not in narrow.stdout and max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout  # nothing cut
     assert f"{trained_run.name}: failed: {why}" in " ".join(narrow.stdout.split()), narrow.stdout  # the reason in full, wrapped
-    _corrupt(db, CORRUPTIONS[5][1], r=trained_run.id)
+    number, sql, _ = next(c for c in CORRUPTIONS if c[2] == "only partly trained")
+    _corrupt(db, sql, r=trained_run.id)
     bad = subprocess.run([sys.executable, "-m", "loopline.cli", "check", str(trained_run.id)], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "only partly trained" in bad.stdout
     from loopline.store.check import INVARIANTS
 
     said = " ".join(bad.stdout.split())
-    number = CORRUPTIONS[5][0]
     assert f"invariant {number} ({INVARIANTS[number]}):" in said, bad.stdout  # what the invariant means, in the user's words
     groups = {str(g) for g in db.execute(sa.text("SELECT group_id FROM trajectory WHERE run_id = :r"), {"r": trained_run.id}).scalars()}
     db.rollback()

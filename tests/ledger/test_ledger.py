@@ -144,13 +144,18 @@ def test_commit_stores_segments_token_exact(db, run):
     assert outcome.committed
     rows = db.execute(
         sa.text(
-            "SELECT prompt_ids, generated_ids, action_loss_mask, rollout_logprobs, version_spans, tool_events "
+            "SELECT seq, prompt_ids, prompt_prefix_len, generated_ids, action_loss_mask, rollout_logprobs, version_spans, tool_events "
             "FROM segment WHERE trajectory_id = :t ORDER BY seq"
         ),
         {"t": outcome.trajectory_id},
     ).all()
+    # issue 49: the second segment stores only what follows the first's prompt and generation
+    head = len(first.prompt_ids) + len(first.generated_ids)
+    assert [(r.prompt_prefix_len, len(r.prompt_ids)) for r in rows] == [(0, len(first.prompt_ids)), (head, len(segs[1].prompt_ids) - head)]
+    assert ledger.whole_prompts(rows) == [list(s.prompt_ids) for s in segs]
+    (loaded,) = ledger.load_trajectories(db, [outcome.trajectory_id])
+    assert [list(s.prompt_ids) for s in loaded.segments] == [list(s.prompt_ids) for s in segs]
     for row, seg in zip(rows, segs):
-        assert row.prompt_ids == list(seg.prompt_ids)
         assert row.generated_ids == list(seg.generated_ids)
         assert row.action_loss_mask == list(seg.action_loss_mask)
         assert row.rollout_logprobs == list(seg.rollout_logprobs)  # float8: bit-exact

@@ -218,8 +218,45 @@ def test_segments_start_no_chain_after_the_upgrade_and_a_ledger_holding_chains_i
         with pytest.raises(sa.exc.IntegrityError, match="ck_segment_first_starts_no_chain"):
             with conn.begin_nested():
                 conn.exec_driver_sql("UPDATE segment SET starts_chain = true WHERE seq = 0")
-        conn.exec_driver_sql("UPDATE segment SET starts_chain = true WHERE seq = 1")
+        conn.exec_driver_sql("UPDATE segment SET starts_chain = true, prompt_prefix_len = 0 WHERE seq = 1")
     with pytest.raises(RuntimeError, match="several chains"):
         downgrade()
     assert schema_status(engine).current == head_revision()  # (refused whole: still at the head)
+    engine.dispose()
+
+
+def test_stored_prompts_become_suffixes_and_back_and_every_reader_gets_the_same_ids(scratch_url):
+    """f3a9d6b2c480 (issue 49): a segment stores only the prompt ids its chain's previous segment does not hold.
+    Whole prompts (as before) are converted by the upgrade and written back by the downgrade, id for id."""
+    from alembic import command
+
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+    from loopline.store.migrate import alembic_config
+    from tests.factories import conversation, segment, trajectory
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    rewritten = segment(seed=9, starts_chain=True)  # a second chain: its first segment stores its whole prompt
+    segments = [*conversation(5, seed=3), rewritten, segment(seed=10, after=rewritten)]
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
+        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
+        trajectory_id = ledger.commit_trajectory(s, lease.attempt_id, trajectory(segments=segments)).trajectory_id
+    whole = [list(x.prompt_ids) for x in segments]
+    stored = lambda: engine.connect().exec_driver_sql(  # noqa: E731
+        "SELECT prompt_ids FROM segment WHERE trajectory_id = %s ORDER BY seq", (trajectory_id,)).scalars().all()
+    suffixes = stored()
+    assert sum(map(len, suffixes)) < sum(map(len, whole)) / 2 and suffixes[5] == whole[5]  # (a chain's first: whole)
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "e5b7c1d3f926")
+    assert stored() == whole  # the older schema's whole prompts, id for id
+    upgrade(engine)
+    assert stored() == suffixes
+    with new_session(engine) as s:
+        (loaded,) = ledger.load_trajectories(s, [trajectory_id])
+    assert [list(x.prompt_ids) for x in loaded.segments] == whole
     engine.dispose()
