@@ -36,7 +36,7 @@ from loopline.envregistry.spec import ANSWER_FILE, EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import EngineError, Generation, Sampler, SamplingParams, VersionSpan
+from loopline.rollout.engine import EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
 from loopline.types import SegmentRecord, TrajectoryRecord
@@ -140,7 +140,7 @@ async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str,
                 await asyncio.gather(run, return_exceptions=True)
         result = None if run.cancelled() else run.result()
         if calls.engine_error:
-            raise EngineError(f"episode {request_id}: {calls.engine_error}")
+            raise (EngineClosed if calls.engine_closed else EngineError)(f"episode {request_id}: {calls.engine_error}")
         if not calls.segments and not calls.refusals:
             detail = f"exit {result.exit_code}: {(result.stderr or result.stdout).strip()[-400:]}" if result else "stopped by the wall-time budget"
             raise InfraFailure(f"the agent program `{spec.agent.command}` never called the model ({detail})")

@@ -100,6 +100,12 @@ class EngineError(Exception):
     """The engine failed (down, 4xx/5xx, crashed): an infra failure, never a reward."""
 
 
+class EngineClosed(EngineError):
+    """This process closed its engine (it is stopping): an episode cut by it was not played, and nobody is to
+    blame: its slot goes back, it is not an infra failure (Ctrl-C used to fail every slot three times and drop
+    its group: the rollout loop went on claiming slots on the closed engine)."""
+
+
 class ContextOverflow(ValueError):
     """The prompt plus the requested tokens exceed the model's context: the episode's budget is spent."""
 

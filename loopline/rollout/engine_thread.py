@@ -13,7 +13,7 @@ import asyncio
 import threading
 from typing import Coroutine, Sequence, TypeVar
 
-from loopline.rollout.engine import Engine, EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
+from loopline.rollout.engine import Engine, EngineClosed, Generation, InFlightPolicy, SamplingParams, WeightsSource
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ class EngineThread:
     async def _call(self, coro: Coroutine[object, object, T]) -> T:
         if self._loop.is_closed():
             coro.close()
-            raise EngineError("the engine was shut down")
+            raise EngineClosed("the engine was shut down")
         # a cancelled caller cancels the call on the engine's loop too (wrap_future propagates it)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 

@@ -35,6 +35,7 @@ from loopline.rollout.engine import (
     FULL_VOCAB_TEMPERED,
     TRUNCATED_RENORMALISED,
     ContextOverflow,
+    EngineClosed,
     EngineError,
     FinishReason,
     Generation,
@@ -314,7 +315,7 @@ class LocalEngine:
                 pass
         for request in [*self._pending, *self._active]:
             if not request.future.done():
-                request.future.set_exception(EngineError("engine closed"))
+                request.future.set_exception(EngineClosed("engine closed"))
                 request.future.exception()  # (its caller may be gone, cancelled by the same stop: nothing to log)
         self._pending.clear()
         self._active.clear()

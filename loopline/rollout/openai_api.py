@@ -179,6 +179,7 @@ class AgentEpisode:
     exhausted: str | None = None  # what ended the episode's calls ("turns", "tokens", "context", "engine", "requests")
     requests_open: int = 0  # HTTP requests of this episode being served (bounded: see openai_server)
     engine_error: str | None = None  # the engine failed a call: the episode is an infra failure, retried
+    engine_closed: bool = False  # ... because this process closed it (stopping): not a failure (EngineClosed)
     refused: list[str] = field(default_factory=list)  # the first requests the endpoint refused (4xx), said in the episode's info
     refusals: int = 0
     model_seconds: float = 0.0  # time with a call of the agent's waiting for the model (not its own: see `waited`)

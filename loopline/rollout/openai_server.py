@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from loopline.rollout.engine import EngineError
+from loopline.rollout.engine import EngineClosed, EngineError
 from loopline.store.nul import unicode
 from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
 from loopline.rollout import openai_responses
@@ -195,6 +195,7 @@ class OpenAIServer:
         except EngineError as exc:  # the engine failed: the agent sees a server error, the episode is retried as infra
             episode.exhausted = episode.exhausted or "engine"
             episode.engine_error = str(exc)
+            episode.engine_closed = isinstance(exc, EngineClosed)
             return _error(f"the model server failed: {exc}", "server_error", 503)
         if not body.get("stream"):
             return JSONResponse(response)

@@ -28,7 +28,7 @@ from loopline import holder
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
-from loopline.rollout.engine import Engine, EngineError
+from loopline.rollout.engine import Engine, EngineClosed, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
 from loopline.store.errors import is_outage
@@ -63,6 +63,7 @@ class RolloutStats:
     gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "backpressure": 0, "evaluation": 0})
     episode_s: list[float] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)  # in commit order
+    engine_closed: bool = False  # an episode found the engine closed: this process is stopping
 
     def utilisation(self, concurrency: int) -> float:
         return self.busy_s / (self.wall_s * concurrency) if self.wall_s else 0.0
@@ -107,6 +108,10 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls
     try:
         task = binding.tasks[lease.task_id]
         trajectory = await run_episode(engine, binding.setup, task, str(lease.attempt_id), labels)
+    except EngineClosed:  # this process is stopping: the slot goes back unblamed, and the loop stops claiming
+        stats.engine_closed = True
+        await db.call(ledger.release_attempt, lease.attempt_id, "the engine was closed (the process is stopping)")
+        return
     except (InfraFailure, EngineError) as exc:
         stats.infra_failed += 1
         await db.call(ledger.fail_attempt, lease.attempt_id, type(exc).__name__, str(exc)[:2000])
@@ -180,6 +185,8 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
             renewer.inflight.update(tasks)
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             renewer.inflight.clear()
+            if stats.engine_closed:
+                raise EngineClosed("the engine was closed while the step's episodes played (the process is stopping)")
     finally:
         keeper.cancel()
         stats.wall_s = time.monotonic() - start
@@ -206,6 +213,8 @@ async def run_continuous(
     next_reap = 0.0
     try:
         while not stop.is_set():
+            if stats.engine_closed:
+                raise EngineClosed("the engine was closed while episodes played (the process is stopping)")
             gate = "evaluation" if paused is not None and paused() else await _gate(engine, db, cfg)
             free = cfg.concurrency - len(inflight)
             if gate is not None:

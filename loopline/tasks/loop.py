@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from loopline import aio, stop_signals
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engine import Engine, EngineError
+from loopline.rollout.engine import Engine, EngineClosed, EngineError
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import StopFlag
 from loopline.store import queries
@@ -35,7 +35,7 @@ TRANSIENT = (EngineError, InfraFailure)
 def transient(task, task_run, state) -> bool:
     """Prefect's `retry_condition_fn`: retry a task only when it failed for a transient reason, and never once the
     process was told to stop (the failure may be the stop signal's exception, replaced by a cleanup's)."""
-    if stop_signals.received() is not None:
+    if stop_signals.received() is not None or isinstance(state.data, EngineClosed):  # (closed: this process is stopping)
         return False
     return isinstance(state.data, TRANSIENT) or is_outage(state.data)
 

@@ -33,7 +33,7 @@ from loopline.config import RunConfig
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engine import Engine, EngineError, InFlightPolicy, SamplingParams
+from loopline.rollout.engine import Engine, EngineClosed, EngineError, InFlightPolicy, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
@@ -318,6 +318,8 @@ async def evaluate(
                 async with slots:
                     result = await run_episode(engine, setup, task, f"eval-v{version}-{task.id}/{attempt}/")
                 break
+            except EngineClosed:  # this process is stopping: nothing to try again
+                raise
             except (EngineError, InfraFailure) as exc:
                 if attempt == max_attempts:
                     raise

@@ -202,3 +202,24 @@ def test_leases_stay_renewed_while_episodes_block_every_default_thread(tiny_dirs
     stats = asyncio.run(run_barrier(LocalEngine(tiny_dirs["v0"]), Binding(binding.setup, tasks), lambda: new_session(engine), cfg))
     assert (stats.committed, stats.lost_leases, stats.infra_failed) == (len(tasks), 0, 0)
     assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'LeaseExpired'", r=run.id) == 0
+
+
+@pytest.mark.parametrize("scheduler", ["barrier", "continuous"])
+def test_an_engine_closed_by_a_stopping_process_gives_its_slots_back_unblamed_and_stops_the_loop(tiny_dirs, binding, engine, db, run, scheduler):
+    """Seen in CI: Ctrl-C closed the engine while a step rolled out; the loop went on claiming slots, each failed at
+    once ("the engine was shut down") as an infra failure, three times, and the step's groups were dropped: the
+    resumed run had nothing to train on. The slots go back now, no failure counted, and the loop stops."""
+    from loopline.rollout.engine import EngineClosed
+    from loopline.rollout.engine_thread import EngineThread
+
+    ledger.plan_step(db, run.id, 1, ["t0", "t1"], group_size=2, max_attempts=3)
+    closed = EngineThread(LocalEngine(tiny_dirs["v0"]))
+    closed.shutdown()
+    cfg = WorkerConfig(run.id, scheduler, concurrency=4)
+    play = run_barrier(closed, binding, lambda: new_session(engine), cfg) if scheduler == "barrier" else \
+        run_continuous(closed, binding, lambda: new_session(engine), cfg)
+    with pytest.raises(EngineClosed):
+        asyncio.run(play)
+    assert _count(db, "SELECT count(*) FROM slot WHERE run_id = :r AND state = 'pending' AND infra_failures = 0", r=run.id) == 4
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class <> 'Released'", r=run.id) == 0
+    assert ledger.group_states(db, run.id) == {"open": 2}
