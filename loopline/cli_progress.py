@@ -30,6 +30,16 @@ def _describe(p: queries.RunProgress, rate: float) -> str:
     return " · ".join(parts)
 
 
+def _wait(stop: threading.Event, seconds: float) -> bool:
+    """Waits up to `seconds`, less when an activity (an evaluation) begins or ends: one shorter than a poll
+    would otherwise never reach the bar. True when `stop` is set."""
+    began, deadline = activity.snapshot().keys(), time.monotonic() + seconds
+    while not stop.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline or activity.snapshot().keys() != began:
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
     """Show step, reward, eval success, version lag and throughput of run `name` while the body trains it."""
@@ -46,7 +56,7 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
         unreachable_since: float | None = None
         said: dict[str, int] = {}
         while True:
-            stopping = stop.wait(every_s)  # (then one last look: the bar ends on the run's last step and evaluation)
+            stopping = _wait(stop, every_s)  # (then one last look: the bar ends on the run's last step and evaluation)
             try:
                 with store_db.session(engine) as s:
                     run_id = ledger.get_run(s, name).id
@@ -62,7 +72,7 @@ def follow_run(name: str, steps: int, every_s: float = 1.0) -> Iterator[None]:
             first = first or (time.monotonic(), now.trajectories)
             elapsed = time.monotonic() - first[0]
             rate = (now.trajectories - first[1]) / elapsed if elapsed > 0 else 0.0
-            progress.update(bar, completed=now.learner_step, description=_describe(now, rate))
+            progress.update(bar, completed=now.learner_step, description=_describe(now, rate), refresh=True)
             if now.eval_version is not None and now.eval_version != said.get("eval"):  # one line per evaluation
                 said["eval"] = now.eval_version
                 progress.console.print(f"  v{now.eval_version}: held-out success {now.eval_success:.1%}")

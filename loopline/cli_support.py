@@ -59,6 +59,11 @@ def run_cli(app: Callable[[], object]) -> None:
         signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
+    except SystemExit as exc:
+        if _said_stopped:  # the stop is said and recorded: nothing left to wait for (`stop_signals.exit_after_cleanup`)
+            stop_signals.leaving()
+            stop_signals.exit_after_cleanup(exc.code if isinstance(exc.code, int) else 1)
+        raise
     finally:
         if _said_stopped:
             stop_signals.leaving()

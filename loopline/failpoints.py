@@ -2,10 +2,13 @@
 
 Off unless `LOOPLINE_FAILPOINT=NAME[:N]` is set: the N-th time (default the first) the process passes
 `failpoint(NAME)` it kills itself with SIGKILL - no cleanup, no finally blocks, like a lost machine.
+`NAME:N:hang` instead says so on stderr and hangs there, as a stuck disk or server would: where a stop
+signal must still end the process within seconds.
 Names: deepspeed_start (the learner is about to join DeepSpeed's process group), rollout_commit (after
 a trajectory is committed), learner_step (after the update, before the checkpoint), learner_commit
-(checkpoint and weights written, ledger commit not yet), weight_sync (new weights served, not yet
-recorded as published), evaluate (a scheduled evaluation is about to run).
+(checkpoint and weights written, ledger commit not yet), weight_load (the local engine loading a new
+version, in its loading thread), weight_sync (new weights served, not yet recorded as published),
+evaluate (a scheduled evaluation is about to run).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import sys
+import time
 
 ENV = "LOOPLINE_FAILPOINT"
 _hits: collections.Counter[str] = collections.Counter()
@@ -22,9 +27,16 @@ def failpoint(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    target, _, nth = spec.partition(":")
+    target, _, rest = spec.partition(":")
     if target != name:
         return
+    nth, _, action = rest.partition(":")
     _hits[name] += 1
-    if _hits[name] >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _hits[name] < int(nth or 1):
+        return
+    if action == "hang":
+        sys.stderr.write(f"failpoint {name}: hanging\n")
+        sys.stderr.flush()
+        while True:
+            time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)

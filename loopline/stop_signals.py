@@ -86,13 +86,25 @@ def exit_at_once(signum: int) -> None:
     """Leave now, without unwinding: the exit handlers run (each service this process started and no other
     uses is stopped: the embedded PostgreSQL, the temporary Prefect server) for at most CLEANUP_S, then the
     process exits 128 + signum; its child processes die with it (`holder.die_with_parent`)."""
-    import atexit
-
     _say_again(signum)
+    exit_after_cleanup(128 + signum)
+
+
+def exit_after_cleanup(code: int) -> None:
+    """Leave with `code` once the exit handlers have run (for at most CLEANUP_S), without waiting for this
+    process's other threads: a stop has been said, and a thread still loading weights or waiting on a server
+    would hold the interpreter's exit (measured: Ctrl-C while the local engine loaded a new version printed its
+    line and then waited on that thread for as long as the load took)."""
+    import atexit
+    import sys
+
     cleanup = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
     cleanup.start()
     cleanup.join(CLEANUP_S)
-    _kill_children_and_exit(signum)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    _kill_children_and_exit(code)
 
 
 def leaving() -> None:
@@ -107,7 +119,7 @@ def leaving() -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # (said once; the deadline below is what is left)
         _say_again(signum)
-        deadline = threading.Timer(CLEANUP_S, _kill_children_and_exit, args=(signum,))
+        deadline = threading.Timer(CLEANUP_S, _kill_children_and_exit, args=(128 + signum,))
         deadline.daemon = True
         deadline.start()
 
@@ -123,7 +135,7 @@ def _say_again(signum: int) -> None:
         sys.stderr.flush()
 
 
-def _kill_children_and_exit(signum: int) -> None:
+def _kill_children_and_exit(code: int) -> None:
     import os
 
     with contextlib.suppress(Exception):  # whatever the exit handlers did not stop in time
@@ -132,4 +144,4 @@ def _kill_children_and_exit(signum: int) -> None:
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
-    os._exit(128 + signum)
+    os._exit(code)

@@ -36,7 +36,7 @@ from loopline.envregistry.spec import ANSWER_FILE, EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
+from loopline.rollout.engine import ContextOverflow, EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
 from loopline.types import SegmentRecord, TrajectoryRecord
@@ -212,7 +212,9 @@ async def play_scripted(spec, task: Task) -> SmokeResult:
 
     check_reachable(spec)
     starter = Path(__file__).resolve().parent.parent / "starters"
-    chat = ChatFormat.for_policy(next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file()))
+    policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
+    chat = ChatFormat.for_policy(policy)
+    max_context = int(json.loads((policy / "config.json").read_text()).get("max_position_embeddings", 2048))
     replies = [fill(reply, task) for reply in spec.smoke_test.replies]
     result = SmokeResult(task.id)
 
@@ -221,6 +223,11 @@ async def play_scripted(spec, task: Task) -> SmokeResult:
             return 0
 
         async def generate(self, prompt_ids, sampling, request_id):
+            if len(prompt_ids) + sampling.max_new_tokens > max_context:  # as the engines refuse it (a 400 to the program)
+                raise ContextOverflow(
+                    f"prompt of {len(prompt_ids)} tokens + {sampling.max_new_tokens} new tokens exceeds the starter policy's "
+                    f"context of {max_context}"
+                )
             said = replies.pop(0) if replies else ""
             ids = chat.tokenizer.encode(said, add_special_tokens=False) + [chat.eos_id]
             result.steps.append(SmokeStepResult(f"model call {len(result.steps) + 1}", said, 0.0))

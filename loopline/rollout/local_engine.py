@@ -45,6 +45,7 @@ from loopline.rollout.engine import (
     spans_from_versions,
 )
 from loopline.errors import LooplineError
+from loopline.failpoints import failpoint
 from loopline.rollout.kv_slab import KV, KVSlab
 
 log = logging.getLogger(__name__)
@@ -279,10 +280,7 @@ class LocalEngine:
         `weights`: an exported model directory, or the learner's tensors by name (this engine runs in the
         learner's process): copied here, before this returns, so the learner may change its own afterwards."""
         started = time.monotonic()
-        if isinstance(weights, (str, Path)):
-            new_model = await asyncio.to_thread(load_model, weights)
-        else:
-            new_model = await asyncio.to_thread(self._copy_with, weights)
+        new_model = await asyncio.to_thread(self._load, weights)
         loaded = time.monotonic()
         mismatched = [
             k for k in _COMPATIBLE_KEYS if getattr(new_model.config, k, None) != getattr(self.model.config, k, None)
@@ -296,6 +294,10 @@ class LocalEngine:
         self._kick()
         await update.done
         return {"load_s": loaded - started, "swap_s": time.monotonic() - loaded}
+
+    def _load(self, weights: WeightsSource):
+        failpoint("weight_load")
+        return load_model(weights) if isinstance(weights, (str, Path)) else self._copy_with(weights)
 
     def _copy_with(self, tensors: Mapping[str, torch.Tensor]):
         """A copy of the served model holding `tensors` (the served one keeps generating meanwhile)."""

@@ -360,9 +360,9 @@ class AgentEpisode:
         started = _now()
         try:
             gen = await self.engine.generate(ids, sampling, rid)
-        except ContextOverflow:
+        except ContextOverflow as exc:
             self.exhausted = "context"
-            raise RequestError("the conversation is longer than the model's context", "context_length_exceeded") from None
+            raise RequestError(f"the conversation is longer than the model's context: {exc}", "context_length_exceeded") from None
         if gen.finish_reason == "abort":
             raise EngineError(f"request {rid} was aborted by the engine (weight update or shutdown)")
         generated = list(gen.token_ids)

@@ -423,6 +423,28 @@ def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
         parse_spec(yaml.safe_dump(spec), tmp_path / "env.yaml")
 
 
+LONG_SYSTEM_PROMPT = '''
+from openai import OpenAI
+OpenAI().chat.completions.create(model="policy", messages=[{"role": "system", "content": "Think step by step. " * 800},
+                                                         {"role": "user", "content": "hi"}])
+'''
+
+
+def test_envreg_test_refuses_a_prompt_past_the_context_as_the_engine_would(tmp_path):
+    """smolagents' CodeAgent sends a ~7,400-token system prompt: `envreg test` passed it (its scripted model read no
+    length) and the training run's engine then refused every call. The scripted model now refuses it too, and the
+    result says why."""
+    from loopline.envregistry.smoke import run_smoke
+    from loopline.rollout.agent_program import play_scripted
+
+    prepared = prepare(_env(tmp_path, LONG_SYSTEM_PROMPT))
+    task = next(t for t in prepared.tasks if t.split == "train")
+    result = asyncio.run(run_smoke(prepared.spec, task, play_scripted))
+    assert result.reward == 0.0 and result.infra_error is None, result
+    assert "every model call of the program was refused" in result.answer and "context_length_exceeded" in result.answer, result.answer
+    assert "exceeds the starter policy's context of 1024" in result.answer, result.answer
+
+
 def test_envreg_test_plays_a_spec_file_before_it_is_registered_without_any_ledger(tmp_path):
     """`envreg test FILE.yaml` (the `envreg` command as installed): no database is configured or started."""
     import os

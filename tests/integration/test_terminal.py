@@ -71,13 +71,15 @@ def _processes(text: str) -> list[str]:
 
 
 @pytest.fixture
-def terminal(tmp_path):
-    """Starts `loopline train` of the quickstart in a pty on an empty home; yields (child, home)."""
+def terminal(request, tmp_path):
+    """Starts `loopline train` of the quickstart in a pty on an empty home (with the environment variables of an
+    indirect parameter, if any); yields (child, home)."""
     home = tmp_path / "home"
     servers_before = set(_processes("prefect.server.api.server:create_app"))
     child = pexpect.spawn(
         sys.executable, ["-m", "loopline.cli", "train", str(_small_run(tmp_path, steps=30))],
-        cwd=str(ROOT), env=_home_env(home), encoding="utf-8", codec_errors="replace", dimensions=(50, 200), timeout=300,
+        cwd=str(ROOT), env={**_home_env(home), **getattr(request, "param", {})}, encoding="utf-8", codec_errors="replace",
+        dimensions=(50, 200), timeout=300,
     )
     child.logfile_read = open(tmp_path / "terminal.log", "w")  # (what the user saw, for a failing test's message)
     yield child, home
@@ -97,6 +99,14 @@ def terminal(tmp_path):
 def _plain(text: str) -> str:
     """What the user reads: the terminal's text without its colour and cursor codes."""
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")
+
+
+def _expect(child, pattern: str) -> None:
+    """Waits for `pattern`; a command that ended first fails with what it printed (its last line says why)."""
+    try:
+        child.expect(pattern)
+    except pexpect.EOF:
+        raise AssertionError(f"ended before printing {pattern!r}:\n{_plain(child.before)[-3000:]}") from None
 
 
 def _stopped(child, started: float) -> str:
@@ -134,9 +144,24 @@ def _check(child, home, started: float, says: str, code: int) -> None:
 @pytest.mark.parametrize("at", ["evaluation", "training"])
 def test_ctrl_c_typed_in_the_terminal_stops_the_run_in_seconds(terminal, at):
     child, home = terminal
-    child.expect("evaluating v0" if at == "evaluation" else TRAINING)  # (the live bar)
+    _expect(child, "evaluating v0" if at == "evaluation" else TRAINING)  # (the live bar)
     started = time.monotonic()
     child.sendintr()  # the terminal's interrupt character: SIGINT to the foreground process group
+    _check(child, home, started, "interrupted (Ctrl-C)", 130)
+
+
+@pytest.mark.parametrize("terminal", [{"LOOPLINE_FAILPOINT": "weight_load:1:hang"}], indirect=True)
+def test_ctrl_c_while_a_new_version_loads_stops_the_run_in_seconds(terminal):
+    """The weight sync: the engine loads v1 in a thread of its own (a real model's load takes seconds to minutes;
+    here it hangs, as on a stuck disk). The process must not wait for that thread on its way out."""
+    child, home = terminal
+    log = home / "runs" / NAME / "train.log"
+    deadline = time.monotonic() + 300
+    while "failpoint weight_load: hanging" not in (log.read_text(errors="replace") if log.exists() else ""):
+        ended = child.expect([pexpect.TIMEOUT, pexpect.EOF], timeout=0.2)  # (reading the terminal meanwhile: the bar)
+        assert not ended and time.monotonic() < deadline, _plain(child.before)[-3000:]
+    started = time.monotonic()
+    child.sendintr()
     _check(child, home, started, "interrupted (Ctrl-C)", 130)
 
 
@@ -152,7 +177,7 @@ def test_ctrl_c_during_startup_leaves_nothing_behind(terminal):
 
 def test_ctrl_c_twice_stops_at_once(terminal):
     child, home = terminal
-    child.expect(TRAINING)
+    _expect(child, TRAINING)
     started = time.monotonic()
     child.sendintr()
     time.sleep(0.3)
@@ -164,7 +189,7 @@ def test_ctrl_c_twice_stops_at_once(terminal):
 
 def test_sigterm_to_the_process_group_stops_the_run(terminal):
     child, home = terminal
-    child.expect(TRAINING)
+    _expect(child, TRAINING)
     started = time.monotonic()
     os.killpg(os.getpgid(child.pid), signal.SIGTERM)
     _check(child, home, started, "terminated (SIGTERM)", 143)
@@ -172,7 +197,7 @@ def test_sigterm_to_the_process_group_stops_the_run(terminal):
 
 def test_closing_the_terminal_stops_the_run_and_its_embedded_postgresql(terminal):
     child, home = terminal
-    child.expect(TRAINING)
+    _expect(child, TRAINING)
     started = time.monotonic()
     _close_the_terminal(child, started, lambda: _processes(f"{home}/pgdata"))
     assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
@@ -276,10 +301,12 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
     assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
 
 
-def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_goes_on(tmp_path, database_url, db):
+@pytest.mark.parametrize("stop", ["Ctrl-C", "SIGTERM", "SIGHUP"])
+def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_goes_on(tmp_path, database_url, db, stop):
     """`loopline worker RUN` typed on a machine that lends its CPUs to a run (a shared ledger: a database URL).
-    Ctrl-C ends it within seconds with one line and no traceback; what it held is handed back at once (no
-    attempt of its left running for a lease to expire), and the run it fed is not stopped: its trainer goes on."""
+    Ctrl-C, a supervisor's SIGTERM to its group or its terminal closing end it within seconds with one line and
+    no traceback; what it held is handed back at once (no attempt of its left running for a lease to expire),
+    and the run it fed is not stopped: its trainer goes on."""
     import socket
     import subprocess
 
@@ -312,10 +339,18 @@ def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_
             assert time.monotonic() < deadline and child.isalive(), (tmp_path / "terminal.log").read_text()[-3000:]
             time.sleep(0.5)
         started = time.monotonic()
-        child.sendintr()
-        printed = _stopped(child, started)
-        assert "Traceback" not in printed and "interrupted (Ctrl-C): " in printed, printed[-3000:]
-        assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+        if stop == "SIGHUP":
+            _close_the_terminal(child, started, lambda: [])
+            assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
+        else:
+            if stop == "Ctrl-C":
+                child.sendintr()
+            else:
+                os.killpg(os.getpgid(child.pid), signal.SIGTERM)
+            printed = _stopped(child, started)
+            said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
+            assert "Traceback" not in printed and f"{said}: " in printed, printed[-3000:]
+            assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
         assert rows("SELECT count(*) FROM attempt WHERE worker LIKE :w AND status = 'running'", w=mine)[0][0] == 0
         assert trainer.poll() is None and rows("SELECT status FROM run WHERE name = :n", n=name)[0][0] == "running"
     finally:

@@ -34,6 +34,13 @@ def _cli(*args, url: str | None = None, home=None) -> subprocess.CompletedProces
     )
 
 
+
+def _read(engine, sql: str, *params) -> list:
+    """Rows of `sql` on a connection closed at once: one left open (a connection is freed only when the garbage
+    collector gets to it) holds a lock the next migration's DDL waits on until its lock timeout."""
+    with engine.connect() as conn:
+        return conn.exec_driver_sql(sql, params or None).all()
+
 def test_upgrade_creates_the_whole_data_contract_and_is_idempotent(scratch_url):
     engine = make_engine(scratch_url)
     with pytest.raises(SchemaOutOfDate, match="loopline db upgrade"):
@@ -164,7 +171,7 @@ def test_per_step_checkpoint_rows_become_one_per_checkpoint_written_and_back(scr
                 "INSERT INTO checkpoint (run_id, learner_step, policy_version, uri, complete) "
                 f"VALUES ('00000000-0000-0000-0000-000000000001', {step}, {step}, '{uri}', true)"
             )
-    rows = lambda: engine.connect().exec_driver_sql("SELECT learner_step, uri FROM checkpoint ORDER BY learner_step").all()  # noqa: E731
+    rows = lambda: _read(engine, "SELECT learner_step, uri FROM checkpoint ORDER BY learner_step")  # noqa: E731
     upgrade(engine)
     assert [tuple(r) for r in rows()] == [(2, "/c/2"), (4, "/c/4")]
     from alembic import command
@@ -245,8 +252,7 @@ def test_stored_prompts_become_suffixes_and_back_and_every_reader_gets_the_same_
         (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
         trajectory_id = ledger.commit_trajectory(s, lease.attempt_id, trajectory(segments=segments)).trajectory_id
     whole = [list(x.prompt_ids) for x in segments]
-    stored = lambda: engine.connect().exec_driver_sql(  # noqa: E731
-        "SELECT prompt_ids FROM segment WHERE trajectory_id = %s ORDER BY seq", (trajectory_id,)).scalars().all()
+    stored = lambda: [r[0] for r in _read(engine, "SELECT prompt_ids FROM segment WHERE trajectory_id = %s ORDER BY seq", trajectory_id)]  # noqa: E731
     suffixes = stored()
     assert sum(map(len, suffixes)) < sum(map(len, whole)) / 2 and suffixes[5] == whole[5]  # (a chain's first: whole)
     config = alembic_config()
