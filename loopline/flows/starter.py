@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +22,7 @@ from typing import Callable, Sequence
 from loopline import aio
 from loopline.errors import LooplineError
 from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_dir
+from loopline.envregistry.smoke import fill
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
@@ -123,12 +125,152 @@ def _text_corpus(spec: EnvSpec, tasks: Sequence[Task]) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class HarnessDemonstrations:
+    """The built-in harness's calculator episodes: its prompts and `<calc>` calls."""
+
+    spec: EnvSpec
+
+    def corpus(self, tasks: Sequence[Task]) -> list[str]:
+        return _text_corpus(self.spec, tasks)
+
+    def sequences(self, chat: ChatFormat, task: Task, direct: bool = False) -> list[TrainSequence]:
+        return [transcript(chat, self.spec, task, direct)]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A stretch of an episode's ids, as text: what the endpoint showed the model, or what the model said (then
+    its end of turn). Encoded piece by piece, the ids are the endpoint's own."""
+
+    text: str
+    said: bool
+
+
+Chain = tuple[_Piece, ...]
+_FIELD = re.compile("\x00(\\w+)\x00")
+
+
+def _fields(task: Task) -> dict[str, str]:
+    """What differs from task to task in an agent's calls: its prompt and data (the smoke test's {task.FIELD}s)."""
+    data = {k: str(v) for k, v in task.data.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    return {"prompt": task.prompt, **data}
+
+
+@dataclass(frozen=True)
+class ProgramDemonstrations:
+    """An env whose agent is a program (a framework's agent, its own prompts and tool schemas): what it sends is
+    learnt from the program itself. It is played twice against a teacher that says the smoke test's replies
+    (its tool call, then its answer) and once answering at once; each conversation, with the task's fields cut
+    out, is the template every task's demonstration is filled from, token for token as the endpoint renders
+    it (the Hermes tool prompt where the template drops tools). A second task played checks that the calls
+    differ by the task's fields alone."""
+
+    with_tool: tuple[Chain, ...]
+    direct: tuple[Chain, ...]
+
+    @classmethod
+    def recorded(cls, spec: EnvSpec, tasks: Sequence[Task]) -> "ProgramDemonstrations":
+        # fields long enough not to be found by chance elsewhere in the calls (a one-digit answer would be)
+        first, second = sorted(tasks, key=lambda t: -min(map(len, _fields(t).values())))[:2]
+        chat = ChatFormat.from_tokenizer(train_tokenizer(_text_corpus(spec, tasks[:200]), vocab_size=400))
+        replies = list(spec.smoke_test.replies)
+        templates = []
+        for said in (replies, replies[-1:]):
+            template = _as_template(_played(spec, chat, first, said), first)
+            again = _played(spec, chat, second, said)
+            if _filled(template, second) != again:
+                raise LooplineError(
+                    f"env {spec.name}: its agent's model calls differ from task to task by more than the task's fields "
+                    f"({', '.join(_fields(second))}), so the tiny starter cannot be taught them; train a pretrained policy "
+                    "(policy: smollm2-135m, or a model directory)"
+                )
+            templates.append(template)
+        return cls(*templates)
+
+    def corpus(self, tasks: Sequence[Task]) -> list[str]:
+        return ["".join(p.text for chain in (*_filled(self.with_tool, t), *_filled(self.direct, t)) for p in chain) for t in tasks]
+
+    def sequences(self, chat: ChatFormat, task: Task, direct: bool = False) -> list[TrainSequence]:
+        out = []
+        for chain in _filled(self.direct if direct else self.with_tool, task):
+            ids: list[int] = []
+            mask: list[int] = []
+            for piece in chain:
+                encoded = chat.tokenizer.encode(piece.text, add_special_tokens=False) + ([chat.eos_id] if piece.said else [])
+                ids += encoded
+                mask += [int(piece.said)] * len(encoded)
+            out.append(TrainSequence(None, task.id, 1.0, tuple(ids), tuple(mask), (0.0,) * len(ids)))
+        return out
+
+
+def _played(spec: EnvSpec, chat: ChatFormat, task: Task, replies: Sequence[str]) -> list[Chain]:
+    """The env's program played on `task` against a teacher saying `replies`: its calls as pieces, by chain."""
+    from loopline.rollout.agent_program import ScriptedModel
+
+    teacher = ScriptedModel(chat, [fill(r, task) for r in replies], max_context=1 << 30)
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
+    played = aio.run(run_episode(teacher, setup, task, f"starter-{task.id}"))
+    if played.reward != 1.0:
+        raise LooplineError(
+            f"env {spec.name}: its program, told the smoke test's replies on task {task.id}, scored {played.reward} "
+            f"({played.info.get('end')}; {played.info.get('stderr', '')[-300:]}); run `envreg test` on it"
+        )
+    return _chains(played.segments, chat)
+
+
+def _chains(segments, chat: ChatFormat) -> list[Chain]:
+    """An episode's calls as text, cut where the endpoint cut their ids (a chain's first prompt, then each reply
+    and the continuation after it), one tuple per chain."""
+    def decode(ids):
+        return chat.tokenizer.decode(ids, skip_special_tokens=False)
+
+    chains: list[Chain] = []
+    current: list[_Piece] = []
+    head: list[int] = []
+    for segment in segments:
+        prompt, generated = list(segment.prompt_ids), list(segment.generated_ids)
+        if current and not segment.starts_chain and prompt[: len(head)] == head:
+            current.append(_Piece(decode(prompt[len(head):]), False))
+        else:
+            if current:
+                chains.append(tuple(current))
+            current = [_Piece(decode(prompt), False)]
+        said = generated[:-1] if generated[-1:] == [chat.eos_id] else generated
+        current.append(_Piece(decode(said), True))
+        head = prompt + generated
+    chains.append(tuple(current))
+    return chains
+
+
+def _as_template(chains: list[Chain], task: Task) -> tuple[Chain, ...]:
+    fields = sorted(_fields(task).items(), key=lambda item: -len(item[1]))  # (the prompt holds the expression)
+
+    def cut(text: str) -> str:
+        for name, value in fields:
+            text = text.replace(value, f"\x00{name}\x00") if value else text
+        return text
+
+    return tuple(tuple(_Piece(cut(p.text), p.said) for p in chain) for chain in chains)
+
+
+def _filled(template: Sequence[Chain], task: Task) -> list[Chain]:
+    fields = _fields(task)
+    return [tuple(_Piece(_FIELD.sub(lambda m: fields[m.group(1)], p.text), p.said) for p in chain) for chain in template]
+
+
 async def success_rate(model_dir: Path, spec: EnvSpec, tasks: Sequence[Task], temperature: float = 1.0, seed: int = 0) -> float:
     """Fraction of tasks solved by the policy in `model_dir` through the real harness (no ledger)."""
     engine = LocalEngine(model_dir, max_batch=32)
     chat = ChatFormat.for_policy(model_dir)
-    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=48, seed=seed))
-    results = await asyncio.gather(*(run_episode(engine, setup, t, f"eval-{t.id}") for t in tasks))
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=64, seed=seed))
+    at_once = asyncio.Semaphore(8 if spec.agent else len(tasks))  # (an agent's episode is a process of its own)
+
+    async def play(task: Task):
+        async with at_once:
+            return await run_episode(engine, setup, task, f"eval-{task.id}")
+
+    results = await asyncio.gather(*(play(t) for t in tasks))
     return sum(r.reward == 1.0 for r in results) / len(results)
 
 
@@ -154,7 +296,8 @@ def warm_start(
     returns the loss curve (see StarterReport.loss_curve)."""
     train = [t for t in tasks if t.split == "train"]
     rng = random.Random(recipe.seed)
-    tokenizer = train_tokenizer(_text_corpus(spec, train), vocab_size=recipe.vocab)
+    demonstrations = ProgramDemonstrations.recorded(spec, train) if spec.agent else HarnessDemonstrations(spec)
+    tokenizer = train_tokenizer(demonstrations.corpus(train), vocab_size=recipe.vocab)
     init = directory.with_name(directory.name + ".init")
     random_model(init, tokenizer, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden)
     chat = ChatFormat.from_tokenizer(tokenizer)
@@ -167,8 +310,8 @@ def warm_start(
     direct_per_step = round(recipe.batch_size * recipe.direct_answer_fraction / (1 - recipe.direct_answer_fraction))
     curve, window = {}, []
     for step in range(1, steps + 1):
-        batch = [transcript(chat, spec, t) for t in rng.sample(train, recipe.batch_size)]
-        batch += [transcript(chat, spec, t, direct=True) for t in rng.sample(train, direct_per_step)]
+        batch = [x for t in rng.sample(train, recipe.batch_size) for x in demonstrations.sequences(chat, t)]
+        batch += [x for t in rng.sample(train, direct_per_step) for x in demonstrations.sequences(chat, t, direct=True)]
         loss = learner.sft_step(batch).metrics["loss"]
         window.append(loss)
         if step % LOSS_WINDOW == 0:

@@ -205,38 +205,49 @@ def _refused(setup, reset, calls: AgentEpisode, result, started: float, start_se
     )
 
 
+class ScriptedModel:
+    """A model that answers each call with the next of `replies` (its chat's tokens, then the end of turn) and
+    refuses a prompt past `max_context` as the engines do: `envreg test`'s model, and the tiny starter's
+    teacher (`flows.starter`). `said`: what it answered, call by call."""
+
+    def __init__(self, chat: ChatFormat, replies: list[str], max_context: int):
+        self.chat, self.replies, self.max_context = chat, list(replies), max_context
+        self.said: list[str] = []
+
+    def version(self) -> int:
+        return 0
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_context:  # (a 400 to the program, as from an engine)
+            raise ContextOverflow(
+                f"prompt of {len(prompt_ids)} tokens + {sampling.max_new_tokens} new tokens exceeds the policy's "
+                f"context of {self.max_context}"
+            )
+        said = self.replies.pop(0) if self.replies else ""
+        self.said.append(said)
+        ids = self.chat.tokenizer.encode(said, add_special_tokens=False) + [self.chat.eos_id]
+        return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+def max_context(model_dir: Path) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 2048))
+
+
 async def play_scripted(spec, task: Task) -> SmokeResult:
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
-    `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's)."""
+    `smoke_test.replies` (the shipped starter's tokenizer, chat template and context stand in for a policy's)."""
     from loopline.rollout.harness import EpisodeSetup
 
     check_reachable(spec)
     starter = Path(__file__).resolve().parent.parent / "starters"
     policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
     chat = ChatFormat.for_policy(policy)
-    max_context = int(json.loads((policy / "config.json").read_text()).get("max_position_embeddings", 2048))
-    replies = [fill(reply, task) for reply in spec.smoke_test.replies]
+    model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context(policy))
     result = SmokeResult(task.id)
-
-    class Scripted:
-        def version(self) -> int:
-            return 0
-
-        async def generate(self, prompt_ids, sampling, request_id):
-            if len(prompt_ids) + sampling.max_new_tokens > max_context:  # as the engines refuse it (a 400 to the program)
-                raise ContextOverflow(
-                    f"prompt of {len(prompt_ids)} tokens + {sampling.max_new_tokens} new tokens exceeds the starter policy's "
-                    f"context of {max_context}"
-                )
-            said = replies.pop(0) if replies else ""
-            ids = chat.tokenizer.encode(said, add_special_tokens=False) + [chat.eos_id]
-            result.steps.append(SmokeStepResult(f"model call {len(result.steps) + 1}", said, 0.0))
-            return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
-
     started = time.monotonic()
     setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
     try:
-        trajectory = await run_agent_program(Scripted(), setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
+        trajectory = await run_agent_program(model, setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
     except (InfraFailure, EngineError) as exc:
         result.infra_error = str(exc)
     else:
@@ -246,5 +257,7 @@ async def play_scripted(spec, task: Task) -> SmokeResult:
             result.answer = f"(every model call of the program was refused, a failed task: {'; '.join(trajectory.info['refused'])})"
         t = trajectory.timings
         result.timings = {"start": t["sandbox_start_s"], "steps": t["episode_s"] - t["sandbox_start_s"] - t["verify_s"], "verify": t["verify_s"]}
+    finally:
+        result.steps[:0] = [SmokeStepResult(f"model call {i}", said, 0.0) for i, said in enumerate(model.said, 1)]
     result.timings.setdefault("steps", time.monotonic() - started)
     return result

@@ -32,11 +32,12 @@ from loopline.rollout.engine import Engine, EngineClosed, EngineError
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
 from loopline.store.errors import is_outage
-from loopline.store.records import Lease
-from loopline.types import Split
+from loopline.store.records import CommitOutcome, Lease
+from loopline.types import Split, TrajectoryRecord
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 2.0  # how often an idle worker looks for leases of dead holders
+COMMIT_BATCH = 32  # trajectories in one commit at most (a transaction's rows stay bounded)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,42 @@ class _LedgerCalls:
 
     def __init__(self, session_factory: Callable[[], Session]):
         self.session_factory = session_factory
+        self._pending: list[tuple[uuid.UUID, TrajectoryRecord, asyncio.Future]] = []
+        self._committer: asyncio.Task | None = None
+
+    async def commit(self, attempt_id: uuid.UUID, trajectory: TrajectoryRecord) -> CommitOutcome:
+        """A group commit: trajectories that finish while a commit is in flight go in the next one together (one
+        transaction for many under load, no wait when idle). Its commit goes ahead if this episode is cancelled
+        meanwhile, as a blocking call in a thread would."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((attempt_id, trajectory, future))
+        if self._committer is None or self._committer.done():  # (it ends once nothing is pending)
+            self._committer = asyncio.create_task(self._commit_pending())
+        return await asyncio.shield(future)
+
+    async def _commit_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:COMMIT_BATCH], self._pending[COMMIT_BATCH:]
+            try:
+                outcomes = await self.call(ledger.commit_trajectories, [(a, t) for a, t, _ in batch])
+            except asyncio.CancelledError:  # (the loop is shutting down: its waiters with it)
+                for _, _, future in batch + self._pending:
+                    future.cancel()
+                raise
+            except Exception as exc:
+                if is_outage(exc) or len(batch) == 1:
+                    for _, _, future in batch:
+                        future.set_exception(exc)
+                    continue
+                # one trajectory the ledger refuses (nothing of the batch was committed): each on its own
+                for attempt_id, trajectory, future in batch:
+                    try:
+                        future.set_result(await self.call(ledger.commit_trajectory, attempt_id, trajectory))
+                    except Exception as single:
+                        future.set_exception(single)
+                continue
+            for (_, _, future), outcome in zip(batch, outcomes):
+                future.set_result(outcome)
 
     async def call(self, fn, *args, **kwargs):
         def run():
@@ -127,7 +164,7 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls
         elapsed = time.monotonic() - started
         stats.busy_s += elapsed
     try:
-        outcome = await db.call(ledger.commit_trajectory, lease.attempt_id, trajectory)
+        outcome = await db.commit(lease.attempt_id, trajectory)
     except Exception as exc:
         if is_outage(exc):
             raise

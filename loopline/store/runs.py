@@ -15,9 +15,11 @@ from sqlmodel import Session
 from loopline.errors import LooplineError
 from loopline.holder import application_name
 from loopline.store._sql import q, transaction
+from loopline.store.commits import write_eval_episodes
 from loopline.store.errors import LedgerConflict, LostTheRun
 from loopline.store.learning import _group_states, _groups_of_step
 from loopline.store.models import Run
+from loopline.store.queries import shown_status
 from loopline.store.records import CheckpointInfo, ResumeState
 from loopline.types import TrajectoryRecord
 
@@ -80,8 +82,6 @@ def start_run(session: Session, run_id: uuid.UUID, holder: str) -> None:
     """`holder` drives the run from now: running, no reason, no pending cancel, a first sign of life. Refused
     while another process drives it and is alive (two trainers of one run overwrote each other's files);
     the row lock makes two that start at the same moment one refusal."""
-    from loopline.store.queries import shown_status
-
     state = (
         "SELECT name, status, holder, extract(epoch FROM now() - heartbeat_at) AS silent_s, "
         "coalesce((config->>'lease_seconds')::float, 60) AS lease, heartbeat_at FROM run WHERE id = :r"
@@ -316,8 +316,6 @@ def record_eval_result(
 ) -> bool:
     """Store a policy version's held-out success once, with the episodes (task id, trajectory) it was measured on
     (commits.write_eval_episodes); returns False if it was already recorded."""
-    from loopline.store.commits import write_eval_episodes
-
     with transaction(session):
         inserted = q(
             session,

@@ -442,7 +442,7 @@ def test_envreg_test_refuses_a_prompt_past_the_context_as_the_engine_would(tmp_p
     result = asyncio.run(run_smoke(prepared.spec, task, play_scripted))
     assert result.reward == 0.0 and result.infra_error is None, result
     assert "every model call of the program was refused" in result.answer and "context_length_exceeded" in result.answer, result.answer
-    assert "exceeds the starter policy's context of 1024" in result.answer, result.answer
+    assert "exceeds the policy's context of 1024" in result.answer, result.answer
 
 
 def test_envreg_test_plays_a_spec_file_before_it_is_registered_without_any_ledger(tmp_path):

@@ -86,6 +86,52 @@ def test_a_framework_agent_runs_unchanged_its_tool_call_reaches_the_framework_an
         assert f"<|im_start|>tool\n{answer}<|im_end|>" in appended, appended  # the tool's result, as a tool turn
 
 
+@pytest.mark.parametrize("framework", ["pydantic-ai", "openai-sdk", "langgraph", "openai-agents"])
+def test_the_tiny_starters_demonstrations_are_the_ids_the_endpoint_gives_the_agent(framework, tmp_path):
+    """`policy: tiny` on an env whose agent is a framework's program: the SFT demonstrations are filled from the
+    program's own calls, and each must be, id for id and mask for mask, what the endpoint builds when the program
+    plays that task (a demonstration that differs teaches the policy a conversation it never sees)."""
+    from loopline.envregistry.smoke import fill
+    from loopline.flows.starter import ProgramDemonstrations
+    from loopline.rollout.agent_program import ScriptedModel
+    from loopline.trainer.tiny import train_tokenizer
+
+    prepared = prepare(_env(tmp_path, framework))
+    train = [t for t in prepared.tasks if t.split == "train"]
+    demonstrations = ProgramDemonstrations.recorded(prepared.spec, train)
+    chat = ChatFormat.from_tokenizer(train_tokenizer(demonstrations.corpus(train[:300]), vocab_size=512))
+    task = train[7]
+    setup = EpisodeSetup(prepared.spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=64))
+    replies = list(prepared.spec.smoke_test.replies)
+    for said, direct in ((replies, False), (replies[-1:], True)):
+        played = asyncio.run(run_episode(ScriptedModel(chat, [fill(r, task) for r in said], 1 << 30), setup, task, "demo-0"))
+        assert played.reward == 1.0 and played.info["chains"] == 1, played.info
+        (demonstration,) = demonstrations.sequences(chat, task, direct)
+        last = played.segments[-1]
+        assert list(demonstration.input_ids) == list(last.prompt_ids) + list(last.generated_ids)
+        trained = [0] * len(demonstration.input_ids)
+        for segment in played.segments:  # (each call's reply, where it sits in the chain's ids)
+            trained[len(segment.prompt_ids) : len(segment.prompt_ids) + len(segment.generated_ids)] = [1] * len(segment.generated_ids)
+        assert list(demonstration.action_mask) == trained
+
+
+def test_a_program_whose_calls_differ_beyond_the_tasks_fields_is_refused_one_line(tmp_path):
+    from loopline.errors import LooplineError
+    from loopline.flows.starter import ProgramDemonstrations
+
+    env_file = _env(tmp_path, "openai-sdk")
+    program = tmp_path / "varying_agent.py"  # (a system prompt that changes with each run: a time, a random id)
+    program.write_text((AGENTS / "openai_tools_agent.py").read_text().replace(
+        '{"role": "system", "content": task["system_prompt"]}', '{"role": "system", "content": task["system_prompt"] + " " + __import__("uuid").uuid4().hex}'))
+    assert "uuid4" in program.read_text()
+    spec = yaml.safe_load(env_file.read_text())
+    spec["agent"]["files"]["agent.py"] = str(program)
+    env_file.write_text(yaml.safe_dump(spec))
+    prepared = prepare(env_file)
+    with pytest.raises(LooplineError, match="differ from task to task by more than the task's fields"):
+        ProgramDemonstrations.recorded(prepared.spec, [t for t in prepared.tasks if t.split == "train"])
+
+
 @pytest.mark.slow
 def test_a_pydantic_ai_agent_trains_and_the_ledger_holds_its_tool_calls_as_trained_chains(database_url, db, tmp_path):
     from tests.integration.test_chaos import _checked_run, _rows

@@ -169,12 +169,43 @@ def test_a_trajectory_the_ledger_refuses_counts_toward_max_attempts(tiny_dirs, b
         raise psycopg.errors.UntranslatableCharacter('unsupported Unicode escape sequence: \\u0000 cannot be converted to text')
 
     monkeypatch.setattr(ledger, "commit_trajectory", refuse)
+    monkeypatch.setattr(ledger, "commit_trajectories", lambda session, items: refuse(session, *items[0]))
     ledger.plan_step(db, run.id, 1, ["t0"], group_size=2, max_attempts=2)
     cfg = WorkerConfig(run.id, "w", concurrency=2, lease_seconds=2)
     stats = asyncio.run(asyncio.wait_for(run_barrier(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg), 120))
     assert stats.committed == 0 and stats.infra_failed >= 2
     assert ledger.group_states(db, run.id) == {"dropped": 1}
     assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'CommitRefused'", r=run.id) >= 2
+
+
+def test_trajectories_finished_together_commit_together_and_one_the_ledger_refuses_sinks_no_other(
+    tiny_dirs, binding, engine, db, run, monkeypatch
+):
+    """Issue 49: a worker's finished trajectories go to the ledger in one transaction while a commit is in flight
+    (a group commit); one the ledger refuses fails alone, its batch's others are committed."""
+    import time
+
+    import psycopg
+
+    real, batches, refused = ledger.commit_trajectories, [], []
+
+    def commit_trajectories(session, items):
+        batches.append(len(items))
+        time.sleep(0.3)  # (a busy ledger: what finishes meanwhile waits for the next commit)
+        refused[:] = refused or [items[-1][0]]
+        if refused[0] in [attempt_id for attempt_id, _ in items]:
+            raise psycopg.errors.UntranslatableCharacter("unsupported Unicode escape sequence")
+        return real(session, items)
+
+    monkeypatch.setattr(ledger, "commit_trajectories", commit_trajectories)
+    monkeypatch.setattr(ledger, "commit_trajectory", lambda session, a, t: commit_trajectories(session, [(a, t)])[0])
+    ledger.plan_step(db, run.id, 1, list(TASKS), group_size=4, max_attempts=1)
+    cfg = WorkerConfig(run.id, "w", concurrency=24)
+    stats = asyncio.run(run_barrier(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg))
+    assert (stats.committed, stats.infra_failed) == (23, 1)
+    assert max(batches) > 1 and len(batches) < 24 + 1 + max(batches), batches  # together, and the refused batch's others alone
+    assert _count(db, "SELECT count(*) FROM trajectory WHERE run_id = :r", r=run.id) == 23
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'CommitRefused'", r=run.id) == 1
 
 
 def test_leases_stay_renewed_while_episodes_block_every_default_thread(tiny_dirs, binding, engine, db, run, monkeypatch):
