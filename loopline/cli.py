@@ -208,7 +208,7 @@ def export(
         found = ledger.get_run(s, run)
         name, run_id = found.name, found.id  # (the reads below end their transactions)
         weights = ledger.version_weights(s, run_id, version)
-        on_disk = [v for v in ledger.exported_versions(s, run_id) if Path(ledger.version_weights(s, run_id, v).uri or "").is_dir()]
+        on_disk = ledger.exported_versions(s, run_id)
     if weights.uri is None or not Path(weights.uri).is_dir():
         raise LooplineError(
             f"run {name} v{weights.version} was never written to disk or was pruned (learner.export_every, keep_exports); "
@@ -538,11 +538,12 @@ def check(run: str = typer.Argument(..., metavar="RUN", help="Run name or id."))
 @friendly_errors
 def models_build_tiny(
     out: Path = typer.Option(None, help="Where to write it (default: where `loopline train` looks, under LOOPLINE_HOME/models)."),
-    env: Path = typer.Option(Path("examples/arithmetic_env.yaml"), help="The arithmetic environment spec."),
+    env: Path = typer.Option(Path("examples/arithmetic_env.yaml"), help="The arithmetic environment spec (or one whose agent program plays it, e.g. examples/agents/arithmetic_tools_env.yaml)."),
     seed: int = typer.Option(0),
     ship: bool = typer.Option(False, "--ship", help="Write it among the package's shipped starters (loopline/starters), replacing the one there."),
 ) -> None:
-    """Build the tiny calculator policy: tokenizer, random Llama, SFT warm start, held-out success."""
+    """Build the tiny calculator policy: tokenizer, random Llama, SFT warm start (on the harness's calculator
+    transcripts, or on an agent program's own calls), held-out success."""
     from loopline.cli_progress import step_progress
     from loopline.envregistry.registry import content_hash
     from loopline.envregistry.spec import load_spec
@@ -558,7 +559,7 @@ def models_build_tiny(
     staging = target.with_name(target.name + ".partial")
     try:
         with step_progress("tiny starter: SFT warm start") as update:
-            report = build_tiny_policy(staging, spec, load_tasks(spec, env.parent), TinyRecipe(seed=seed), progress=update)
+            report = build_tiny_policy(staging, spec, load_tasks(spec, env.parent), TinyRecipe.for_env(spec, seed), progress=update)
     except BaseException:  # (Ctrl-C, an error: no half-built model left behind)
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -28,13 +28,13 @@ def evaluate(run: str, version: int | None = None) -> dict:
     if version in done:
         log.info("run %s v%d: already evaluated, held-out success %.1f%%", config.name, version, 100 * done[version])
         return {"run": config.name, "policy_version": version, "success": done[version], "recorded": False}
-    if weights.uri is None:
-        with parts.session() as s:
-            exported = ledger.exported_versions(s, run_id)
-        raise LooplineError(
-            f"run {config.name} v{version} was never written to disk (learner.export_every: {config.exports_every}); "
-            f"versions on disk: {', '.join(map(str, exported))}"
-        )
+    with parts.session() as s:
+        exported = ledger.exported_versions(s, run_id)
+    if version not in exported:
+        why = (f"was never written to disk (learner.export_every: {config.exports_every})" if weights.uri is None else
+               "had its files deleted by the run's pruning (learner.keep_exports keeps the newest exports and each evaluated "
+               "version's): they are gone for good")
+        raise LooplineError(f"run {config.name} v{version} {why}; versions on disk: {', '.join(map(str, exported)) or 'none'}")
     evals = parts.eval_tasks()
     if not evals:
         raise LooplineError(f"{parts.env_name}@{parts.env_version} has no eval tasks")

@@ -108,15 +108,15 @@ def _same_config(stored: dict, config: RunConfig) -> bool:
 
 
 def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
-    """Create or continue the run; a changed config is refused unless `fork` names a new run."""
+    """Create or continue the run; a changed config is refused unless `fork` names a new run. Returns the run,
+    its config and the stored config to write once this process drives it (None: as stored): a trainer refused
+    because another drives the run must not have rewritten it."""
     try:
-        return ledger.create_run(s, config.name, pinned, str(policy)), config
+        return ledger.create_run(s, config.name, pinned, str(policy)), config, None
     except LedgerConflict:
         run = ledger.get_run(s, config.name)
         if _same_config(run.config, config):  # stored by an older loopline (without the fields added since), or a fork's
-            restated = {**pinned, **{k: v for k, v in run.config.items() if k == FORKED_FROM}}
-            ledger.restate_config(s, run.id, restated)
-            return ledger.create_run(s, config.name, restated, str(policy)), config
+            return run, config, {**pinned, **{k: v for k, v in run.config.items() if k == FORKED_FROM}}
         if fork is None:
             raise LedgerConflict(
                 f"run {config.name!r} was started with another config (or another version of its environment); "
@@ -126,7 +126,7 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
     start = ledger.version_weights(s, parent, ledger.exported_versions(s, parent)[-1])  # the newest version on disk
     forked = config.model_copy(update={"name": fork})
     stored = {**pinned, "name": fork, FORKED_FROM: {"run": config.name, "policy_version": start.version}}
-    return ledger.create_run(s, fork, stored, start.uri), forked
+    return ledger.create_run(s, fork, stored, start.uri), forked, None
 
 
 def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork: str | None = None) -> PreparedRun:
@@ -149,10 +149,13 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:
-        run, config = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
+        run, config, restated = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
         run_id = run.id
+    lifecycle.enter_context(lifecycle_.driving(lambda: store_db.session(database), run_id))  # (refuses a second live trainer)
+    with store_db.session(database) as s:
+        if restated is not None:
+            ledger.restate_config(s, run_id, restated)
         ledger.set_run_plan(s, run_id, memory.as_dict())
-    lifecycle.enter_context(lifecycle_.driving(lambda: store_db.session(database), run_id))
     parts = assembly.open_run(config, run_id, database)
     workdir = parts.workdir()
     for path in clean_partial_writes(workdir):

@@ -6,6 +6,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import sqlalchemy as sa
@@ -259,9 +260,10 @@ def named_files(session: Session, run_id: uuid.UUID) -> set[str]:
 
 
 def exported_versions(session: Session, run_id: uuid.UUID) -> list[int]:
-    """The versions whose weights were written to disk (what a process other than the learner can load)."""
-    rows = q(session, "SELECT version FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL ORDER BY version", r=run_id)
-    versions = list(rows.scalars())
+    """The versions whose weights are on disk (what a process other than the learner can load): written, and not
+    deleted since by the learner's pruning (`learner.keep_exports`)."""
+    rows = q(session, "SELECT version, weights_uri FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL ORDER BY version", r=run_id)
+    versions = [version for version, uri in rows if "://" in uri or Path(uri).is_dir()]
     session.rollback()
     return versions
 

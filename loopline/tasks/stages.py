@@ -140,7 +140,10 @@ def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] |
             if ledger.open_groups_through(s, ctx.run_id, step) == 0:
                 return time.monotonic() - started
         if producing is not None and not producing():
-            raise RuntimeError(f"the rollout worker stopped while groups of step {step} were still open")
+            raise LooplineError(
+                f"the local rollout worker stopped while groups of step {step} were still open (why is in the run's "
+                "train.log); fix that, then resume (loopline train --resume RUN)"
+            )
         time.sleep(poll_s)
 
 
@@ -153,7 +156,11 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         if batch.already_committed:
             return None
         if batch.empty and batch.stale_dropped:
-            raise RuntimeError(f"learner step {step}: its {batch.stale_dropped} complete groups were older than max_staleness")
+            raise LooplineError(
+                f"learner step {step}: each of its {batch.stale_dropped} complete groups was older than max_staleness "
+                "(the rollouts fell behind the learner); raise max_staleness or add rollout workers, then resume "
+                "(loopline train --resume RUN)"
+            )
         if batch.empty:  # every group of the step was dropped: its slots kept failing outside the policy
             failure = ledger.last_infra_failure(s, ctx.run_id)
             raise LooplineError(

@@ -52,10 +52,6 @@ def check_targets(policy: Path, config: LoraConfig) -> None:
         raise LooplineError(f"{str(exc).splitlines()[0].rstrip('. ')}; the linear modules of {policy.name} are: {', '.join(names)}") from None
 
 
-def is_adapted(model: torch.nn.Module) -> bool:
-    return any(_is_lora_layer(m) for m in model.modules())
-
-
 def _is_lora_layer(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 

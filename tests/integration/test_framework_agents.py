@@ -5,8 +5,10 @@ openai SDK (`tools=`, `role: tool`). Each is played against a scripted model thr
 loopline's endpoint, in the local sandbox with the system python3 (where CI installs the frameworks):
 `envreg test` passes, the policy was shown the tool (Hermes's tool prompt: the starter's template drops tools),
 the call it wrote reached the framework's tool, the tool's result came back as a tool turn appended to the same
-token ids (one chain: every call is trained), and the verifier scores the answer. One framework agent then
-trains for real (`loopline train`, the starter policy) and `loopline check` passes on its ledger.
+token ids (one chain: every call is trained), and the verifier scores the answer. The tiny starter's
+demonstrations for such an env are its program's own calls, id for id. The pydantic-ai agent then trains for
+real (`loopline train`, `policy: tiny`): the policy's native tool calls are in the trained tokens, and
+`loopline check` passes on its ledger.
 
 smolagents' ToolCallingAgent forces every call (tool_choice "required"), ends with its `final_answer` tool and
 re-renders its history each call (its calls as text, results as "Observation:" turns): each call a chain, all
@@ -33,6 +35,7 @@ from tests.integration.test_train_flow import STARTER
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "examples" / "agents"
+TOOLS_ENV = AGENTS / "arithmetic_tools_env.yaml"
 FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
               "openai-sdk": ("openai_tools_agent.py", "openai"), "smolagents": ("smolagents_agent.py", "smolagents"),
               "openai-agents": ("openai_agents_sdk_agent.py", "agents")}
@@ -132,15 +135,30 @@ def test_a_program_whose_calls_differ_beyond_the_tasks_fields_is_refused_one_lin
         ProgramDemonstrations.recorded(prepared.spec, [t for t in prepared.tasks if t.split == "train"])
 
 
+def test_the_tools_example_has_its_starter_shipped():
+    """`policy: tiny` on examples/agents/arithmetic_tools_env.yaml finds its starter in the package (a changed
+    example is another env: its starter would be built on first use, ~15 min, and CI's training test with it)."""
+    from loopline.envregistry.registry import content_hash
+    from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
+
+    assert (SHIPPED_STARTERS / tiny_policy_name(content_hash(TOOLS_ENV), 0) / "config.json").is_file(), (
+        "rebuild it: loopline models build-tiny --env examples/agents/arithmetic_tools_env.yaml --ship"
+    )
+
+
 @pytest.mark.slow
-def test_a_pydantic_ai_agent_trains_and_the_ledger_holds_its_tool_calls_as_trained_chains(database_url, db, tmp_path):
+def test_a_pydantic_ai_agent_trains_its_native_tool_calls_and_the_ledger_holds_them(database_url, db, tmp_path):
+    """The example pydantic-ai agent trained with `policy: tiny` (the starter taught its own calls): the trained
+    tokens hold the policy's <tool_call> blocks, which reached pydantic-ai's tool as OpenAI tool_calls."""
+    from loopline.envregistry.registry import content_hash
+    from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
     from tests.integration.test_chaos import _checked_run, _rows
 
     name = f"pydantic-ai-{tmp_path.name[-12:]}".replace("_", "-")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(_env(tmp_path, "pydantic-ai")), "policy": str(STARTER), "steps": 2, "groups_per_step": 2, "group_size": 4,
-        "concurrency": 8, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 4},
+        "name": name, "env": str(TOOLS_ENV), "policy": "tiny", "steps": 2, "groups_per_step": 2, "group_size": 4,
+        "concurrency": 8, "sampling": {"max_new_tokens": 64}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 4},
     }))
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
@@ -148,10 +166,13 @@ def test_a_pydantic_ai_agent_trains_and_the_ledger_holds_its_tool_calls_as_train
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_id = _checked_run(db, name)
     assert _rows(db, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id)[0][0] == 2 * 2 * 4
-    # every trained trajectory's first prompt shows the policy the tool it may call
     from loopline.store import ledger
 
-    trained = [r[0] for r in _rows(db, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id)]
-    tokenizer = ChatFormat.for_policy(STARTER).tokenizer
-    firsts = [tokenizer.decode(t.segments[0].prompt_ids) for t in ledger.load_trajectories(db, trained)]
-    assert all("<tools>" in shown and '"name": "calc"' in shown for shown in firsts)
+    trained = ledger.load_trajectories(db, [r[0] for r in _rows(db, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id)])
+    tokenizer = ChatFormat.for_policy(SHIPPED_STARTERS / tiny_policy_name(content_hash(TOOLS_ENV), 0)).tokenizer
+    # every trained trajectory's first prompt shows the policy the tool it may call ...
+    assert all("<tools>" in tokenizer.decode(t.segments[0].prompt_ids) and '"name": "calc"' in tokenizer.decode(t.segments[0].prompt_ids) for t in trained)
+    # ... and the policy called it natively: its <tool_call> blocks are trained tokens, each returned as a tool call
+    called = [s for t in trained for s in t.segments if '<tool_call>{"name": "calc"' in tokenizer.decode(s.generated_ids)]
+    assert len(called) >= len(trained) // 2, [tokenizer.decode(s.generated_ids) for t in trained for s in t.segments][:8]
+    assert all(any(e.get("openai_tool_calls") for e in s.tool_events) and sum(s.action_loss_mask) > 0 for s in called)

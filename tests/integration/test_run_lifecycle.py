@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 import yaml
 
 from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
@@ -163,8 +164,11 @@ def test_a_trainer_frozen_while_another_took_the_run_over_commits_nothing(tiny_d
     first = _start(env, str(config), log=first_log)
     try:
         _until_version(db, name, 1, first, first_log)
+        db.execute(sa.text("UPDATE run SET plan = '{\"mark\": 1}' WHERE name = :n"), {"n": name})
+        db.commit()
         refused = _loopline(env, "train", "--resume", name)
         assert refused.returncode == 1 and f"run {name} is being trained by" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+        assert _rows(db, "SELECT plan FROM run WHERE name = :n", n=name)[0][0] == {"mark": 1}  # (the refused one wrote nothing)
 
         os.kill(first.pid, signal.SIGSTOP)  # frozen (a stalled VM, a debugger): its heartbeat stops
         time.sleep(17)  # past the lease (3 s) and three heartbeats (15 s): shown stale

@@ -245,6 +245,13 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     fresh = evaluate(f"{name}-b", version=1)  # the fork exports every version
     assert fresh["recorded"] and 0.0 <= fresh["success"] <= 1.0
     assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=f"{name}-b")[0][0] == 4
+    # a version the run's pruning deleted (here: by hand), its evaluation not recorded: gone for good, said so
+    pruned = _scalar_rows(db, "SELECT p.weights_uri FROM policy_version p JOIN run r ON r.id = p.run_id WHERE r.name = :b AND p.version = 2", b=f"{name}-b")[0][0]
+    shutil.rmtree(pruned)
+    db.execute(sa.text("DELETE FROM eval_result e USING run r WHERE r.id = e.run_id AND r.name = :b AND e.policy_version = 2"), {"b": f"{name}-b"})
+    db.commit()
+    with pytest.raises(LooplineError, match=r"v2 had its files deleted by the run's pruning .* gone for good; versions on disk: 0, 1, 3"):
+        evaluate(f"{name}-b", version=2)
 
 
 @pytest.mark.parametrize("engine_kind", ["local", "sglang"])

@@ -484,6 +484,25 @@ def test_groups_older_than_max_staleness_are_dropped_not_trained(db, run):
     assert set(batch.group_ids) == set(fresh) and batch.stale_dropped == 1
     reason = _scalar(db, "SELECT state || '/' || drop_reason FROM rollout_group WHERE id = :g", g=old[0])
     assert reason == "dropped/stale"
+
+
+def test_a_step_whose_groups_are_all_stale_or_whose_worker_stopped_says_what_to_do(db, run, engine):
+    """Both reached users as a bare RuntimeError's traceback with no next step."""
+    import types
+
+    from loopline.store.db import session as new_session
+    from loopline.tasks import stages
+
+    ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, max_attempts=3)
+    _complete_step(db, run, step=15, tasks=("old",), version=0)
+    for k in (1, 2):
+        _complete_step(db, run, step=10 + k, tasks=(f"x{k}",), version=k - 1)
+        ledger.commit_learner_step(db, ledger.claim_learner_batch(db, run.id, k, max_groups=1), f"w{k}", f"c{k}")
+    with pytest.raises(LooplineError, match=r"older than max_staleness .*raise max_staleness or add rollout workers, then resume"):
+        stages.learn(ctx, 3, max_groups=10, max_staleness=1)
+    ledger.plan_step(db, run.id, 30, ["open"], group_size=2)
+    with pytest.raises(LooplineError, match=r"rollout worker stopped while groups of step 30 were still open .*train.log.*resume"):
+        stages.wait_for_groups(ctx, 30, producing=lambda: False)
     lags = db.execute(
         sa.text("SELECT learner_step, version_lag FROM consumption WHERE run_id = :r ORDER BY learner_step"),
         {"r": run.id},

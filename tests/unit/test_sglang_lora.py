@@ -22,7 +22,7 @@ from loopline.trainer.learner import Learner, LearnerConfig
 
 def starter_dir() -> Path:
     """The shipped tiny starter: a real (2-layer Llama) model, loaded in a second."""
-    return next(p for p in SHIPPED_STARTERS.iterdir() if (p / "config.json").is_file())
+    return next(p for p in sorted(SHIPPED_STARTERS.iterdir()) if (p / "config.json").is_file())
 
 
 @pytest.fixture
