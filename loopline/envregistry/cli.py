@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from rich.text import Text
 
 from loopline import aio
 from loopline.cli_support import console, friendly_errors
-from loopline.envregistry import images, registry
+from loopline.envregistry import images, registry, smoke
 from loopline.envregistry.smoke import run_smoke
 from loopline.envregistry.spec import json_schema
 from loopline.store.db import session
@@ -192,6 +193,10 @@ def test(
     tasks: int = typer.Option(1, "--tasks", min=1, help="How many tasks to play."),
     split: str = typer.Option("train", "--split", help="train or eval: which tasks to play."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each step's call, output and time, and the verdict."),
+    max_context: int = typer.Option(
+        None, "--max-context", min=1, metavar="TOKENS",
+        help="An env with `agent:`: the context its model calls must fit, as your policy's engine would refuse them (default: the tiny starter's).",
+    ),
 ) -> None:
     """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
     if split not in ("train", "eval"):
@@ -207,9 +212,14 @@ def test(
         raise LooplineError(f"{title} declares no smoke_test; add one to its YAML")
     chosen = [t for t in all_tasks if t.split == split][:tasks]
     results = []
+    player = None
+    if spec.agent is not None and smoke.agent_player is not None:
+        player = functools.partial(smoke.agent_player, max_context=max_context)
+        context = f"a context of {max_context:,} tokens" if max_context else "the tiny starter's context"
+        console.print(f"the program's model calls must fit {context} (--max-context TOKENS: your policy's)")
     for task in chosen:
         with console.status(f"playing {task.id} ({len(results) + 1}/{len(chosen)})"):
-            results.append(aio.run(run_smoke(spec, task)))
+            results.append(aio.run(run_smoke(spec, task, player)))
         if verbose:
             _print_steps(results[-1])
     expected = spec.smoke_test.expect_reward
@@ -223,5 +233,8 @@ def test(
         table.add_row(r.task_id, *times, "-" if r.reward is None else f"{r.reward:g}", verdict)
     console.print(table)
     failed = [r for r in results if not r.passed(expected)]
+    for r in failed:  # (a refusal's reason, a context too short, is in the answer the player made of it)
+        if r.verdict and r.verdict.get("refused"):
+            console.print(Text(f"{r.task_id}: {r.answer}", style="red"), soft_wrap=True)
     if failed:
         raise LooplineError(f"{len(failed)} of {len(results)} task(s) did not score {expected:g}")

@@ -229,20 +229,21 @@ class ScriptedModel:
         return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
 
 
-def max_context(model_dir: Path) -> int:
+def context_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 2048))
 
 
-async def play_scripted(spec, task: Task) -> SmokeResult:
+async def play_scripted(spec, task: Task, max_context: int | None = None) -> SmokeResult:
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
-    `smoke_test.replies` (the shipped starter's tokenizer, chat template and context stand in for a policy's)."""
+    `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's, and its
+    context unless `max_context` says the policy's)."""
     from loopline.rollout.harness import EpisodeSetup
 
     check_reachable(spec)
     starter = Path(__file__).resolve().parent.parent / "starters"
     policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
     chat = ChatFormat.for_policy(policy)
-    model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context(policy))
+    model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context or context_of(policy))
     result = SmokeResult(task.id)
     started = time.monotonic()
     setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))

@@ -58,7 +58,9 @@ def _env(tmp_path: Path, framework: str) -> Path:
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_a_framework_agent_runs_unchanged_its_tool_call_reaches_the_framework_and_every_call_is_kept(framework, tmp_path):
     env_file = _env(tmp_path, framework)
-    tested = subprocess.run([sys.executable, "-m", "loopline.envregistry.cli", "test", str(env_file), "--tasks", "2"],
+    # (smolagents' system prompt is past the tiny starter's context of 1,024 tokens: checked against a real model's)
+    context = ["--max-context", "8192"] if framework == "smolagents" else []
+    tested = subprocess.run([sys.executable, "-m", "loopline.envreg", "test", str(env_file), "--tasks", "2", *context],
                             capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
 
@@ -133,6 +135,39 @@ def test_a_program_whose_calls_differ_beyond_the_tasks_fields_is_refused_one_lin
     prepared = prepare(env_file)
     with pytest.raises(LooplineError, match="differ from task to task by more than the task's fields"):
         ProgramDemonstrations.recorded(prepared.spec, [t for t in prepared.tasks if t.split == "train"])
+
+
+def test_a_smolagents_code_agent_runs_unchanged_every_call_is_kept_and_its_prompt_is_checked_against_the_context(tmp_path):
+    """smolagents' default agent, the CodeAgent: the policy writes Python in <code> blocks (no native tool calls),
+    smolagents runs it (the calculator, then `final_answer`) and shows the output as an observation. Both calls
+    are kept, token for token. Its system prompt (the code-agent instructions, a few thousand tokens) does not fit
+    the tiny starter's context of 1,024: `envreg test` says so, as the engine would refuse it."""
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import smolagents"], capture_output=True)
+    assert probe.returncode == 0, "the framework agents need smolagents in the system python3 (.ci/run installs it)"
+    spec = yaml.safe_load(TOOLS_ENV.read_text())
+    spec["agent"]["files"] = {"agent.py": str(AGENTS / "smolagents_code_agent.py"), "calc_tool.py": str(AGENTS / "calc_tool.py")}
+    spec["smoke_test"]["replies"] = ['Thought: compute it.\n<code>\nprint(calc("{task.expression}"))\n</code>',
+                                     'Thought: done.\n<code>\nfinal_answer("{task.answer}")\n</code>']
+    env_file = tmp_path / "code-agent.yaml"
+    env_file.write_text(yaml.safe_dump(spec))
+    prepared = prepare(env_file)
+    task = next(t for t in prepared.tasks if t.split == "train")
+    chat = ChatFormat.for_policy(STARTER)
+    replies = [r.replace("{task.expression}", task.data["expression"]).replace("{task.answer}", str(task.data["answer"])) for r in spec["smoke_test"]["replies"]]
+    played = asyncio.run(run_episode(Scripted(chat, replies), EpisodeSetup(prepared.spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=64)), task, "code-0"))
+    assert played.reward == 1.0 and len(played.segments) == 2, played.info
+    first, second = played.segments
+    assert "final_answer" in chat.tokenizer.decode(first.prompt_ids) and played.validate() is None
+    assert f"{task.data['answer']}" in chat.tokenizer.decode(second.prompt_ids[len(first.prompt_ids) :])  # the code's output, observed
+    assert len(first.prompt_ids) > 1024, len(first.prompt_ids)  # (what the tiny starter cannot hold)
+    said = {}
+    for context, code in ((), 1), (("--max-context", "8192"), 0):  # (the tiny starter's context, then a real model's)
+        tested = subprocess.run([sys.executable, "-m", "loopline.envreg", "test", str(env_file), "--tasks", "1", *context],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "300"})
+        assert tested.returncode == code, tested.stdout[-3000:] + tested.stderr[-2000:]
+        said[code] = tested.stdout
+    assert "context_length_exceeded" in said[1] and "exceeds the policy's context of 1024" in said[1], said[1][-3000:]
+    assert "the program's model calls must fit a context of 8,192 tokens" in said[0], said[0]
 
 
 def test_the_tools_example_has_its_starter_shipped():
