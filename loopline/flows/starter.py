@@ -25,6 +25,7 @@ from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_dir
 from loopline.envregistry.smoke import fill
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
+from loopline.rollout.agent_program import ScriptedModel
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
@@ -171,11 +172,11 @@ def _fields(task: Task) -> dict[str, str]:
 @dataclass(frozen=True)
 class ProgramDemonstrations:
     """An env whose agent is a program (a framework's agent, its own prompts and tool schemas): what it sends is
-    learnt from the program itself. It is played twice against a teacher that says the smoke test's replies
-    (its tool call, then its answer) and once answering at once; each conversation, with the task's fields cut
-    out, is the template every task's demonstration is filled from, token for token as the endpoint renders
-    it (the Hermes tool prompt where the template drops tools). A second task played checks that the calls
-    differ by the task's fields alone."""
+    learnt from the program itself, played against a teacher that says the smoke test's replies (its tool call,
+    then its answer; or its answer alone). Each way is played on two tasks: the first's conversation, with the
+    task's fields cut out, is the template every task's demonstration is filled from, token for token as the
+    endpoint renders it (the Hermes tool prompt where the template drops tools); the second checks that the
+    calls differ by the task's fields alone."""
 
     with_tool: tuple[Chain, ...]
     direct: tuple[Chain, ...]
@@ -217,8 +218,6 @@ class ProgramDemonstrations:
 
 def _played(spec: EnvSpec, chat: ChatFormat, task: Task, replies: Sequence[str]) -> list[Chain]:
     """The env's program played on `task` against a teacher saying `replies`: its calls as pieces, by chain."""
-    from loopline.rollout.agent_program import ScriptedModel
-
     teacher = ScriptedModel(chat, [fill(r, task) for r in replies], max_context=1 << 30)
     setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
     played = aio.run(run_episode(teacher, setup, task, f"starter-{task.id}"))

@@ -129,6 +129,23 @@ def _close_the_terminal(child, started: float, left: Callable[[], list[str]]) ->
         time.sleep(0.2)
 
 
+def _stop_as_users_do(child, stop: str, started: float, says: str | None, left: Callable[[], list[str]]) -> None:
+    """Ctrl-C typed, SIGTERM to the group or the terminal closed (then nobody reads what it says, and `left` must
+    be gone too); a stop that is read must say `says` after the one line, with no traceback, and exit 128 + signal."""
+    if stop == "SIGHUP":
+        _close_the_terminal(child, started, left)
+        assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
+        return
+    if stop == "Ctrl-C":
+        child.sendintr()
+    else:
+        os.killpg(os.getpgid(child.pid), signal.SIGTERM)
+    printed = _stopped(child, started)
+    said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
+    assert "Traceback" not in printed and f"{said}: {says}" in printed, printed[-3000:]
+    assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
+
+
 def _status(home: Path) -> str:
     return pexpect.run(f"{sys.executable} -m loopline.cli runs", cwd=str(ROOT), env=_home_env(home), encoding="utf-8", timeout=120)
 
@@ -278,18 +295,7 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
     try:
         child.expect(at)
         started = time.monotonic()
-        if stop == "SIGHUP":  # the terminal closes: nobody reads what it says
-            _close_the_terminal(child, started, lambda: _processes(f"{trained}/pgdata") + _processes(f"--server.port {port}"))
-            assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
-        else:
-            if stop == "Ctrl-C":
-                child.sendintr()
-            else:
-                os.killpg(os.getpgid(child.pid), signal.SIGTERM)
-            printed = _stopped(child, started)
-            said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
-            assert "Traceback" not in printed and f"{said}: {says}" in printed, printed[-3000:]
-            assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
+        _stop_as_users_do(child, stop, started, says, left=lambda: _processes(f"{trained}/pgdata") + _processes(f"--server.port {port}"))
     finally:
         if child.ptyproc.isalive():
             child.ptyproc.kill(signal.SIGKILL)
@@ -339,18 +345,7 @@ def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_
             assert time.monotonic() < deadline and child.isalive(), (tmp_path / "terminal.log").read_text()[-3000:]
             time.sleep(0.5)
         started = time.monotonic()
-        if stop == "SIGHUP":
-            _close_the_terminal(child, started, lambda: [])
-            assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
-        else:
-            if stop == "Ctrl-C":
-                child.sendintr()
-            else:
-                os.killpg(os.getpgid(child.pid), signal.SIGTERM)
-            printed = _stopped(child, started)
-            said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
-            assert "Traceback" not in printed and f"{said}: " in printed, printed[-3000:]
-            assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
+        _stop_as_users_do(child, stop, started, says="", left=lambda: [])
         assert rows("SELECT count(*) FROM attempt WHERE worker LIKE :w AND status = 'running'", w=mine)[0][0] == 0
         assert trainer.poll() is None and rows("SELECT status FROM run WHERE name = :n", n=name)[0][0] == "running"
     finally:
