@@ -140,6 +140,7 @@ class _LedgerCalls:
 
 
 async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
+    failpoint("episode_start")
     started = time.monotonic()
     labels = {"loopline.run": str(lease.run_id), "loopline.attempt": str(lease.attempt_id)}
     try:

@@ -1,6 +1,6 @@
 """Chaos: SIGKILL the training process at each dangerous point, resume, and audit the ledger.
 
-Kills (via failpoints, see loopline/failpoints.py): mid-rollout after a few commits, inside the learner
+Kills (via failpoints, see loopline/failpoints.py): mid-rollout after a few commits and with slots leased, inside the learner
 step, between the learner step and its ledger commit, and during the weight sync. After the final,
 undisturbed resume the run must pass `check`, every trajectory of a consumed group must be consumed
 exactly once, and replaying the run's own records (each step's consumed batch, in order, from the
@@ -22,7 +22,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-KILLS = ["rollout_commit:3", "learner_step", "learner_commit", "weight_sync"]
+# (episode_start:6: the second round of a step's slots is leased, none committed; rollout_commit:3 just after a
+# commit, which takes the episodes that finished together: no lease left behind)
+KILLS = ["rollout_commit:3", "episode_start:6", "learner_step", "learner_commit", "weight_sync"]
 
 
 def _train(config: Path, env: dict, failpoint: str | None, log: Path, leftovers: list[str] | None = None) -> int:
@@ -163,7 +165,7 @@ def test_main_pid_kills_leave_nothing_running_and_no_evaluation_owed(mode, tiny_
     env.pop("PREFECT_API_URL", None)  # each run starts its temporary Prefect server, as a user's does
     # DeepSpeed's start and the learner commit run the same code in both modes: async repeats the kills
     # whose surroundings differ (its rollout worker beside the learner, its evaluations between steps).
-    kills = ["deepspeed_start", "rollout_commit:3", "evaluate:2", "learner_commit"] if mode == "sync" else ["rollout_commit:3", "evaluate:2"]
+    kills = ["deepspeed_start", "episode_start:6", "evaluate:2", "learner_commit"] if mode == "sync" else ["episode_start:6", "evaluate:2"]
     for kill in kills:
         log, left = tmp_path / f"{kill}.log", []
         assert _train(config, env, kill, log, left) == -signal.SIGKILL, f"{kill}: the failpoint did not fire\n{log.read_text()[-4000:]}"
