@@ -86,21 +86,24 @@ def exit_at_once(signum: int) -> None:
     """Leave now, without unwinding: the exit handlers run (each service this process started and no other
     uses is stopped: the embedded PostgreSQL, the temporary Prefect server) for at most CLEANUP_S, then the
     process exits 128 + signum; its child processes die with it (`holder.die_with_parent`)."""
-    _say_again(signum)
-    exit_after_cleanup(128 + signum)
-
-
-def exit_after_cleanup(code: int) -> None:
-    """Leave with `code` once the exit handlers have run (for at most CLEANUP_S), without waiting for this
-    process's other threads: a stop has been said, and a thread still loading weights or waiting on a server
-    would hold the interpreter's exit (measured: Ctrl-C while the local engine loaded a new version printed its
-    line and then waited on that thread for as long as the load took)."""
     import atexit
-    import sys
 
+    _say_again(signum)
     cleanup = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
     cleanup.start()
     cleanup.join(CLEANUP_S)
+    _kill_children_and_exit(128 + signum)
+
+
+def exit_after_cleanup(code: int) -> None:
+    """Leave with `code` once the exit handlers have run, here, as at any exit (a second stop signal bounds them:
+    `leaving`), without waiting for this process's other threads: a stop has been said, and a thread still
+    loading weights or waiting on a server would hold the interpreter's exit (measured: Ctrl-C while the local
+    engine loaded a new version printed its line and then waited on that thread for as long as the load took)."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
