@@ -1,17 +1,26 @@
 """The ledger under many rollout workers: 1, 4, 16 and 64 processes claiming slots and committing trajectories.
 
-    python -m benchmarks.ledger_scale [--clients 1,4,16,64] [--batches 1,8] [--seconds 15] [--profile small|coding]
+    python -m benchmarks.ledger_scale [--clients 1,16] [--turns 16] [--variants before,after] [--seconds 15] [--profile small|coding]
 
 Each client is a process with its own connection doing what a rollout worker does per episode: claim one
 slot (FOR UPDATE SKIP LOCKED, with its lease), then commit one trajectory for it (binary COPY). All
 clients of a level start together and run for `--seconds`; the table gives claims/s and commits/s over
 the level, p50/p95 latency of each operation, and the errors a worker would see (deadlocks and
-serialisation failures must be 0). `--batches`: trajectories per commit, side by side in one run (a rollout
-worker's group commit puts what finishes while a commit is in flight into the next one: 1 is an idle
-worker's, 8 a loaded one's; each client then claims that many slots at once too). Profiles: `small` is a short agent (4 turns: a 256-token prompt, 64
-generated and 32 tool-output tokens a turn); `coding` a coding agent's (16 turns: a 1,024-token prompt,
-256 generated and 256 tool-output tokens a turn: the 82k ids of its prompts, of which the ledger stores the
-8,960 that each segment adds to the previous one's: 9.1x fewer).
+serialisation failures must be 0), and the bytes the ledger grew by per trajectory (its rows, TOAST and indexes).
+
+`--variants`, side by side in one run (the machine's noise alike), each `storage/encoder/batch` or a name:
+  storage  `whole`: each segment stores its whole prompt (the ledger before issue 49: ids grow with the square
+           of the turns); `linear`: only what the previous segment does not hold (the ledger now);
+  encoder  `lists`: psycopg dumps each array element by element (before); `packed`: numpy packs them (now);
+  batch    trajectories per commit (a rollout worker's group commit puts what finishes while a commit is in
+           flight into the next one: 1 is an idle worker's, 8 a loaded one's; a client then claims that many
+           slots at once too).
+  `before` = whole/lists/1, `after` = linear/packed/8.
+Profiles: `small` is a short agent (a 256-token prompt, 64 generated and 32 tool-output tokens a turn);
+`coding` a coding agent's (a 1,024-token prompt, 256 generated and 256 tool-output tokens a turn: at 16 turns
+the 82k ids of its prompts, of which the linear ledger stores the 8,960 that each segment adds: 9.1x fewer).
+`--turns` sets the turns (4, 16, 64, 128: agentic RL's long horizons); `whole` is run up to 16 turns only
+(at 128 it would store 4.3M ids a trajectory) and its row says so.
 
 Clients and PostgreSQL share this machine's cores, so past a few clients the numbers measure the CPU,
 not the ledger: the ratios between levels are the finding, and the README's paper estimate uses them.
@@ -21,6 +30,7 @@ Runs in a scratch database next to the ledger (LOOPLINE_DATABASE_URL or the embe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -35,18 +45,44 @@ from benchmarks._scratch import scratch_database
 from benchmarks._trajectories import multi_turn
 from benchmarks._trajectories import stored_ids as _stored_ids
 
-PROFILES = {"small": (4, 256, 64, 32), "coding": (16, 1024, 256, 256)}  # turns, first prompt, generated per turn, tool output per turn
+PROFILES = {"small": (256, 64, 32), "coding": (1024, 256, 256)}  # first prompt, generated per turn, tool output per turn
+NAMED = {"before": "whole/lists/1", "after": "linear/packed/8"}
+ENCODERS = {"lists": "copy_lists", "packed": "copy"}  # -> ledger.BulkMethod
+WHOLE_UP_TO = 16  # turns
 
 
-def _trajectory(rng: random.Random, profile: str):
-    return multi_turn(rng, *PROFILES[profile])
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    storage: str
+    encoder: str
+    batch: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        storage, encoder, batch = NAMED.get(text, text).split("/")
+        if storage not in ("whole", "linear") or encoder not in ENCODERS:
+            raise SystemExit(f"--variants: {text!r} is not storage/encoder/batch (whole|linear / lists|packed / N) or {sorted(NAMED)}")
+        return cls(storage, encoder, int(batch))
+
+    def __str__(self) -> str:
+        return f"{self.storage}/{self.encoder}/{self.batch}"
 
 
-def stored_ids(profile: str) -> int:
-    return _stored_ids(*PROFILES[profile])
+def _trajectory(rng: random.Random, profile: str, turns: int, storage: str):
+    trajectory = multi_turn(rng, turns, *PROFILES[profile])
+    if storage == "whole":  # a segment that starts a chain stores its whole prompt: the rows of the old ledger
+        trajectory.segments[1:] = [dataclasses.replace(s, starts_chain=True) for s in trajectory.segments[1:]]
+    return trajectory
 
 
-def _client(url: str, run_id: uuid.UUID, profile: str, batch: int, seconds: float, ready, go, out) -> None:
+def stored_ids(profile: str, turns: int, storage: str = "linear") -> int:
+    first, generated, observation = PROFILES[profile]
+    if storage == "whole":
+        return sum(first + k * (generated + observation) + generated for k in range(turns))
+    return _stored_ids(turns, first, generated, observation)
+
+
+def _client(url: str, run_id: uuid.UUID, profile: str, turns: int, variant: Variant, seconds: float, ready, go, out) -> None:
     import psycopg
     import sqlalchemy.exc
 
@@ -54,7 +90,8 @@ def _client(url: str, run_id: uuid.UUID, profile: str, batch: int, seconds: floa
     from loopline.store.db import make_engine, session
 
     rng = random.Random(os.getpid())
-    work = [_trajectory(rng, profile) for _ in range(8)]  # made before the clock starts
+    batch = variant.batch
+    work = [_trajectory(rng, profile, turns, variant.storage) for _ in range(max(1, min(8, 64 // turns)))]  # before the clock starts
     engine = make_engine(url)
     claims, commits, errors = [], [], {"deadlock": 0, "serialization": 0, "other": 0}
     worker = f"bench:{os.getpid()}"
@@ -71,7 +108,9 @@ def _client(url: str, run_id: uuid.UUID, profile: str, batch: int, seconds: floa
                 t1 = time.perf_counter()
                 if not leases:
                     break
-                ledger.commit_trajectories(s, [(lease.attempt_id, work[(len(commits) + i) % len(work)]) for i, lease in enumerate(leases)])
+                ledger.commit_trajectories(
+                    s, [(lease.attempt_id, work[(len(commits) + i) % len(work)]) for i, lease in enumerate(leases)], method=ENCODERS[variant.encoder]
+                )
                 t2 = time.perf_counter()
             except sqlalchemy.exc.DBAPIError as exc:
                 s.rollback()
@@ -85,64 +124,79 @@ def _client(url: str, run_id: uuid.UUID, profile: str, batch: int, seconds: floa
     out.put((claims, commits, errors))
 
 
-def level(url: str, engine, clients: int, batch: int, seconds: float, profile: str) -> dict:
+def _ledger_bytes(engine) -> int:
+    with engine.connect() as conn:
+        return conn.exec_driver_sql("SELECT pg_total_relation_size('segment') + pg_total_relation_size('trajectory')").scalar_one()
+
+
+def level(url: str, engine, clients: int, variant: Variant, seconds: float, profile: str, turns: int) -> dict:
     from loopline.store import ledger
     from loopline.store.db import session
 
     with session(engine) as s:
         run = ledger.create_run(s, f"scale-{clients}-{uuid.uuid4().hex[:6]}", {}, "file:///w")
-        ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(2_500 * batch)], group_size=4)
+        ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(2_500 * variant.batch)], group_size=4)
     ctx = mp.get_context("spawn")
     ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(url, run.id, profile, batch, seconds, ready, go, out)) for _ in range(clients)]
+    procs = [ctx.Process(target=_client, args=(url, run.id, profile, turns, variant, seconds, ready, go, out)) for _ in range(clients)]
     for p in procs:
         p.start()
     for _ in procs:  # every process has imported, built its trajectories and connected
         ready.get(timeout=600)
+    size_before = _ledger_bytes(engine)
     started = time.perf_counter()
     go.set()
     results = [out.get(timeout=seconds + 600) for _ in procs]
     elapsed = time.perf_counter() - started
     for p in procs:
         p.join()
+    grown = _ledger_bytes(engine) - size_before
     claims = [x for r in results for x in r[0]]
     commits = [x for r in results for x in r[1]]
     errors = {k: sum(r[2][k] for r in results) for k in ("deadlock", "serialization", "other")}
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000 if len(xs) > 1 else float("nan")  # noqa: E731
     return {
-        "clients": clients, "batch": batch, "claims_s": len(claims) / elapsed, "commits_s": len(commits) / elapsed,
+        "clients": clients, "variant": variant, "turns": turns, "bytes": grown / len(commits) if commits else float("nan"), "claims_s": len(claims) / elapsed, "commits_s": len(commits) / elapsed,
         "claim_p50": q(claims, 50), "claim_p95": q(claims, 95), "commit_p50": q(commits, 50), "commit_p95": q(commits, 95), **errors,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,4,16,64")
-    parser.add_argument("--batches", default="1,8", help="trajectories per commit, each a row of the table")
+    parser.add_argument("--clients", default="1,16")
+    parser.add_argument("--turns", default="16")
+    parser.add_argument("--variants", default="before,after", help="storage/encoder/batch, comma-separated (see the module's doc)")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="coding")
     args = parser.parse_args()
-    turns, first, generated, observation = PROFILES[args.profile]
-    console = Console(width=200)  # the table on one line per level, also into a file
-    rows = []
+    variants = [Variant.parse(v) for v in args.variants.split(",")]
+    console = Console(width=220)  # the table on one line per level, also into a file
+    rows, skipped = [], []
     with scratch_database() as (url, engine):
-        for clients in (int(c) for c in args.clients.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):  # (side by side: the machine's noise alike)
-                rows.append(level(url, engine, clients, batch, args.seconds, args.profile))
-                console.print(f"{clients} clients, batches of {batch}: {rows[-1]['commits_s']:.1f} commits/s")
-    table = Table(title=(
-        f"ledger under N rollout workers ({args.profile}: {turns} turns, {stored_ids(args.profile):,} token ids per trajectory; "
-        f"{os.cpu_count()} cores shared with PostgreSQL)"
-    ))
-    for column in ("clients", "batch", "claims/s", "commits/s", "vs 1 client, batch 1", "claim p50/p95 ms", "commit p50/p95 ms", "deadlocks", "serialisation", "other errors"):
+        for turns in (int(t) for t in args.turns.split(",")):
+            for clients in (int(c) for c in args.clients.split(",")):
+                for variant in variants:  # (side by side: the machine's noise alike)
+                    if variant.storage == "whole" and turns > WHOLE_UP_TO:
+                        skipped.append((turns, clients, variant))
+                        continue
+                    rows.append(level(url, engine, clients, variant, args.seconds, args.profile, turns))
+                    console.print(f"{turns} turns, {clients} clients, {variant}: {rows[-1]['commits_s']:.1f} commits/s")
+    table = Table(title=f"ledger under N rollout workers ({args.profile} profile; {os.cpu_count()} cores shared with PostgreSQL)")
+    for column in ("turns", "clients", "storage/encoder/batch", "stored ids", "bytes/traj", "claims/s", "commits/s", "vs before",
+                   "claim p50/p95 ms", "commit p50/p95 ms", "deadlocks", "serialisation", "other errors"):
         table.add_column(column, justify="right")
-    base = rows[0]["commits_s"]
-    for r in rows:
+    first = {}
+    for r in rows:  # "vs before": the first variant's row at the same turns and clients
+        key = (r["turns"], r["clients"])
+        first.setdefault(key, r["commits_s"])
         table.add_row(
-            str(r["clients"]), str(r["batch"]), f"{r['claims_s']:.1f}", f"{r['commits_s']:.1f}", f"{r['commits_s'] / base:.2f}x",
+            str(r["turns"]), str(r["clients"]), str(r["variant"]), f"{stored_ids(args.profile, r['turns'], r['variant'].storage):,}",
+            f"{r['bytes'] / 1024:,.0f} KiB", f"{r['claims_s']:.1f}", f"{r['commits_s']:.1f}", f"{r['commits_s'] / first[key]:.2f}x",
             f"{r['claim_p50']:.1f} / {r['claim_p95']:.1f}", f"{r['commit_p50']:.1f} / {r['commit_p95']:.1f}",
             str(r["deadlock"]), str(r["serialization"]), str(r["other"]),
         )
+    for turns, clients, variant in skipped:
+        table.add_row(str(turns), str(clients), str(variant), f"{stored_ids(args.profile, turns, 'whole'):,}", "not run", *[""] * 8)
     console.print(table)
 
 

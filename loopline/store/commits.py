@@ -11,13 +11,14 @@ from sqlmodel import Session, SQLModel
 
 from loopline.errors import LooplineError
 from loopline.store.nul import storable
+from loopline.store.packed import use_packed_arrays
 from loopline.store._sql import q, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome
 from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
 from loopline.store.slots import _NO_LEASE, _end_attempt, group_id_for, slot_id_for
 
-BulkMethod = Literal["copy", "executemany"]
+BulkMethod = Literal["copy", "copy_lists", "executemany"]  # the last two for comparison (benchmarks)
 
 
 def _copy_layout(model: type[SQLModel], written_by_server: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -50,7 +51,8 @@ def commit_trajectories(
     nobody else took the slot (its trajectory is as valid as a retry's would
     be), but not once another attempt holds it (fencing: a worker frozen past
     its lease never commits over the live one).
-    `method` picks the bulk path (binary COPY, or executemany for comparison).
+    `method` picks the bulk path: binary COPY with the arrays packed by numpy (`packed`), or for comparison
+    psycopg's own element-by-element dumping (`copy_lists`) or executemany.
     """
     for _, traj in items:
         traj.validate()
@@ -179,8 +181,8 @@ def write_eval_episodes(session: Session, run_id: uuid.UUID, version: int, episo
       "SELECT g, :r, 'eval', :v, i - 1, t, 1, 1 FROM unnest(CAST(:g AS uuid[]), CAST(:t AS text[])) WITH ORDINALITY AS u(g, t, i)",
       r=run_id, v=version, g=groups, t=list(task_ids))
     q(session,
-      "INSERT INTO slot (id, run_id, group_id, split, step, task_id, sample_index) "
-      "SELECT s, :r, g, 'eval', :v, t, 0 FROM unnest(CAST(:s AS uuid[]), CAST(:g AS uuid[]), CAST(:t AS text[])) AS u(s, g, t)",
+      "INSERT INTO slot (id, run_id, group_id, split, step, task_id, group_index, sample_index) "
+      "SELECT s, :r, g, 'eval', :v, t, i - 1, 0 FROM unnest(CAST(:s AS uuid[]), CAST(:g AS uuid[]), CAST(:t AS text[])) WITH ORDINALITY AS u(s, g, t, i)",
       r=run_id, v=version, s=slots, g=groups, t=list(task_ids))
     q(session,
       "INSERT INTO attempt (id, slot_id, run_id, worker) SELECT a, s, :r, :w FROM unnest(CAST(:a AS uuid[]), CAST(:s AS uuid[])) AS u(a, s)",
@@ -196,7 +198,9 @@ def _row(columns: tuple[str, ...], values: dict) -> tuple:
 def _bulk_write(raw, table: str, columns: Sequence[str], types: Sequence[str], rows: list[tuple], method: BulkMethod) -> None:
     cols = ", ".join(columns)
     with raw.cursor() as cur:
-        if method == "copy":
+        if method in ("copy", "copy_lists"):
+            if method == "copy":
+                use_packed_arrays(cur)
             with cur.copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
                 copy.set_types(list(types))
                 for row in rows:

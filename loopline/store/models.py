@@ -31,6 +31,7 @@ from sqlalchemy import (
     SmallInteger,
     Text,
     UniqueConstraint,
+    text,
     func,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
@@ -233,6 +234,8 @@ class Slot(SQLModel, table=True):
             name="ck_slot_lease",
         ),
         Index("ix_slot_claim", "run_id", "split", "state", "step"),
+        # a claim reads the next pending slots in plan order from here, never sorting the run's pending slots
+        Index("ix_slot_pending", "run_id", "split", "step", "group_index", "sample_index", postgresql_where=text("state = 'pending'")),
     )
 
     id: uuid.UUID = Field(sa_column=Column(UUID(as_uuid=True), primary_key=True))
@@ -241,6 +244,7 @@ class Slot(SQLModel, table=True):
     split: str = Field(sa_column=Column(Text, nullable=False))
     step: int
     task_id: str = Field(sa_column=Column(Text, nullable=False))
+    group_index: int  # its group's (rollout_group.group_index): the plan order a claim follows
     sample_index: int
     state: str = Field(default="pending", sa_column=Column(Text, nullable=False, server_default="pending"))
     lease_owner: str | None = Field(default=None, sa_column=Column(Text, nullable=True))

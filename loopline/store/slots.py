@@ -56,7 +56,8 @@ def plan_step(
         for i, (g, t) in enumerate(zip(group_ids, task_ids))
     ]
     slots = [
-        dict(id=slot_id_for(g["id"], k), run_id=run_id, group_id=g["id"], split=split, step=step, task_id=g["task_id"], sample_index=k)
+        dict(id=slot_id_for(g["id"], k), run_id=run_id, group_id=g["id"], split=split, step=step, task_id=g["task_id"],
+             group_index=g["group_index"], sample_index=k)
         for g in groups
         for k in range(group_size)
     ]
@@ -87,8 +88,8 @@ def plan_step(
                     )
             session.execute(
                 sa.text(
-                    "INSERT INTO slot (id, run_id, group_id, split, step, task_id, sample_index) "
-                    "VALUES (:id, :run_id, :group_id, :split, :step, :task_id, :sample_index) "
+                    "INSERT INTO slot (id, run_id, group_id, split, step, task_id, group_index, sample_index) "
+                    "VALUES (:id, :run_id, :group_id, :split, :step, :task_id, :group_index, :sample_index) "
                     "ON CONFLICT DO NOTHING"
                 ),
                 slots,
@@ -117,12 +118,12 @@ def claim_slots(
     with transaction(session):
         rows = q(
             session,
-            # plan order (step, group, sample): groups are handed out first-in first-out and stay together
+            # plan order (step, group, sample): groups are handed out first-in first-out and stay together;
+            # read in that order from ix_slot_pending (no sort, whatever the number pending)
             "SELECT s.id, s.group_id, s.step, s.task_id, s.sample_index FROM slot s "
-            "JOIN rollout_group g ON g.id = s.group_id "
             "WHERE s.run_id = :run AND s.split = :split AND s.state = 'pending' "
             "AND (CAST(:max_step AS int) IS NULL OR s.step <= :max_step) "
-            "ORDER BY s.step, g.group_index, s.sample_index LIMIT :n FOR UPDATE OF s SKIP LOCKED",
+            "ORDER BY s.step, s.group_index, s.sample_index LIMIT :n FOR UPDATE SKIP LOCKED",
             run=run_id,
             split=split,
             n=n,

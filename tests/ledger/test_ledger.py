@@ -171,7 +171,7 @@ def test_commit_stores_segments_token_exact(db, run):
     assert (vmin, vmax, status) == (0, 1, "ok")
 
 
-@pytest.mark.parametrize("method", ["copy", "executemany"])
+@pytest.mark.parametrize("method", ["copy", "copy_lists", "executemany"])
 def test_nul_characters_from_tools_are_stored_and_read_back_exactly(db, run, method):
     """PostgreSQL holds no NUL in text or jsonb; `cat` of a binary file and some tokenizers produce one."""
     from loopline.store import views
@@ -187,17 +187,22 @@ def test_nul_characters_from_tools_are_stored_and_read_back_exactly(db, run, met
         assert views.trajectory(conn, outcome.trajectory_id)["info"] == {"answer": "a\x00b"}
 
 
-@pytest.mark.parametrize("method", ["copy", "executemany"])
-def test_both_bulk_paths_write_the_same_rows(db, run, method):
+@pytest.mark.parametrize("method", ["copy", "copy_lists", "executemany"])
+def test_every_bulk_path_writes_the_same_rows(db, run, method):
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
     traj = trajectory(1.0, n_segments=3)
     outcome = ledger.commit_trajectory(db, lease.attempt_id, traj, method=method)
     stored = db.execute(
-        sa.text("SELECT generated_ids, rollout_logprobs FROM segment WHERE trajectory_id = :t ORDER BY seq"),
+        sa.text("SELECT prompt_prefix_len, prompt_ids, generated_ids, action_loss_mask, rollout_logprobs FROM segment "
+                "WHERE trajectory_id = :t ORDER BY seq"),
         {"t": outcome.trajectory_id},
     ).all()
-    assert [tuple(r) for r in stored] == [(list(s.generated_ids), list(s.rollout_logprobs)) for s in traj.segments]
+    assert [tuple(r) for r in stored] == [
+        (r.prompt_prefix_len, list(s.prompt_ids[r.prompt_prefix_len:]), list(s.generated_ids), list(s.action_loss_mask), list(s.rollout_logprobs))
+        for r, s in zip(stored, traj.segments)
+    ]
+    assert [r.prompt_prefix_len for r in stored][1:] == [len(s.prompt_ids) + len(s.generated_ids) for s in traj.segments[:-1]]
 
 
 def test_misaligned_segment_is_refused_before_and_by_the_database(db, run):

@@ -55,6 +55,63 @@ def test_upgrade_creates_the_whole_data_contract_and_is_idempotent(scratch_url):
     engine.dispose()
 
 
+def test_the_migrations_build_exactly_the_schema_the_models_declare(scratch_url):
+    """A column, index or constraint added to a model without a migration (or the other way) is a difference."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlmodel import SQLModel
+
+    import loopline.store.models  # noqa: F401  (the tables)
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with engine.connect() as conn:
+        differences = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), SQLModel.metadata)
+    engine.dispose()
+    assert differences == []
+
+
+def test_slots_planned_before_the_claim_order_index_get_their_groups_order_and_are_claimed_in_plan_order(scratch_url):
+    """a8c2e6f1b904: slot.group_index (copied from the slot's group) and the pending index a claim reads."""
+    from alembic import command
+
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+    from loopline.store.migrate import alembic_config
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "f3a9d6b2c480")
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "file:///w").id
+    with engine.begin() as conn:  # slots as the older schema planned them: groups 0..2 of step 1, 2 samples each
+        for i, task in enumerate(["c", "a", "b"]):
+            group = conn.exec_driver_sql(
+                "INSERT INTO rollout_group (id, run_id, split, step, group_index, task_id, size, max_attempts) "
+                "VALUES (gen_random_uuid(), %s, 'train', 1, %s, %s, 2, 3) RETURNING id", (run, i, task)).scalar_one()
+            for k in range(2):
+                conn.exec_driver_sql(
+                    "INSERT INTO slot (id, run_id, group_id, split, step, task_id, sample_index) "
+                    "VALUES (gen_random_uuid(), %s, %s, 'train', 1, %s, %s)", (run, group, task, k))
+    upgrade(engine)
+    assert _read(engine, "SELECT task_id, group_index FROM slot ORDER BY group_index, sample_index") == [
+        ("c", 0), ("c", 0), ("a", 1), ("a", 1), ("b", 2), ("b", 2)]
+    with new_session(engine) as s:
+        claimed = [(lease.task_id, lease.sample_index) for lease in ledger.claim_slots(s, run, "w", 5, split="train")]
+        ledger.plan_step(s, run, 2, [f"t{i}" for i in range(5_000)], group_size=4)  # many pending: an index pays
+    assert claimed == [("c", 0), ("c", 1), ("a", 0), ("a", 1), ("b", 0)]
+    with engine.connect() as conn:  # and the claim reads them from the index, without sorting
+        conn.exec_driver_sql("ANALYZE slot")
+        plan = "\n".join(r[0] for r in conn.exec_driver_sql(
+            "EXPLAIN SELECT id FROM slot WHERE run_id = %s AND split = 'train' AND state = 'pending' "
+            "ORDER BY step, group_index, sample_index LIMIT 8 FOR UPDATE SKIP LOCKED", (run,)))
+    engine.dispose()
+    assert "ix_slot_pending" in plan and "Sort" not in plan, plan
+
+
 def test_failed_upgrade_applies_nothing(scratch_url):
     engine = make_engine(scratch_url)
     with engine.begin() as conn:  # a clash late in the migration: tables before it get created first
