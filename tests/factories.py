@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import random
+import struct
 
 from loopline.types import SegmentRecord, TrajectoryRecord
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def segment(
@@ -20,7 +25,7 @@ def segment(
         prompt_ids=history + [rng.randrange(50_000) for _ in range(n_prompt)],
         generated_ids=[rng.randrange(50_000) for _ in range(n_gen)],
         action_loss_mask=kw.pop("action_loss_mask", [1] * n_gen),
-        rollout_logprobs=[-rng.random() * 5 for _ in range(n_gen)],
+        rollout_logprobs=kw.pop("rollout_logprobs", [_float32(-rng.random() * 5) for _ in range(n_gen)]),  # as engines compute them
         logprob_semantics="log_softmax(logits/T)",
         sampling_config={"temperature": 1.0, "top_p": 1.0},
         tool_events=kw.pop("tool_events", [{"tool": "calc", "args": "1+1", "output": "2"}]),

@@ -113,7 +113,7 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
     chain (tool output and prompts only ever appear as context)."""
     rows = _rows(
         session,
-        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, "
+        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, "
         "s.logprob_semantics, s.starts_chain FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
         "WHERE t.run_id = :r ORDER BY s.trajectory_id, s.seq",
         r=run_id,

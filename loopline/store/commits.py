@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal, Sequence
 
+import numpy as np
 from psycopg.types.json import Jsonb
 from sqlalchemy.dialects import postgresql
 from sqlmodel import Session, SQLModel
@@ -127,7 +128,7 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
                 version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
                 tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids[prefix:]), prompt_prefix_len=prefix,
                 generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
-                rollout_logprobs=[float(x) for x in seg.rollout_logprobs], logprob_semantics=seg.logprob_semantics,
+                rollout_logprobs=_float32(seg.rollout_logprobs), logprob_semantics=seg.logprob_semantics,
                 sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
                 started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=starts_chain,
             )))
@@ -188,6 +189,12 @@ def write_eval_episodes(session: Session, run_id: uuid.UUID, version: int, episo
       "INSERT INTO attempt (id, slot_id, run_id, worker) SELECT a, s, :r, :w FROM unnest(CAST(:a AS uuid[]), CAST(:s AS uuid[])) AS u(a, s)",
       r=run_id, w=worker, a=attempts, s=slots)
     return sum(o.trajectory_id is not None for o in _commit(session, list(zip(attempts, episodes)), "copy"))
+
+
+def _float32(logprobs: Sequence[float]) -> list[float]:
+    """Logprobs as the ledger stores them (float4), rounded here, so every bulk path stores the same values
+    (PostgreSQL's own cast refuses a float8 too small for a float4 instead of rounding it to 0)."""
+    return np.asarray(logprobs, dtype=np.float32).tolist()
 
 
 def _row(columns: tuple[str, ...], values: dict) -> tuple:
@@ -274,7 +281,7 @@ def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> 
     rows = q(
         session,
         "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
-        "s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.starts_chain "
+        "s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, s.starts_chain "
         "FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
         "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
         ids=list(trajectory_ids),

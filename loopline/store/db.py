@@ -195,26 +195,59 @@ def dead_peer_options() -> dict[str, int]:
             "tcp_user_timeout": int(seconds * 1000)}
 
 
-def session_options() -> str:
-    """libpq `options` setting SESSION_LIMITS (0 turns one off)."""
-    parts = []
-    for setting, (variable, default) in SESSION_LIMITS.items():
-        parts.append(f"-c {setting}={max(int(_seconds(variable, default) * 1000), 0)}")
-    return " ".join(parts)
+def session_settings() -> dict[str, str]:
+    """SESSION_LIMITS in milliseconds (0 turns one off)."""
+    return {setting: str(max(int(_seconds(variable, default) * 1000), 0)) for setting, (variable, default) in SESSION_LIMITS.items()}
 
 
-def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
-    """An engine whose first connection is checked, so a bad URL fails with one clear line."""
+def make_engine(url: str | URL | None = None, settings: dict[str, str] | None = None, **kwargs) -> Engine:
+    """An engine whose first connection is checked, so a bad URL fails with one clear line. Every session gets
+    SESSION_LIMITS and `settings` (server settings by name).
+
+    Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`) a client's statements share
+    server connections with other clients between transactions, so nothing may live in a session: the settings
+    are applied to each transaction instead (`set_config(..., is_local)`: gone at its end), and no statement is
+    prepared on the server (psycopg prepares one after 5 uses; the next transaction may run on a connection
+    that never saw it). Such a pooler is recognised by what it does to the startup settings: it refuses them
+    (PgBouncer: "unsupported startup parameter: options") or drops them (`ignore_startup_parameters`)."""
     resolved = resolve_url(url)
+    wanted = {**session_settings(), **(settings or {})}
     connect_args = dict(kwargs.pop("connect_args", {}))
-    connect_args["options"] = f"{session_options()} {connect_args.get('options', '')}".strip()
     connect_args.setdefault("application_name", holder.application_name(holder.this_process()))  # runs.start_run ends them
     connect_args.setdefault("connect_timeout", 10)  # a server host that vanished answers nothing: fail, then retry
     for key, value in dead_peer_options().items():
         connect_args.setdefault(key, value)
-    engine = sa.create_engine(resolved, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    options = " ".join(f"-c {name}={value}" for name, value in wanted.items())
+    engine = sa.create_engine(resolved, pool_pre_ping=True, connect_args={**connect_args, "options": options}, **kwargs)
+    try:
+        in_sessions = _settings_held(engine, wanted)
+    except DatabaseUnavailable as exc:
+        engine.dispose()
+        if "unsupported startup parameter: options" not in str(exc):
+            raise
+        in_sessions = False
+    if in_sessions:
+        return engine
+    engine.dispose()
+    engine = sa.create_engine(resolved, pool_pre_ping=True, connect_args={**connect_args, "prepare_threshold": None}, **kwargs)
+    # (inside a transaction, the default for the next ones is this one's own setting)
+    local = {"default_transaction_read_only": "transaction_read_only"}
+    statement = "SELECT " + ", ".join(f"set_config('{local.get(name, name)}', '{value}', true)" for name, value in wanted.items())
+
+    @sa.event.listens_for(engine, "begin")
+    def _settings_for_this_transaction(conn) -> None:
+        conn.exec_driver_sql(statement)
+
     check_connection(engine)
     return engine
+
+
+def _settings_held(engine: Engine, wanted: dict[str, str]) -> bool:
+    """Whether a session of `engine` has the settings it asked for at startup (a pooler may drop them)."""
+    check_connection(engine)
+    with engine.connect() as conn:
+        held = dict(conn.exec_driver_sql("SELECT name, setting FROM pg_settings WHERE name = ANY(%(n)s)", {"n": list(wanted)}).all())
+    return all(held.get(name) == value for name, value in wanted.items())
 
 
 def ensure_database(database: str, extensions: tuple[str, ...] = ()) -> URL:
@@ -238,7 +271,7 @@ def row_counts(engine: Engine, tables: tuple[str, ...]) -> dict[str, int]:
 
 def read_only_engine(url: str | URL | None = None) -> Engine:
     """An engine whose every transaction is read-only: PostgreSQL refuses a write (the inspector's)."""
-    return make_engine(url, connect_args={"options": "-c default_transaction_read_only=on"})
+    return make_engine(url, settings={"default_transaction_read_only": "on"})
 
 
 def check_connection(engine: Engine) -> None:

@@ -345,7 +345,8 @@ class Segment(SQLModel, table=True):
     prompt_prefix_len: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
     generated_ids: list[int] = Field(sa_column=Column(ARRAY(Integer), nullable=False))
     action_loss_mask: list[int] = Field(sa_column=Column(ARRAY(SmallInteger), nullable=False))
-    rollout_logprobs: list[float] = Field(sa_column=Column(ARRAY(Double), nullable=False))
+    # float32, as the engines compute them and the trainer holds them (a float64 value is rounded to nearest)
+    rollout_logprobs: list[float] = Field(sa_column=Column(ARRAY(REAL), nullable=False))
     logprob_semantics: str = Field(sa_column=Column(Text, nullable=False))
     sampling_config: dict[str, Any] = _jsonb()
     tool_events: list[dict[str, Any]] = Field(

@@ -214,12 +214,18 @@ def trajectory(conn: sa.Connection, trajectory_id: uuid.UUID) -> dict | None:
 
 def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
     """The trajectory's segments, each prompt whole (the ledger stores what the previous segment does not hold)."""
-    rows = conn.execute(sa.text("SELECT * FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id}).all()
+    rows = conn.execute(
+        sa.text("SELECT *, rollout_logprobs::float8[] AS logprobs_exact FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id}
+    ).all()
     try:
         prompts = whole_prompts(rows)
     except StoredPromptBroken:  # (a corrupted row: shown as stored; `loopline check` names it)
         prompts = [list(r.prompt_ids) for r in rows]
-    return [{**r._mapping, "prompt_ids": prompt, "tool_events": restored(r.tool_events)} for r, prompt in zip(rows, prompts)]
+    return [
+        {**{k: v for k, v in r._mapping.items() if k != "logprobs_exact"}, "prompt_ids": prompt, "rollout_logprobs": r.logprobs_exact,
+         "tool_events": restored(r.tool_events)}
+        for r, prompt in zip(rows, prompts)
+    ]
 
 
 def learner_logprobs(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[float] | None:

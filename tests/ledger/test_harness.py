@@ -123,7 +123,7 @@ def test_groups_on_local_engine_are_token_exact_in_the_ledger(tiny_dirs, chat, d
     assert all(o.committed for o in outcomes)
     rows = db.execute(
         sa.text(
-            "SELECT s.request_id, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.policy_version "
+            "SELECT s.request_id, s.prompt_ids, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, s.policy_version "
             "FROM segment s JOIN trajectory t ON t.id = s.trajectory_id WHERE t.run_id = :r"
         ),
         {"r": run.id},

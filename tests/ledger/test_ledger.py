@@ -144,7 +144,7 @@ def test_commit_stores_segments_token_exact(db, run):
     assert outcome.committed
     rows = db.execute(
         sa.text(
-            "SELECT seq, prompt_ids, prompt_prefix_len, generated_ids, action_loss_mask, rollout_logprobs, version_spans, tool_events "
+            "SELECT seq, prompt_ids, prompt_prefix_len, generated_ids, action_loss_mask, rollout_logprobs::float8[] AS rollout_logprobs, version_spans, tool_events "
             "FROM segment WHERE trajectory_id = :t ORDER BY seq"
         ),
         {"t": outcome.trajectory_id},
@@ -158,7 +158,7 @@ def test_commit_stores_segments_token_exact(db, run):
     for row, seg in zip(rows, segs):
         assert row.generated_ids == list(seg.generated_ids)
         assert row.action_loss_mask == list(seg.action_loss_mask)
-        assert row.rollout_logprobs == list(seg.rollout_logprobs)  # float8: bit-exact
+        assert row.rollout_logprobs == list(seg.rollout_logprobs)  # float4, bit-exact for the float32 values engines give
         assert row.tool_events == list(seg.tool_events)
     assert rows[1].version_spans == spans
     vmin, vmax, status = db.execute(
@@ -169,6 +169,17 @@ def test_commit_stores_segments_token_exact(db, run):
         {"t": outcome.trajectory_id},
     ).one()
     assert (vmin, vmax, status) == (0, 1, "ok")
+
+
+@pytest.mark.parametrize("method", ["copy", "copy_lists", "executemany"])
+def test_a_float64_logprob_is_stored_as_the_nearest_float32_by_every_bulk_path(db, run, method):
+    """The ledger stores logprobs as float4 (what engines compute and the trainer holds): -0.1 is not a float32."""
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    seg = segment(n_gen=3, rollout_logprobs=[-0.1, -1e-50, -3.0])
+    outcome = ledger.commit_trajectory(db, lease.attempt_id, trajectory(segments=[seg]), method=method)
+    stored = db.execute(sa.text("SELECT rollout_logprobs::float8[] FROM segment WHERE trajectory_id = :t"), {"t": outcome.trajectory_id}).scalar_one()
+    assert stored == [-0.10000000149011612, -0.0, -3.0]
 
 
 @pytest.mark.parametrize("method", ["copy", "copy_lists", "executemany"])
@@ -194,7 +205,7 @@ def test_every_bulk_path_writes_the_same_rows(db, run, method):
     traj = trajectory(1.0, n_segments=3)
     outcome = ledger.commit_trajectory(db, lease.attempt_id, traj, method=method)
     stored = db.execute(
-        sa.text("SELECT prompt_prefix_len, prompt_ids, generated_ids, action_loss_mask, rollout_logprobs FROM segment "
+        sa.text("SELECT prompt_prefix_len, prompt_ids, generated_ids, action_loss_mask, rollout_logprobs::float8[] AS rollout_logprobs FROM segment "
                 "WHERE trajectory_id = :t ORDER BY seq"),
         {"t": outcome.trajectory_id},
     ).all()

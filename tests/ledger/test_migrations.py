@@ -112,6 +112,34 @@ def test_slots_planned_before_the_claim_order_index_get_their_groups_order_and_a
     assert "ix_slot_pending" in plan and "Sort" not in plan, plan
 
 
+def test_logprobs_become_float4_and_back_exactly(scratch_url):
+    """b3d7f0a2c915: rollout_logprobs real[]. A float32 value widens back exactly; a float64 one is rounded."""
+    from alembic import command
+
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+    from loopline.store.migrate import alembic_config
+    from tests.factories import segment, trajectory
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
+        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
+        ledger.commit_trajectory(s, lease.attempt_id, trajectory(segments=[segment(n_gen=2, rollout_logprobs=[-0.5, -0.25])]))
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "a8c2e6f1b904")
+    assert _read(engine, "SELECT pg_typeof(rollout_logprobs)::text, rollout_logprobs FROM segment") == [("double precision[]", [-0.5, -0.25])]
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE segment SET rollout_logprobs[2] = -0.1")
+    upgrade(engine)
+    assert _read(engine, "SELECT pg_typeof(rollout_logprobs)::text, rollout_logprobs::float8[] FROM segment") == [("real[]", [-0.5, -0.10000000149011612])]
+    engine.dispose()
+
+
 def test_failed_upgrade_applies_nothing(scratch_url):
     engine = make_engine(scratch_url)
     with engine.begin() as conn:  # a clash late in the migration: tables before it get created first
