@@ -87,10 +87,17 @@ def first_chain_break(segments: Sequence[Any]) -> int | None:
     for i in range(1, len(segments)):
         if getattr(segments[i], "starts_chain", False):
             continue
-        head = list(segments[i - 1].prompt_ids) + list(segments[i - 1].generated_ids)
-        if list(segments[i].prompt_ids[: len(head)]) != head:
+        prompt, generated = segments[i - 1].prompt_ids, segments[i - 1].generated_ids
+        extends = segments[i].prompt_ids
+        # (each prompt compared in place, without copying the growing history: a 128-turn trajectory's prompts
+        # hold ~4M ids, and the copies were most of a rollout worker's commit)
+        if not _equal(extends[: len(prompt)], prompt) or not _equal(extends[len(prompt) : len(prompt) + len(generated)], generated):
             return i
     return None
+
+
+def _equal(a: Sequence[int], b: Sequence[int]) -> bool:
+    return a == b if type(a) is type(b) else list(a) == list(b)  # (a list never equals a tuple)
 
 
 def chains(segments: Sequence[Any]) -> list[list[Any]]:

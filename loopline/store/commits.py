@@ -119,10 +119,10 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
             terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
             policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
         )))
-        head: list[int] = []  # the previous segment's prompt and generated ids
+        held = 0  # how many ids the previous segment holds (its prompt and generated ids)
         for seq, seg in enumerate(traj.segments):
             starts_chain = seq > 0 and seg.starts_chain
-            prefix = len(head) if seq > 0 and not starts_chain else 0  # (validate() checked that the prompt extends it)
+            prefix = held if seq > 0 and not starts_chain else 0  # (validate() checked that the prompt extends them)
             segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
                 trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
                 version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
@@ -132,7 +132,7 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
                 sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
                 started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=starts_chain,
             )))
-            head = list(seg.prompt_ids) + list(seg.generated_ids)
+            held = len(seg.prompt_ids) + len(seg.generated_ids)
 
     if trajectory_rows:
         raw = session.connection().connection.driver_connection
