@@ -17,6 +17,7 @@ from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
 from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
+from loopline.store.db import make_engine
 from loopline.trainer.checkpoint import weights_sha256
 
 ENV = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
@@ -55,6 +56,20 @@ def _config(tmp_path, policy, **overrides):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def _schema_round_trip(url: str, revision: str) -> None:
+    from alembic import command
+
+    from loopline.store.migrate import alembic_config, upgrade
+
+    engine = make_engine(url)
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+    upgrade(engine)
+    engine.dispose()
 
 
 def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
@@ -103,6 +118,13 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     name = yaml.safe_load(path.read_text())["name"]
     replayed = replay_step(name, 2)
     assert replayed["reproduced"] and replayed["from_step"] == 0, replayed
+    # issue 49: the same run after the ledger went back to the schema before linear storage (whole prompts,
+    # float8 logprobs: every segment row rewritten) and forward again: `check` passes, step 2 still reproduces
+    db.rollback()
+    _schema_round_trip(database_url, "e5b7c1d3f926")
+    assert check_run(db, run_id).ok
+    db.rollback()
+    assert replay_step(name, 2)["reproduced"]
     # the same from the inspector's Runs page: a `loopline replay` flow run, its verdict shown
     from streamlit.testing.v1 import AppTest
 
