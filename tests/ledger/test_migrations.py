@@ -55,6 +55,32 @@ def test_upgrade_creates_the_whole_data_contract_and_is_idempotent(scratch_url):
     engine.dispose()
 
 
+def _downgrade(engine, revision: str) -> None:
+    from alembic import command
+
+    from loopline.store.migrate import alembic_config
+
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
+def _ledger_with(scratch_url: str, trajectory):
+    """A migrated ledger holding one run with one committed trajectory: (engine, run, trajectory id)."""
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
+        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
+        return engine, run, ledger.commit_trajectory(s, lease.attempt_id, trajectory).trajectory_id
+
+
+
 def test_the_migrations_build_exactly_the_schema_the_models_declare(scratch_url):
     """A column, index or constraint added to a model without a migration (or the other way) is a difference."""
     from alembic.autogenerate import compare_metadata
@@ -73,18 +99,12 @@ def test_the_migrations_build_exactly_the_schema_the_models_declare(scratch_url)
 
 def test_slots_planned_before_the_claim_order_index_get_their_groups_order_and_are_claimed_in_plan_order(scratch_url):
     """a8c2e6f1b904: slot.group_index (copied from the slot's group) and the pending index a claim reads."""
-    from alembic import command
-
     from loopline.store import ledger
     from loopline.store.db import session as new_session
-    from loopline.store.migrate import alembic_config
 
     engine = make_engine(scratch_url)
     upgrade(engine)
-    config = alembic_config()
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "f3a9d6b2c480")
+    _downgrade(engine, "f3a9d6b2c480")
     with new_session(engine) as s:
         run = ledger.create_run(s, "r", {}, "file:///w").id
     with engine.begin() as conn:  # slots as the older schema planned them: groups 0..2 of step 1, 2 samples each
@@ -114,24 +134,10 @@ def test_slots_planned_before_the_claim_order_index_get_their_groups_order_and_a
 
 def test_logprobs_become_float4_and_back_exactly(scratch_url):
     """b3d7f0a2c915: rollout_logprobs real[]. A float32 value widens back exactly; a float64 one is rounded."""
-    from alembic import command
-
-    from loopline.store import ledger
-    from loopline.store.db import session as new_session
-    from loopline.store.migrate import alembic_config
     from tests.factories import segment, trajectory
 
-    engine = make_engine(scratch_url)
-    upgrade(engine)
-    with new_session(engine) as s:
-        run = ledger.create_run(s, "r", {}, "file:///w")
-        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
-        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
-        ledger.commit_trajectory(s, lease.attempt_id, trajectory(segments=[segment(n_gen=2, rollout_logprobs=[-0.5, -0.25])]))
-    config = alembic_config()
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "a8c2e6f1b904")
+    engine, _, _ = _ledger_with(scratch_url, trajectory(segments=[segment(n_gen=2, rollout_logprobs=[-0.5, -0.25])]))
+    _downgrade(engine, "a8c2e6f1b904")
     assert _read(engine, "SELECT pg_typeof(rollout_logprobs)::text, rollout_logprobs FROM segment") == [("double precision[]", [-0.5, -0.25])]
     with engine.begin() as conn:
         conn.exec_driver_sql("UPDATE segment SET rollout_logprobs[2] = -0.1")
@@ -259,14 +265,7 @@ def test_per_step_checkpoint_rows_become_one_per_checkpoint_written_and_back(scr
     rows = lambda: _read(engine, "SELECT learner_step, uri FROM checkpoint ORDER BY learner_step")  # noqa: E731
     upgrade(engine)
     assert [tuple(r) for r in rows()] == [(2, "/c/2"), (4, "/c/4")]
-    from alembic import command
-
-    from loopline.store.migrate import alembic_config
-
-    config = alembic_config()
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "c3f9a2d5e817")
+    _downgrade(engine, "c3f9a2d5e817")
     assert [tuple(r) for r in rows()] == per_step
     engine.dispose()
 
@@ -282,26 +281,12 @@ def test_segments_start_no_chain_after_the_upgrade_and_a_ledger_holding_chains_i
     """e5b7c1d3f926: segment.starts_chain (issue 48: every chain of an episode is trained). Existing segments
     each extend the one before: false. Downgraded, the older schema could not tell a chain from a re-tokenised
     history: refused while any trajectory holds one."""
-    from alembic import command
-
-    from loopline.store import ledger
-    from loopline.store.db import session as new_session
-    from loopline.store.migrate import alembic_config
     from tests.factories import trajectory
 
-    engine = make_engine(scratch_url)
-    upgrade(engine)
-    with new_session(engine) as s:
-        run = ledger.create_run(s, "r", {}, "file:///w")
-        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
-        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
-        ledger.commit_trajectory(s, lease.attempt_id, trajectory(n_segments=2))
-    config = alembic_config()
+    engine, _, _ = _ledger_with(scratch_url, trajectory(n_segments=2))
 
     def downgrade() -> None:
-        with engine.begin() as conn:
-            config.attributes["connection"] = conn
-            command.downgrade(config, "d7e1b3c9a4f2")
+        _downgrade(engine, "d7e1b3c9a4f2")
 
     downgrade()  # one chain each: nothing lost
     upgrade(engine)
@@ -320,30 +305,18 @@ def test_segments_start_no_chain_after_the_upgrade_and_a_ledger_holding_chains_i
 def test_stored_prompts_become_suffixes_and_back_and_every_reader_gets_the_same_ids(scratch_url):
     """f3a9d6b2c480 (issue 49): a segment stores only the prompt ids its chain's previous segment does not hold.
     Whole prompts (as before) are converted by the upgrade and written back by the downgrade, id for id."""
-    from alembic import command
-
     from loopline.store import ledger
     from loopline.store.db import session as new_session
-    from loopline.store.migrate import alembic_config
     from tests.factories import conversation, segment, trajectory
 
-    engine = make_engine(scratch_url)
-    upgrade(engine)
     rewritten = segment(seed=9, starts_chain=True)  # a second chain: its first segment stores its whole prompt
     segments = [*conversation(5, seed=3), rewritten, segment(seed=10, after=rewritten)]
-    with new_session(engine) as s:
-        run = ledger.create_run(s, "r", {}, "file:///w")
-        ledger.plan_step(s, run.id, 1, ["a"], group_size=1)
-        (lease,) = ledger.claim_slots(s, run.id, "w", 1, split="train")
-        trajectory_id = ledger.commit_trajectory(s, lease.attempt_id, trajectory(segments=segments)).trajectory_id
+    engine, run, trajectory_id = _ledger_with(scratch_url, trajectory(segments=segments))
     whole = [list(x.prompt_ids) for x in segments]
     stored = lambda: [r[0] for r in _read(engine, "SELECT prompt_ids FROM segment WHERE trajectory_id = %s ORDER BY seq", trajectory_id)]  # noqa: E731
     suffixes = stored()
     assert sum(map(len, suffixes)) < sum(map(len, whole)) / 2 and suffixes[5] == whole[5]  # (a chain's first: whole)
-    config = alembic_config()
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "e5b7c1d3f926")
+    _downgrade(engine, "e5b7c1d3f926")
     assert stored() == whole  # the older schema's whole prompts, id for id
     upgrade(engine)
     assert stored() == suffixes
