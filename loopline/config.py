@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from loopline.errors import LooplineError
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engines import ENGINES  # (no torch either)
+from loopline.types import LEASE_SECONDS
 from loopline.trainer.config import AdvantageConfig, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
@@ -198,7 +199,7 @@ class RunConfig(_Strict):
     group_size: int = Field(8, ge=1)
     concurrency: int = Field(32, ge=1)
     max_attempts: int = Field(3, ge=1)
-    lease_seconds: float = Field(60.0, gt=0, description="a dead worker's slots are retried after this long")
+    lease_seconds: float = Field(LEASE_SECONDS, gt=0, description="a dead worker's slots are retried after this long")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     sampling: SamplingConfig = SamplingConfig()
     few_shot: list[ChatTurn] | None = Field(

@@ -14,6 +14,11 @@ from loopline.errors import LooplineError
 Split = Literal["train", "eval"]
 
 
+# How long a worker's claim on a slot lasts without renewal (it renews every third of it while the episode
+# runs): a dead worker's slots are retried after this long. One default for the run config, the rollout
+# worker and the ledger.
+LEASE_SECONDS = 60.0
+
 @dataclass(frozen=True)
 class SegmentRecord:
     """One model call as the model saw it; arrays are aligned with `generated_ids`."""

@@ -33,7 +33,7 @@ from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.store import ledger
 from loopline.store.errors import is_outage
 from loopline.store.records import CommitOutcome, Lease
-from loopline.types import Split, TrajectoryRecord
+from loopline.types import LEASE_SECONDS, Split, TrajectoryRecord
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 2.0  # how often an idle worker looks for leases of dead holders
@@ -46,7 +46,7 @@ class WorkerConfig:
     worker: str = field(default_factory=holder.this_process)  # host:pid:start, see loopline.holder
     split: Split = "train"
     concurrency: int = field(kw_only=True)  # episodes in flight (the run config's `concurrency`: one default)
-    lease_seconds: float = 120.0
+    lease_seconds: float = LEASE_SECONDS
     max_staleness: int | None = None
     max_complete_groups: int | None = None
     poll_s: float = 0.25

@@ -17,7 +17,7 @@ from loopline.store import nul
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
 from loopline.store.records import Lease
-from loopline.types import Split
+from loopline.types import LEASE_SECONDS, Split
 
 # Slot and group ids are derived from their coordinates: planning the same step twice is a no-op.
 _ID_NAMESPACE = uuid.UUID("6f1c9a52-3f6e-4d0b-9d0e-1c3a0b7e5a11")
@@ -106,7 +106,7 @@ def claim_slots(
     worker: str,
     n: int,
     split: Split,
-    lease_seconds: float = 120.0,
+    lease_seconds: float = LEASE_SECONDS,
     max_step: int | None = None,
 ) -> list[Lease]:
     """Lease up to `n` pending slots, opening one attempt each; expired leases are reclaimed first.
@@ -161,7 +161,7 @@ def claim_slots(
     ]
 
 
-def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = 120.0) -> bool:
+def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = LEASE_SECONDS) -> bool:
     """Extend a lease; False means it was lost (expired and reclaimed) and the work should stop. An attempt
     whose trajectory was committed meanwhile (a renewal racing the commit) lost nothing: True."""
     with transaction(session):

@@ -39,6 +39,7 @@ from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerCo
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
+from loopline.types import LEASE_SECONDS
 from loopline.trainer.batch import TrainSequence, batch_metrics, sequences_from_trajectory
 from loopline.tasks.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
@@ -53,7 +54,7 @@ class RolloutContext:
     engine: Engine
     binding: Binding
     concurrency: int  # episodes in flight (the run config's)
-    lease_seconds: float = 60.0
+    lease_seconds: float = LEASE_SECONDS
     in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
     # A LoRA run on SGLang: every version ships as its adapter alone (`policy_version.adapter_uri`), which the
     # learner writes with each commit and the engine loads; the full weights are exported only as `export_version` says.

@@ -8,7 +8,7 @@ import json
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, get_args, get_type_hints
 
 from loopline.envregistry import spec as env_spec
 
@@ -186,6 +186,9 @@ async def _e2b(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: Mod
 BACKENDS: dict[str, Callable[[env_spec.Sandbox, dict[str, str] | None, ModelEndpoint | None], Awaitable[Sandbox]]] = {
     "local": _local, "docker": _docker, "e2b": _e2b,
 }
+assert set(BACKENDS) == set(get_args(get_type_hints(env_spec.Sandbox)["backend"])), (
+    "envregistry/spec.Sandbox.backend and sandbox/base.BACKENDS must name the same backends"
+)
 
 
 async def open_sandbox(spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> Sandbox:
