@@ -2,7 +2,7 @@
 
 psycopg dumps a list into PostgreSQL's binary array format one element at a time in Python (a length word and
 a value each): for a 16-turn coding trajectory (~13,000 ids, masks and logprobs) that was a third of a
-rollout worker's commit (`benchmarks/ledger_scale --encoders`). The format is simple: a header (dimensions,
+rollout worker's commit (`benchmarks/ledger_scale`, encoder `lists` vs `packed`). The format is simple: a header (dimensions,
 null flag, element type), the dimension's size and lower bound, then a big-endian (length, value) pair per
 element, so numpy writes it in one pass. The bytes are PostgreSQL's own format, identical to psycopg's (a test
 compares them), so the server stores the same rows: nothing about the schema or the readers changes.
