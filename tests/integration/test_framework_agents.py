@@ -36,7 +36,7 @@ from tests.integration.test_train_flow import STARTER
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "examples" / "agents"
 TOOLS_ENV = AGENTS / "arithmetic_tools_env.yaml"
-FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
+FRAMEWORKS = {"pydantic-ai": ("pydantic_ai_agent.py", "pydantic_ai"), "pydantic-ai-few-shot": ("pydantic_ai_few_shot_agent.py", "pydantic_ai"), "langgraph": ("langgraph_agent.py", "langgraph"),
               "openai-sdk": ("openai_tools_agent.py", "openai"), "smolagents": ("smolagents_agent.py", "smolagents"),
               "openai-agents": ("openai_agents_sdk_agent.py", "agents")}
 
@@ -58,8 +58,9 @@ def _env(tmp_path: Path, framework: str) -> Path:
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_a_framework_agent_runs_unchanged_its_tool_call_reaches_the_framework_and_every_call_is_kept(framework, tmp_path):
     env_file = _env(tmp_path, framework)
-    # (smolagents' system prompt is past the tiny starter's context of 1,024 tokens: checked against a real model's)
-    context = ["--max-context", "8192"] if framework == "smolagents" else []
+    # (smolagents' system prompt and the worked examples are past the tiny starter's context of 1,024 tokens:
+    # checked against a real model's)
+    context = ["--max-context", "8192"] if framework in ("smolagents", "pydantic-ai-few-shot") else []
     tested = subprocess.run([sys.executable, "-m", "loopline.envreg", "test", str(env_file), "--tasks", "2", *context],
                             capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
@@ -79,6 +80,8 @@ def test_a_framework_agent_runs_unchanged_its_tool_call_reaches_the_framework_an
     assert played.reward == 1.0, played.info
     shown = chat.tokenizer.decode(first.prompt_ids)
     assert "<tools>" in shown and '"name": "calc"' in shown  # the policy saw the tool (Hermes's tool prompt)
+    if framework == "pydantic-ai-few-shot":  # ... and the worked examples' calls, as the blocks it is to write
+        assert '<tool_call>\n{"name": "calc", "arguments": {"expression": "23 * 4"}}\n</tool_call><|im_end|>\n<|im_start|>tool\n92<|im_end|>' in shown
     assert [e["name"] for e in first.tool_events[0]["openai_tool_calls"]] == ["calc"]  # ... and its call reached the framework
     head = list(first.prompt_ids) + list(first.generated_ids)
     if framework == "smolagents":

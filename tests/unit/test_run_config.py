@@ -83,15 +83,16 @@ def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, 
         _config(few_shot=[{"role": "robot", "content": "x"}])
 
 
-RUN_CONFIGS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.yaml") if not p.name.endswith("_env.yaml"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RUN_CONFIGS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.yaml") if not p.name.endswith("_env.yaml"))
 
 
 @pytest.mark.parametrize("name", RUN_CONFIGS)
 def test_the_example_run_configs_load(name):
     from loopline.config import load_config
 
-    config, _ = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
-    assert config.name
+    config, _ = load_config(EXAMPLES / name)
+    assert config.name and (EXAMPLES / name).parent.joinpath(config.env).is_file()  # (its env is beside it)
 
 
 def test_how_a_run_ended_is_told_in_its_status_and_one_line():
