@@ -35,10 +35,10 @@ class _Strict(BaseModel):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, description="rollout sampling temperature (the learner divides its logits by the same; 0: greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; the recorded logprobs stay the full distribution's (as verl)")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: all")
-    max_new_tokens: int = Field(48, ge=1)
+    max_new_tokens: int = Field(48, ge=1, description="the most tokens one model call may generate (an episode's total is the env's budgets.max_generated_tokens)")
 
 
 class RankLaunch(_Strict):
@@ -64,21 +64,21 @@ class RankLaunch(_Strict):
 
 
 class LearnerSettings(_Strict):
-    lr: float = Field(LearnerConfig.lr, gt=0)
+    lr: float = Field(LearnerConfig.lr, gt=0, description="AdamW's learning rate (peak, after any warm-up)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate over this many optimizer steps")
     lr_schedule: LRSchedule = Field(
         "constant", description="after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches"
     )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio)")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
-    backend: Literal["deepspeed", "torch"] = "deepspeed"
+    backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
     zero_stage: int | None = Field(
         None, ge=0, le=3,
         description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several "
         "or with dtype: fp16",
     )
-    micro_batch_tokens: int = Field(16384, ge=64)
-    minibatches: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(16384, ge=64, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (memory, not the update)")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
     share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs)")
     dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
@@ -99,8 +99,8 @@ class LearnerSettings(_Strict):
     )
     keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
     keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
-    advantage: AdvantageConfig = AdvantageConfig()
-    loss: LossConfig = LossConfig()
+    advantage: AdvantageConfig = Field(AdvantageConfig(), description="the group advantage: {estimator: grpo | dr_grpo | rloo, std: sample | population, eps, degenerate: zero | drop}")
+    loss: LossConfig = Field(LossConfig(), description="the policy loss: clip_low / clip_high (0.2 / 0.28), clip_ratio_c (dual clip, 3), the off-policy correction (tis, cap 2), aggregation (token_mean), kl_coef (0)")
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
         "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
@@ -123,11 +123,11 @@ class LearnerSettings(_Strict):
 class LaunchSettings(_Strict):
     """SGLang servers loopline starts for the run (on this machine), stops at its end and restarts if they die."""
 
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, description="servers to start (each a full copy of the model; requests are spread over them)")
     args: list[str] = Field(default_factory=list, description="extra arguments to the server, e.g. [--mem-fraction-static, '0.6']")
     module: str = Field("sglang.launch_server", description="the server's Python module (python -m MODULE --model-path ... --port ...)")
     python: str | None = Field(None, description="the interpreter that has SGLang installed (default: this one)")
-    startup_timeout_s: float = Field(900.0, gt=0)
+    startup_timeout_s: float = Field(900.0, gt=0, description="how long a server may take to answer its health check after it starts")
 
 
 EngineKindName = Literal["local", "sglang"]
@@ -137,7 +137,7 @@ assert set(get_args(EngineKindName)) == set(ENGINES), "EngineKindName and rollou
 class EngineSettings(_Strict):
     """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
 
-    kind: EngineKindName = "local"
+    kind: EngineKindName = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers")
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
     timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
@@ -166,18 +166,18 @@ class EngineSettings(_Strict):
 
 class EvalSettings(_Strict):
     every: int = Field(4, ge=1, description="evaluate every N learner steps (and before the first)")
-    tasks: int = Field(100, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    seed: int = Field(1234, ge=0, le=2**31 - 1)
+    tasks: int = Field(100, ge=1, description="held-out tasks an evaluation plays (the first N of the env's eval split)")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of evaluations (0: greedy)")
+    seed: int = Field(1234, ge=0, le=2**31 - 1, description="seed of an evaluation's sampling: each version plays the same draws")
 
 
 class ChatTurn(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant"] = Field(description="who says it")
+    content: str = Field(description="what is said, as the chat template renders it")
 
 
 class RunConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$", description="the run's name in the ledger (`loopline train` again resumes it)")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
     policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
     mode: Literal["sync", "async"] = Field("sync", description="sync: rollout, learn, sync in lock-step; async: rollouts overlap learning")
@@ -194,21 +194,21 @@ class RunConfig(_Strict):
     in_flight: Literal["finish", "abort", "continue"] = Field(
         "finish", description="at a weight sync, requests in flight finish on the old weights, are aborted, or continue on the new"
     )
-    steps: int = Field(8, ge=1)
-    groups_per_step: int = Field(32, ge=1)
-    group_size: int = Field(8, ge=1)
-    concurrency: int = Field(32, ge=1)
-    max_attempts: int = Field(3, ge=1)
+    steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
+    groups_per_step: int = Field(32, ge=1, description="tasks per learner step (TRL's prompts per step; verl's train_batch_size)")
+    group_size: int = Field(8, ge=1, description="episodes per task, compared with each other for the advantage (TRL's num_generations; verl's rollout.n)")
+    concurrency: int = Field(32, ge=1, description="episodes in flight at once (the engine's batch)")
+    max_attempts: int = Field(3, ge=1, description="attempts of an episode that fails for an infrastructure reason before its group is given up")
     lease_seconds: float = Field(LEASE_SECONDS, gt=0, description="a dead worker's slots are retried after this long")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    sampling: SamplingConfig = SamplingConfig()
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts are sampled")
     few_shot: list[ChatTurn] | None = Field(
         None, description="demonstration turns before every task's prompt (they teach a small model the env's tool syntax); "
         "unset: the policy's own (its loopline_prompt.json, e.g. smollm2-135m's calculator demonstrations); []: none",
     )
-    learner: LearnerSettings = LearnerSettings()
-    eval: EvalSettings = EvalSettings()
-    engine: EngineSettings = EngineSettings()
+    learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
+    eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
+    engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
     tracking: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
         "trainer.logger); not part of the run's identity: a resume may change them",

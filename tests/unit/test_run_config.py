@@ -327,3 +327,28 @@ def test_loopline_schema_prints_the_run_configs_json_schema_that_validates_the_e
         jsonschema.validate(yaml.safe_load(example.read_text()), schema)  # an editor would accept each example
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "x", "env": "e.yaml", "stpes": 3}, schema)
+
+
+def test_every_run_config_setting_says_what_it_is_for():
+    """`loopline schema` (an editor's completion) and the docs' reference show each setting's description: a
+    setting without one reaches users unexplained."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from loopline.config import RunConfig
+
+    missing, seen = [], set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(prefix + name)
+            for outer in (field.annotation, *typing.get_args(field.annotation)):
+                for inner in (outer, *typing.get_args(outer)):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in seen:
+                        walk(inner, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    assert len(seen) >= 7 and not missing, missing  # (RunConfig, sampling, learner, launch, eval, engine, few_shot turns...)
