@@ -172,7 +172,7 @@ class EvalSettings(_Strict):
 
 
 class ChatTurn(_Strict):
-    role: Literal["system", "user", "assistant"] = Field(description="who says it")
+    role: Literal["system", "user", "assistant", "tool"] = Field(description="who says it (tool: a tool's output, for a template that renders tool messages)")
     content: str = Field(description="what is said, as the chat template renders it")
 
 

@@ -1,0 +1,363 @@
+"""Wall-clock to held-out success, loopline against TRL's GRPOTrainer on the same tool-using task (issue 50).
+
+    python -m benchmarks.race_vs_trl --trl-python VENV/bin/python [--minutes 20] [--mark-minutes 4] [--modes sync,async]
+
+TRL's venv, as users install it (this machine's torch, never another):
+    python3 -m venv --system-site-packages VENV && VENV/bin/pip install trl==1.16.0 -c <(echo torch==2.13.0)
+
+The work, the same on every side: SmolLM2-135M-Instruct (`loopline models pull smollm2-135m`), the arithmetic
+tasks (2,000 train, the first --eval-tasks held-out), a `calc` tool, two worked examples before each question (a
+tool call, its result, the answer), the env's verifier (`<answer>N</answer>` in the final message), 8 prompts x 8
+samples a step, T = --temperature, lr 3e-6 constant, clip 0.2 / 0.28, token-mean loss, no KL, one optimizer step
+a step (TRL: 4 micro-batches of 16, loopline: its micro_batch_tokens), fp32 on CPU. The prompt is checked token
+for token to be the same on both sides. SmolLM2's chat template drops tools and TRL refuses it ("The provided
+chat template does not support tool calling"); with TRL's Qwen2.5 template SmolLM2 answers the worked examples'
+pattern wrongly (0% greedy: it writes `<tool_response>` for `<tool_call>`). So both sides get
+`benchmarks/race_smollm2_tools.jinja`: SmolLM2's ChatML with the tools shown as loopline's endpoint shows them to
+SmolLM2 (Hermes's tool prompt in the system message, `<tool_call>` blocks, `tool` turns), and TRL gets the
+response parser of its Qwen templates (`<tool_call>` JSON), set by hand as TRL's error message says to.
+  loopline: `loopline train` (its built-in harness, the template's Hermes tool calls, DeepSpeed learner,
+            LocalEngine), default home (embedded Postgres), each --mode in turn;
+  TRL:      `GRPOTrainer(tools=[calc])` as its docs show (benchmarks/race_trl_side.py, in TRL's venv).
+Each side trains for --minutes of wall-clock from its process start, one after the other, nothing else running;
+at every --mark-minutes the policy it has then is kept (loopline: the newest committed version; TRL: a save),
+the time spent saving off the clock on both sides. Afterwards one evaluator (greedy, the same harness and
+engine for every checkpoint) measures held-out success at each mark. Writes benchmarks/results/race_vs_trl.{json,txt,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+AGENTS = ROOT / "examples" / "agents"
+SYSTEM = "Solve the problem. Use the calc tool to compute. Finish with <answer>N</answer>."
+WORKED = (("What is 23 * 4?", "23 * 4", "92"), ("What is 56 - 18 + 7?", "56 - 18 + 7", "45"))
+
+
+def _call(expression: str) -> str:
+    return json.dumps({"name": "calc", "arguments": {"expression": expression}})
+
+
+def few_shot_turns() -> list[dict]:
+    """The worked examples as loopline's `few_shot` turns: the text the template renders for TRL's structured
+    tool calls (checked token for token by `check_same_prompt`)."""
+    turns = []
+    for question, expression, value in WORKED:
+        turns += [{"role": "user", "content": question},
+                  {"role": "assistant", "content": f"<tool_call>\n{_call(expression)}\n</tool_call>"},
+                  {"role": "tool", "content": value},
+                  {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+    return turns
+
+
+def trl_messages(question: str) -> list[dict]:
+    """The same conversation as TRL takes it: OpenAI-style tool calls and tool messages."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for q, expression, value in WORKED:
+        messages += [{"role": "user", "content": q},
+                     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expression": expression}}}]},
+                     {"role": "tool", "name": "calc", "content": value},
+                     {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+    return messages + [{"role": "user", "content": question}]
+
+
+def prepare_model(work: Path) -> Path:
+    """SmolLM2 with a chat template that renders tools (see the docstring)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.smollm2_learning import pulled_model
+    from loopline.store.db import loopline_home
+
+    model = work / "smollm2-tools-template"
+    shutil.copytree(pulled_model(loopline_home()), model)
+    (model / "loopline_prompt.json").unlink(missing_ok=True)  # (the worked examples come from the run config)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = (ROOT / "benchmarks" / "race_smollm2_tools.jinja").read_text()
+    tokenizer.save_pretrained(model)
+    return model
+
+
+def write_env(work: Path, eval_size: int) -> Path:
+    spec = {
+        "name": "race-arithmetic-tools", "versions": {"env": "1", "verifier": "1", "harness": "race-1"},
+        "sandbox": {"backend": "local"},
+        "tasks": {"kind": "generator", "generator": "arithmetic", "seed": 0, "train_size": 2000, "eval_size": max(eval_size, 16),
+                  "params": {"max_operand": 79, "split": "problems"}},
+        "tools": [{"name": "calc", "description": "Evaluate an arithmetic expression.", "builtin": "calculator", "timeout_s": 2,
+                   "args": {"expression": {"type": "string", "description": 'numbers and + - * / ( ), e.g. "12 + 3 * 4".'}}}],
+        "tool_calls": "hermes",
+        "reset": {"system_prompt": SYSTEM, "prompt": "{prompt}"},
+        "verifier": {"builtin": "arithmetic_answer"},
+        "budgets": {"max_turns": 4, "max_generated_tokens": 128, "wall_time_s": 120},
+    }
+    path = work / "env.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def check_same_prompt(model: Path, env: Path, task) -> str:
+    """Both sides' first prompt for one task, as token ids: identical but for what is said here."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from loopline.envregistry.spec import load_spec
+    from loopline.rollout.actions import tool_schemas
+    from loopline.rollout.chat import ChatFormat
+
+    from benchmarks.race_trl_side import as_trl_tool
+
+    sys.path.insert(0, str(AGENTS))
+    from calc_tool import calc
+
+    chat = dataclasses.replace(ChatFormat.for_policy(model), few_shot=tuple(few_shot_turns())).with_tools(tool_schemas(load_spec(env).tools))
+    ours = chat.initial_ids(SYSTEM, task.prompt)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    theirs = tokenizer.encode(tokenizer.apply_chat_template(trl_messages(task.prompt), tools=[as_trl_tool(calc)], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    if ours == theirs:
+        return f"prompts identical ({len(ours)} tokens)"
+    extra = tokenizer.decode(theirs[len(os.path.commonprefix([ours, theirs])):][:40])
+    raise SystemExit(f"the sides' prompts differ: loopline {len(ours)} tokens, TRL {len(theirs)}; TRL's from there: {extra!r}")
+
+
+def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: float, work: Path, temperature: float) -> dict:
+    name = f"race-{mode}-{int(time.time())}"
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "env": str(env), "policy": str(model), "mode": mode, "steps": 10_000,
+        "groups_per_step": 8, "group_size": 8, "concurrency": 32,
+        "sampling": {"temperature": temperature, "max_new_tokens": 64},
+        "few_shot": few_shot_turns(),
+        "learner": {"lr": 3e-6, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000},
+        "eval": {"every": 10_000, "tasks": 1, "temperature": 0.0},  # (v0 is evaluated on 1 task: the run's own evaluations are off)
+    }, sort_keys=False))
+    home = work / f"home-{mode}"
+    env_vars = {k: v for k, v in os.environ.items() if k != "LOOPLINE_DATABASE_URL"} | {"LOOPLINE_HOME": str(home)}
+    started_wall, started = time.time(), time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env_vars, cwd=work,
+                               stdout=open(work / f"{name}.out", "w"), stderr=subprocess.STDOUT)
+    while process.poll() is None and time.monotonic() - started < seconds + 30:  # (a step committed just past the budget is not used)
+        time.sleep(2)
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops where it is, resumable
+        process.wait(timeout=300)
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+
+    os.environ["LOOPLINE_HOME"] = str(home)
+    os.environ.pop("LOOPLINE_DATABASE_URL", None)
+    from loopline.store import db as store_db
+    from loopline.store import ledger, views
+
+    database = store_db.make_engine()
+    with database.connect() as conn:
+        run = views.run_id(conn, name)
+        timings = [dict(zip(t.columns, r)) for t in [views.step_timings(conn, run)] for r in t.rows]
+    with store_db.session(database) as s:
+        weights = {v: ledger.version_weights(s, run, v).uri for v in ledger.exported_versions(s, run)}
+    database.dispose()
+    # the clock: seconds from process start to each version's commit, less the exports written so far
+    # (every version is exported here only so that each mark can be evaluated; a run normally exports every 4th)
+    saved, trained = 0.0, {0: 0.0}
+    for row in timings:
+        saved += row["export_s"] or 0.0
+        trained[row["step"]] = row["committed_at"] - started_wall - saved
+    marks = []
+    for k in range(1, int(seconds // mark_s) + 1):
+        version = max(v for v, s in trained.items() if s <= k * mark_s and v in weights)
+        marks.append({"mark": k, "at_s": k * mark_s, "version": version, "trained_s": trained[version], "path": weights[version]})
+    rows = timings[1:] or timings
+    return {
+        "side": f"loopline {mode}", "marks": marks, "base": weights[0], "peak_rss_gb": peak_gb, "steps": len(timings),
+        "steps_in_budget": sum(s <= seconds for v, s in trained.items() if v > 0),
+        "startup_s": (timings[0]["committed_at"] - started_wall - (timings[0]["rollout_s"] or 0) - (timings[0]["learner_s"] or 0)) if timings else None,
+        "median_step": {part: statistics.median((r[part] or 0.0) for r in rows) for part in ("rollout_s", "learner_s", "checkpoint_s", "export_s", "sync_s")} if rows else {},
+        "export_s_total": saved,
+    }
+
+
+def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: float, work: Path, temperature: float) -> dict:
+    prompts = work / "trl_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": trl_messages(t.prompt), "answer": t.data["answer"]}) + "\n" for t in tasks))
+    out = work / "trl"
+    command = [trl_python, str(ROOT / "benchmarks" / "race_trl_side.py"), "--model", str(model), "--prompts", str(prompts),
+               "--tool-module", str(AGENTS), "--out", str(out), "--budget-s", str(seconds), "--mark-s", str(mark_s),
+               "--temperature", str(temperature), "--max-new-tokens", "128"]
+    with open(work / "trl.out", "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=work, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"TRL failed (rc {done.returncode}); its output: {work / 'trl.out'}")
+    result = json.loads((out / "marks.json").read_text())
+    steps = result["step_ends_s"]
+    return {
+        "side": "TRL", "base": str(model), "peak_rss_gb": result["peak_rss_gb"], "steps": len(steps), "steps_in_budget": len(steps),
+        "marks": [{"mark": m["mark"], "at_s": m["mark"] * mark_s, "step": m["step"], "trained_s": m["trained_s"], "path": m["path"]} for m in result["marks"]],
+        "startup_s": steps[0] - (steps[1] - steps[0]) if len(steps) > 1 else None,
+        "median_step": {"step_s": statistics.median(b - a for a, b in zip(steps, steps[1:]))} if len(steps) > 1 else {},
+        "train_reward": result["train_reward"], "save_s_total": result["save_s"],
+    }
+
+
+def evaluate(env: Path, paths: list[str], eval_tasks: int, temperature: float = 0.0) -> dict[str, float]:
+    """Held-out success of each checkpoint: one harness, one engine kind, greedy, the same tasks and prompts."""
+    import dataclasses
+
+    from loopline.envregistry.spec import load_spec
+    from loopline.envregistry.tasks import load_tasks
+    from loopline.rollout.actions import tool_schemas
+    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.engine import SamplingParams
+    from loopline.rollout.harness import EpisodeSetup, run_episode
+    from loopline.rollout.local_engine import LocalEngine
+
+    spec = load_spec(env)
+    held_out = [t for t in load_tasks(spec, env.parent) if t.split == "eval"][:eval_tasks]
+
+    async def one(path: str) -> float:
+        engine = LocalEngine(Path(path))
+        chat = dataclasses.replace(ChatFormat.for_policy(Path(path)), few_shot=tuple(few_shot_turns())).with_tools(tool_schemas(spec.tools))
+        setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=64, seed=0))
+        slots = asyncio.Semaphore(32)
+
+        async def episode(task):
+            async with slots:
+                return await run_episode(engine, setup, task, f"race-eval-{task.id}")
+        played = await asyncio.gather(*(episode(t) for t in held_out))
+        await engine.close()
+        return statistics.mean(p.reward == 1.0 for p in played)
+
+    scores = {}
+    for path in dict.fromkeys(paths):
+        scores[path] = asyncio.run(one(path))
+        print(f"  {path}: {scores[path]:.1%}", flush=True)
+    return scores
+
+
+def time_to(levels: dict[str, float], curve: list[tuple[float, float]]) -> dict[str, float | None]:
+    """The first mark's training seconds at which the curve reaches each level (None: never within the race)."""
+    return {name: next((t for t, success in curve if success >= level - 1e-9), None) for name, level in levels.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-python", required=True, help="python of TRL's venv (see this file's docstring)")
+    parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock each side trains")
+    parser.add_argument("--mark-minutes", type=float, default=4.0)
+    parser.add_argument("--modes", default="sync,async", help="loopline's modes to race (comma-separated)")
+    parser.add_argument("--eval-tasks", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.7, help="rollout temperature, both sides")
+    parser.add_argument("--out", type=Path, default=RESULTS / "race_vs_trl")
+    parser.add_argument("--report", type=Path, metavar="WORK", help="evaluate and report a finished race's work directory again")
+    args = parser.parse_args()
+    if args.report:
+        return finish(args.report, args.out)
+    seconds, mark_s = args.minutes * 60, args.mark_minutes * 60
+
+    work = Path(tempfile.mkdtemp(prefix="loopline-race-"))
+    model = prepare_model(work)
+    env = write_env(work, args.eval_tasks)
+    from loopline.envregistry.spec import load_spec
+    from loopline.envregistry.tasks import load_tasks
+
+    train = [t for t in load_tasks(load_spec(env), env.parent) if t.split == "train"]
+    same = check_same_prompt(model, env, train[0])
+    print(same, flush=True)
+    sides = []
+    for mode in args.modes.split(","):
+        print(f"loopline {mode}: {args.minutes:g} min ...", flush=True)
+        sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature))
+    print(f"TRL: {args.minutes:g} min ...", flush=True)
+    sides.append(race_trl(args.trl_python, model, train, seconds, mark_s, work, args.temperature))
+
+    state = {"args": {k: str(v) for k, v in vars(args).items()}, "model": str(model), "env": str(env), "same": same,
+             "eval_tasks": args.eval_tasks, "header": f"{args.minutes:g} min a side, marks every {args.mark_minutes:g} min, T={args.temperature} rollouts, 8x8 a step",
+             "sides": sides}
+    (work / "race.json").write_text(json.dumps(state, indent=1))
+    finish(work, args.out)
+
+
+def finish(work: Path, out: Path) -> None:
+    """Evaluate every mark's policy and write the results (`--report WORK` does it again for a finished race)."""
+    state = json.loads((work / "race.json").read_text())
+    sides, model = state["sides"], state["model"]
+    print("evaluating every mark's policy ...", flush=True)
+    eval_started = time.monotonic()
+    scores = evaluate(Path(state["env"]), [model] + [m["path"] for side in sides for m in side["marks"]], state["eval_tasks"])
+    text = report(sides, scores, model, f"race_vs_trl: {state['header']}, {state['eval_tasks']} held-out tasks (greedy); {state['same']}; "
+                  f"evaluation {time.monotonic() - eval_started:.0f} s (off every clock)")
+    print("\n" + text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".txt").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps({**state, "scores": scores}, indent=1))
+    plot(sides, out.with_suffix(".png"), f"SmolLM2-135M, arithmetic with a calc tool, {state['eval_tasks']} held-out (greedy)")
+    print(f"(work directory {work}; results {out}.txt/.json/.png)")
+
+
+def report(sides: list[dict], scores: dict[str, float], base_path: str, header: str) -> str:
+    """The table: success at each mark, time to each level and the ratio to TRL's (the last side), memory, where
+    the time went. Adds each side's `curve`, `best` and `time_to`."""
+    base = scores[base_path]
+    levels = {"base+5": base + 0.05, "base+10": base + 0.10, "base+15": base + 0.15}
+    for side in sides:
+        side["curve"] = [(0.0, base)] + [(m["trained_s"], scores[m["path"]]) for m in side["marks"]]
+        side["best"] = max(s for _, s in side["curve"])
+    levels["TRL's best"] = sides[-1]["best"]
+    for side in sides:
+        side["time_to"] = time_to(levels, side["curve"])
+    lines = [header, f"{'held-out success at mark':28s}" + "".join(f"{s['side']:>18s}" for s in sides),
+             f"{'  start':28s}" + "".join(f"{base:18.1%}" for _ in sides)]
+    for k in range(max(len(s["marks"]) for s in sides)):
+        cells = []
+        for side in sides:
+            mark = side["marks"][k] if k < len(side["marks"]) else None
+            cells.append(f"{scores[mark['path']]:.1%} ({mark['trained_s'] / 60:.1f}m)" if mark else "-")
+        lines.append(f"{'  mark ' + str(k + 1):28s}" + "".join(f"{c:>18s}" for c in cells))
+    lines.append(f"{'best':28s}" + "".join(f"{s['best']:18.1%}" for s in sides))
+    for level in levels:
+        cells = [s["time_to"][level] for s in sides]
+        ratios = [f"{c / cells[-1]:.2f}x" if c is not None and cells[-1] else "-" for c in cells[:-1]]
+        lines.append(f"{'minutes to ' + level:28s}" + "".join(f"{c / 60:18.1f}" if c is not None else f"{'never':>18s}" for c in cells)
+                     + f"   loopline/TRL: {', '.join(ratios)}")
+    lines.append(f"{'steps in the budget':28s}" + "".join(f"{s['steps_in_budget']:18d}" for s in sides))
+    lines.append(f"{'peak RSS (GB)':28s}" + "".join(f"{s['peak_rss_gb']:18.2f}" for s in sides))
+    for side in sides:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in side["median_step"].items()) or "fewer than 2 steps"
+        lines.append(f"{side['side']}: median step (s) {parts}" + (f"; startup ~{side['startup_s']:.0f} s" if side.get("startup_s") else ""))
+    return "\n".join(lines)
+
+
+def plot(sides: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for side in sides:
+        axes.plot([t / 60 for t, _ in side["curve"]], [100 * s for _, s in side["curve"]], marker="o", label=side["side"])
+    axes.set_xlabel("training wall-clock (minutes, evaluation and saves excluded)")
+    axes.set_ylabel("held-out success (%)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
