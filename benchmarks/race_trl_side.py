@@ -2,9 +2,9 @@
 no loopline). GRPO for a tool-using agent as TRL's docs show it: `GRPOTrainer(tools=[calc])`, conversational
 prompts, the tool's calls parsed by the chat template's response schema and answered by TRL's own loop.
 
-It trains for a budget of wall-clock seconds and saves the policy at fixed marks of that clock; the time a save
-takes is kept off the clock (the other side's exports are off its clock too). Writes OUT/marks.json: for each
-mark, the checkpoint directory and the seconds trained, and the per-step seconds and peak memory."""
+It trains for a budget of wall-clock seconds and saves the policy after every step; the time a save takes is
+kept off the clock (the other side's exports are off its clock too). Writes OUT/steps.json: each step's
+checkpoint directory and seconds trained, the training rewards, peak memory."""
 
 from __future__ import annotations
 
@@ -43,28 +43,24 @@ def as_trl_tool(function):
     return tool
 
 
-class Marks(TrainerCallback):
-    """Saves the policy when training time passes each mark and stops at the budget; saving is off the clock."""
+class Saves(TrainerCallback):
+    """Saves the policy after every step (the caller picks, for each mark, the newest step that ended before it:
+    the rule the other side's versions follow) and stops at the first step end past the budget; saving is off
+    the clock."""
 
-    def __init__(self, out: Path, every_s: float, budget_s: float):
-        self.out, self.every_s, self.budget_s = out, every_s, budget_s
+    def __init__(self, out: Path, budget_s: float):
+        self.out, self.budget_s = out, budget_s
         self.paused = 0.0  # seconds spent saving
-        self.marks: list[dict] = []
-        self.step_ends: list[float] = []
+        self.steps: list[dict] = []
         self.trainer = None
 
-    def clock(self) -> float:
-        return time.monotonic() - STARTED - self.paused
-
     def on_step_end(self, args, state, control, **_):
-        now = self.clock()
-        self.step_ends.append(now)
-        if now >= self.every_s * (len(self.marks) + 1) or now >= self.budget_s:
-            began = time.monotonic()
-            directory = self.out / f"mark-{len(self.marks) + 1}"
-            self.trainer.save_model(str(directory))
-            self.marks.append({"mark": len(self.marks) + 1, "trained_s": now, "step": state.global_step, "path": str(directory)})
-            self.paused += time.monotonic() - began
+        now = time.monotonic() - STARTED - self.paused
+        began = time.monotonic()
+        directory = self.out / f"step-{state.global_step}"
+        self.trainer.save_model(str(directory))
+        self.steps.append({"step": state.global_step, "trained_s": now, "path": str(directory)})
+        self.paused += time.monotonic() - began
         if now >= self.budget_s:
             control.should_training_stop = True
         return control
@@ -77,7 +73,6 @@ def main() -> None:
     parser.add_argument("--tool-module", required=True, help="directory holding calc_tool.py (the env's calculator)")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--budget-s", type=float, required=True)
-    parser.add_argument("--mark-s", type=float, required=True)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -97,7 +92,7 @@ def main() -> None:
 
     rows = [json.loads(line) for line in open(args.prompts)]
     data = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
-    marks = Marks(args.out, args.mark_s, args.budget_s)
+    saves = Saves(args.out, args.budget_s)
     config = GRPOConfig(
         # one generation of groups x group_size completions, then one optimizer step over them in micro-batches
         output_dir=str(args.out / "trainer"), per_device_train_batch_size=args.micro_batch,
@@ -112,12 +107,12 @@ def main() -> None:
     if getattr(tokenizer, "response_template", None) is None:  # (a template TRL does not know: its tool calls are
         tokenizer.response_template = qwen3_template  # `<tool_call>` JSON blocks, as its Qwen templates')
     trainer = GRPOTrainer(model=args.model, processing_class=tokenizer, reward_funcs=reward, args=config, train_dataset=data,
-                          tools=[as_trl_tool(calc)], callbacks=[marks])
-    marks.trainer = trainer
+                          tools=[as_trl_tool(calc)], callbacks=[saves])
+    saves.trainer = trainer
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    (args.out / "marks.json").write_text(json.dumps({
-        "marks": marks.marks, "step_ends_s": marks.step_ends, "train_reward": rewards, "save_s": marks.paused,
+    (args.out / "steps.json").write_text(json.dumps({
+        "steps": saves.steps, "train_reward": rewards, "save_s": saves.paused,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
     }, indent=1))
 

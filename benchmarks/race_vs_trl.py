@@ -20,8 +20,9 @@ response parser of its Qwen templates (`<tool_call>` JSON), set by hand as TRL's
             LocalEngine), default home (embedded Postgres), each --mode in turn;
   TRL:      `GRPOTrainer(tools=[calc])` as its docs show (benchmarks/race_trl_side.py, in TRL's venv).
 Each side trains for --minutes of wall-clock from its process start, one after the other, nothing else running;
-at every --mark-minutes the policy it has then is kept (loopline: the newest committed version; TRL: a save),
-the time spent saving off the clock on both sides. Afterwards one evaluator (greedy, the same harness and
+at every --mark-minutes the policy it has then counts (on both sides the newest one whose step ended before the
+mark: every loopline version is exported, TRL saves after every step), the time spent saving off the clock on
+both sides. Afterwards one evaluator (greedy, the same harness and
 engine for every checkpoint) measures held-out success at each mark. Writes benchmarks/results/race_vs_trl.{json,txt,png}.
 """
 
@@ -177,10 +178,7 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     for row in timings:
         saved += row["export_s"] or 0.0
         trained[row["step"]] = row["committed_at"] - started_wall - saved
-    marks = []
-    for k in range(1, int(seconds // mark_s) + 1):
-        version = max(v for v, s in trained.items() if s <= k * mark_s and v in weights)
-        marks.append({"mark": k, "at_s": k * mark_s, "version": version, "trained_s": trained[version], "path": weights[version]})
+    marks = at_marks({v: {"trained_s": t, "path": weights[v], "version": v} for v, t in trained.items() if v in weights}, seconds, mark_s)
     rows = timings[1:] or timings
     return {
         "side": f"loopline {mode}", "marks": marks, "base": weights[0], "peak_rss_gb": peak_gb, "steps": len(timings),
@@ -191,24 +189,34 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     }
 
 
+def at_marks(policies: dict[int, dict], seconds: float, mark_s: float) -> list[dict]:
+    """The policy each side has at each mark: the newest whose step ended (on that side's clock) before it."""
+    marks = []
+    for k in range(1, int(seconds // mark_s + 1e-9) + 1):
+        newest = max((n for n, p in policies.items() if p["trained_s"] <= k * mark_s), default=0)
+        marks.append({"mark": k, "at_s": k * mark_s, **policies[newest]})
+    return marks
+
+
 def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: float, work: Path, temperature: float) -> dict:
     prompts = work / "trl_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": trl_messages(t.prompt), "answer": t.data["answer"]}) + "\n" for t in tasks))
     out = work / "trl"
     command = [trl_python, str(ROOT / "benchmarks" / "race_trl_side.py"), "--model", str(model), "--prompts", str(prompts),
-               "--tool-module", str(AGENTS), "--out", str(out), "--budget-s", str(seconds), "--mark-s", str(mark_s),
+               "--tool-module", str(AGENTS), "--out", str(out), "--budget-s", str(seconds),
                "--temperature", str(temperature), "--max-new-tokens", "128"]
     with open(work / "trl.out", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=work, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
     if done.returncode != 0:
         raise SystemExit(f"TRL failed (rc {done.returncode}); its output: {work / 'trl.out'}")
-    result = json.loads((out / "marks.json").read_text())
-    steps = result["step_ends_s"]
+    result = json.loads((out / "steps.json").read_text())
+    ends = [step["trained_s"] for step in result["steps"]]
+    policies = {0: {"trained_s": 0.0, "path": str(model), "step": 0}} | {step["step"]: step for step in result["steps"]}
     return {
-        "side": "TRL", "base": str(model), "peak_rss_gb": result["peak_rss_gb"], "steps": len(steps), "steps_in_budget": len(steps),
-        "marks": [{"mark": m["mark"], "at_s": m["mark"] * mark_s, "step": m["step"], "trained_s": m["trained_s"], "path": m["path"]} for m in result["marks"]],
-        "startup_s": steps[0] - (steps[1] - steps[0]) if len(steps) > 1 else None,
-        "median_step": {"step_s": statistics.median(b - a for a, b in zip(steps, steps[1:]))} if len(steps) > 1 else {},
+        "side": "TRL", "base": str(model), "peak_rss_gb": result["peak_rss_gb"], "steps": len(ends),
+        "steps_in_budget": sum(t <= seconds for t in ends), "marks": at_marks(policies, seconds, mark_s),
+        "startup_s": ends[0] - (ends[1] - ends[0]) if len(ends) > 1 else None,
+        "median_step": {"step_s": statistics.median(b - a for a, b in zip(ends, ends[1:]))} if len(ends) > 1 else {},
         "train_reward": result["train_reward"], "save_s_total": result["save_s"],
     }
 
