@@ -13,9 +13,9 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 
-def worked_example(question: str, expression: str, value: str, call_id: str) -> list:
+def worked_example(question: str, expression: str, value: str, call_id: str, before: tuple = ()) -> list:
     return [
-        ModelRequest(parts=[UserPromptPart(question)]),
+        ModelRequest(parts=[*before, UserPromptPart(question)]),
         ModelResponse(parts=[ToolCallPart("calc", {"expression": expression}, tool_call_id=call_id)]),
         ModelRequest(parts=[ToolReturnPart("calc", value, tool_call_id=call_id)]),
         ModelResponse(parts=[TextPart(f"<answer>{value}</answer>")]),
@@ -24,11 +24,8 @@ def worked_example(question: str, expression: str, value: str, call_id: str) -> 
 
 task = json.load(sys.stdin)
 # With a message history pydantic-ai leaves the system prompt to it: the first request carries it.
-history = [ModelRequest(parts=[SystemPromptPart(task["system_prompt"])])]
-history += worked_example("What is 23 * 4?", "23 * 4", "92", "example-1")
+history = worked_example("What is 23 * 4?", "23 * 4", "92", "example-1", before=(SystemPromptPart(task["system_prompt"]),))
 history += worked_example("What is 56 - 18 + 7?", "56 - 18 + 7", "45", "example-2")
-history[1].parts = [*history[0].parts, *history[1].parts]  # one request: system prompt, then the first question
-del history[0]
 
 agent = Agent(OpenAIChatModel("policy", provider=OpenAIProvider()), system_prompt=task["system_prompt"])
 agent.tool_plain(calc)
