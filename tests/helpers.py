@@ -38,3 +38,15 @@ class cpu_load:
         for proc in self.procs:
             proc.kill()
             proc.wait()
+
+
+def undescribed_metrics(db, run_id) -> set[str]:
+    """Metric names a run recorded that `loopline.metrics` does not describe (the docs' metric reference is
+    generated from it: a name missing there reaches users unexplained)."""
+    import sqlalchemy as sa
+
+    from loopline.metrics import METRICS
+
+    names = {name for (name,) in db.execute(sa.text("SELECT DISTINCT name FROM metric WHERE run_id = :r"), {"r": run_id})}
+    db.rollback()
+    return names - set(METRICS)

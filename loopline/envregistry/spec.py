@@ -140,23 +140,23 @@ def _skip_heredocs(template: str, i: int, delimiters: list[str], found: list[tup
 class Versions(_Strict):
     """Bumped by hand when behaviour changes; recorded on every trajectory."""
 
-    env: str = "1"
-    verifier: str = "1"
-    harness: str = "1"
+    env: str = Field("1", description="the environment's behaviour (tasks, tools, reset); recorded on every trajectory")
+    verifier: str = Field("1", description="the verifier's behaviour: bump it when the same answer could score differently")
+    harness: str = Field("1", description="how episodes are played (turn format, observations)")
 
 
 class Resources(_Strict):
     cpus: float = Field(1.0, ge=0.01, le=64, description="at least 0.01 (Docker's smallest CPU share)")
-    memory_mb: int = Field(512, ge=16, le=1_048_576)
-    pids: int = Field(128, ge=8, le=1_000_000)
-    disk_mb: int = Field(256, ge=1, le=1_048_576)
+    memory_mb: int = Field(512, ge=16, le=1_048_576, description="memory of the sandbox (local: per process, and what its /tmp and /dev/shm may hold)")
+    pids: int = Field(128, ge=8, le=1_000_000, description="processes the agent may run at once")
+    disk_mb: int = Field(256, ge=1, le=1_048_576, description="disk the agent's working directory may fill (docker, e2b)")
 
 
 class Sandbox(_Strict):
-    backend: Literal["docker", "e2b", "local"]
+    backend: Literal["docker", "e2b", "local"] = Field(description="docker: a container per episode; e2b: E2B's cloud sandbox; local: a bubblewrap-isolated directory on this host")
     image: str | None = Field(None, description="docker: image name (build with `envreg image build`)")
     template: str | None = Field(None, description="e2b: template id")
-    resources: Resources = Resources()
+    resources: Resources = Field(Resources(), description="limits on what the agent can hold: cpus, memory_mb, pids, disk_mb")
     network: bool = Field(False, description="network access inside the sandbox; off by default")
     workdir: str = Field("/workspace", description="docker/e2b: the agent's working directory (local: a private temp dir)")
     setup: tuple[str, ...] = Field((), description="commands run once after the sandbox starts")
@@ -203,13 +203,13 @@ class Sandbox(_Strict):
 class ArithmeticParams(_Strict):
     """The arithmetic generator's knobs (see `tasks.arithmetic_tasks`)."""
 
-    max_operand: int = Field(99, ge=1, le=1_000_000)
+    max_operand: int = Field(99, ge=1, le=1_000_000, description="the largest operand of a problem")
     split: Literal["templates", "operands", "problems"] = Field(
         "templates",
         description="templates: eval holds out the form a o (b o c); operands: eval problems have an operand "
         ">= eval_min_operand, train never does; problems: one distribution, no eval problem in train",
     )
-    eval_min_operand: int = Field(80, ge=2, le=1_000_000)
+    eval_min_operand: int = Field(80, ge=2, le=1_000_000, description="split: operands: the smallest operand only eval problems have")
 
     @model_validator(mode="after")
     def _threshold(self) -> "ArithmeticParams":
@@ -224,40 +224,40 @@ MAX_GENERATED_TASKS = 100_000
 class GeneratorTasks(_Strict):
     """Tasks made by a built-in generator; train and eval never share a problem."""
 
-    kind: Literal["generator"]
-    generator: Literal["arithmetic"]
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    train_size: int = Field(1000, ge=1, le=MAX_GENERATED_TASKS)
-    eval_size: int = Field(100, ge=1, le=MAX_GENERATED_TASKS)
-    params: ArithmeticParams = ArithmeticParams()
+    kind: Literal["generator"] = Field(description="generator: tasks made by a built-in generator")
+    generator: Literal["arithmetic"] = Field(description="which generator: arithmetic (expressions with + - * and parentheses)")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="the same seed makes the same tasks")
+    train_size: int = Field(1000, ge=1, le=MAX_GENERATED_TASKS, description="tasks in the train split")
+    eval_size: int = Field(100, ge=1, le=MAX_GENERATED_TASKS, description="tasks in the held-out eval split")
+    params: ArithmeticParams = Field(ArithmeticParams(), description="the generator's knobs")
 
 
 class JsonlTasks(_Strict):
     """Tasks in a JSONL file beside the YAML: one object per line with `id`, `split`, `prompt`."""
 
-    kind: Literal["jsonl"]
-    path: str
+    kind: Literal["jsonl"] = Field(description="jsonl: tasks from a file")
+    path: str = Field(description="the JSONL file, relative to this YAML; its text is registered with the version")
 
 
 TaskSource = Annotated[Union[GeneratorTasks, JsonlTasks], Field(discriminator="kind")]
 
 
 class ToolArg(_Strict):
-    type: Literal["string", "integer", "number", "boolean"] = "string"
-    description: str = ""
-    required: bool = True
+    type: Literal["string", "integer", "number", "boolean"] = Field("string", description="the argument's JSON type, as the model is told")
+    description: str = Field("", description="what the argument is, as the model is told (hermes: in the tool's signature)")
+    required: bool = Field(True, description="false: the model may leave it out (the template then gets the empty string)")
 
 
 class Tool(_Strict):
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
-    description: str
-    args: dict[str, ToolArg] = Field(default_factory=dict)
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$", description="what the model calls (tags: <NAME>...</NAME>)")
+    description: str = Field(description="what the tool does, as the model is told")
+    args: dict[str, ToolArg] = Field(default_factory=dict, description="the tool's named arguments (placeholders of command and stdin)")
     builtin: Literal["calculator"] | None = Field(None, description="a handler loopline runs itself")
     command: str | None = Field(
         None, description="a command template run in the sandbox, e.g. 'python3 {path}'; values are shell-quoted"
     )
     stdin: str | None = Field(None, description="template whose value is fed to the command's stdin")
-    timeout_s: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S, description="the longest one call may run (within budgets.wall_time_s)")
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> "Tool":
@@ -279,7 +279,7 @@ class Tool(_Strict):
 class Reset(_Strict):
     """How a task is put into a fresh sandbox and shown to the agent."""
 
-    system_prompt: str = ""
+    system_prompt: str = Field("", description="the system message (empty: none)")
     prompt: str = Field("{prompt}", description="the first user message; {prompt} is the task's prompt")
     files: dict[str, str] = Field(
         default_factory=dict, description="path (relative to the workdir) -> task field whose text is written there"
@@ -313,7 +313,7 @@ class Verifier(_Strict):
     infrastructure failure, retried, never a reward.
     """
 
-    builtin: Literal["arithmetic_answer"] | None = None
+    builtin: Literal["arithmetic_answer"] | None = Field(None, description="a verifier loopline runs itself: arithmetic_answer (the <answer> equals the task's answer)")
     command: str | None = Field(
         None, description="run in the verifier's private directory after the agent's processes are gone; writes verdict.json"
     )
@@ -328,7 +328,7 @@ class Verifier(_Strict):
         description="path (relative to the verifier's directory) -> a file beside this YAML, written only to verify; its text "
         "is read when the spec is loaded and registered as support_files (a test runner kept as a real .py file)",
     )
-    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="the longest the verifier may run; past it: a verifier fault (infra failure)")
     reward_range: tuple[float, float] = Field((0.0, 1.0), description="[low, high]: a verdict outside it is a verifier fault")
 
     @field_validator("hidden_files", "support_files", "files")
@@ -353,8 +353,8 @@ class Verifier(_Strict):
 
 
 class Budgets(_Strict):
-    max_turns: int = Field(4, ge=1, le=1000)
-    max_generated_tokens: int = Field(512, ge=1, le=10_000_000)
+    max_turns: int = Field(4, ge=1, le=1000, description="model turns (agent programs: model calls) an episode may take")
+    max_generated_tokens: int = Field(512, ge=1, le=10_000_000, description="tokens the model may generate over the whole episode")
     wall_time_s: float = Field(
         120.0, gt=0, le=MAX_TIMEOUT_S,
         description="seconds the environment may spend on one episode's tool calls (each also has its own timeout_s); "
@@ -384,7 +384,7 @@ class Agent(_Strict):
 
 
 class SmokeStep(_Strict):
-    tool: str | None = None
+    tool: str | None = Field(None, description="the tool this step calls (or none: the step gives the answer)")
     args: dict[str, Any] = Field(default_factory=dict, description="string values may use {task.FIELD} placeholders")
     answer: str | None = Field(None, description="the final answer; may use {task.FIELD} placeholders")
 
@@ -392,7 +392,7 @@ class SmokeStep(_Strict):
 class SmokeTest(_Strict):
     """A scripted episode `envreg test` plays to check the environment end to end."""
 
-    steps: tuple[SmokeStep, ...] = ()
+    steps: tuple[SmokeStep, ...] = Field((), description="the scripted tool calls and answer, in order (envs played by loopline's harness)")
     replies: tuple[str, ...] = Field(
         (), description="an env with `agent`: what a scripted model answers the program's calls, in order ({task.FIELD} placeholders)"
     )
@@ -400,22 +400,22 @@ class SmokeTest(_Strict):
 
 
 class EnvSpec(_Strict):
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str = ""
-    versions: Versions = Versions()
-    sandbox: Sandbox
-    tasks: TaskSource
-    tools: tuple[Tool, ...] = ()
+    name: str = Field(pattern=NAME_PATTERN, description="the registry's name (`envreg add` makes NAME@VERSION)")
+    description: str = Field("", description="what the environment is, for people")
+    versions: Versions = Field(Versions(), description="behaviour versions, recorded on every trajectory")
+    sandbox: Sandbox = Field(description="where the agent's commands run and what they may hold")
+    tasks: TaskSource = Field(description="where tasks come from: {kind: generator, ...} or {kind: jsonl, path}")
+    tools: tuple[Tool, ...] = Field((), description="what the model may call (loopline's harness; an `agent` program brings its own)")
     tool_calls: Literal["tags", "hermes"] = Field(
         "tags", description="how the model calls a tool: tags (<NAME>ARG</NAME>, the starters' format) or hermes (the "
         "chat template renders the tools, the model writes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
         "and tool outputs come back as the template's tool messages: Qwen2.5/3, Hermes and other instruction-tuned models)",
     )
-    reset: Reset = Reset()
-    verifier: Verifier
-    budgets: Budgets = Budgets()
-    smoke_test: SmokeTest | None = None
-    agent: Agent | None = None
+    reset: Reset = Field(Reset(), description="how a task is put into a fresh sandbox and shown to the model")
+    verifier: Verifier = Field(description="what decides the reward, on a channel the agent cannot write")
+    budgets: Budgets = Field(Budgets(), description="an episode's limits: turns, generated tokens, tool time")
+    smoke_test: SmokeTest | None = Field(None, description="a scripted episode `envreg test` plays end to end")
+    agent: Agent | None = Field(None, description="your own agent program, run in the sandbox instead of loopline's harness")
 
     @field_validator("tools")
     @classmethod

@@ -18,33 +18,39 @@ KLEstimator = Literal["k1", "k3"]
 LRSchedule = Literal["constant", "cosine", "linear"]
 
 
+def setting(default, description: str):
+    """A default with what it is for (read by pydantic into `loopline schema`, and by the docs' reference)."""
+    return field(default=default, metadata={"description": description})
+
+
 @dataclass(frozen=True)
 class AdvantageConfig:
-    estimator: Estimator = "grpo"
-    # GRPO's divisor: the sample (1/(n-1)) standard deviation, as verl (torch.std) and TRL; population: 1/n
-    std: StdKind = "sample"
-    eps: float = 1e-6
-    degenerate: DegenerateHandling = "zero"
+    estimator: Estimator = setting("grpo", "grpo: (r - group mean) / (std + eps); dr_grpo: r - group mean (no std); rloo: leave-one-out baseline")
+    std: StdKind = setting("sample", "GRPO's divisor: the sample standard deviation (1/(n-1), as verl's torch.std and TRL) or the population one (1/n)")
+    eps: float = setting(1e-6, "added to the standard deviation (verl 1e-6; TRL 1e-4)")
+    degenerate: DegenerateHandling = setting("zero", "a group whose samples all scored the same: zero (advantage 0: trained on, no signal) or drop (left out)")
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    clip_low: float = 0.2  # ratio floor 1 - clip_low
-    clip_high: float = 0.28  # ratio ceiling 1 + clip_high (asymmetric, "clip-higher")
-    # dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A| (no gradient beyond); None: off
-    clip_ratio_c: float | None = 3.0
-    # π_old/μ correction of the off-policy rollout (verl's rollout correction):
-    #   tis: weight min(ρ, cap); mis: weight ρ, tokens (or sequences) outside the bounds rejected;
-    #   rejection: weight 1, outside the bounds rejected (verl: rollout_rs alone); none: weight 1.
+    clip_low: float = setting(0.2, "the ratio π_θ/π_old is clipped below at 1 - clip_low (verl clip_ratio_low, TRL epsilon)")
+    clip_high: float = setting(0.28, "... and above at 1 + clip_high: asymmetric, DAPO's clip-higher (verl clip_ratio_high, TRL epsilon_high)")
+    clip_ratio_c: float | None = setting(3.0, "dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off")
     # Rejected tokens leave the loss entirely (its denominators and the KL term too).
-    correction: OffPolicyCorrection = "tis"
-    correction_level: CorrectionLevel = "token"  # sequence: ρ = the product of the sequence's token ratios
-    correction_cap: float = 2.0  # C: the truncation (tis) or the upper rejection bound (mis, rejection)
-    correction_bounds: CorrectionBounds = "upper"  # two_sided also rejects ρ < 1/C
-    aggregation: Aggregation = "token_mean"
-    norm_length: int | None = None  # seq_mean_token_sum_norm's constant length L (Dr. GRPO; the run config fills it)
-    kl_coef: float = 0.0  # > 0 adds a KL penalty to the frozen reference policy
-    kl_estimator: KLEstimator = "k3"
+    correction: OffPolicyCorrection = setting(
+        "tis", "the π_old/μ correction of an off-policy rollout (verl's rollout correction): tis: weight min(ρ, cap); mis: "
+        "weight ρ, tokens (or sequences) outside the bounds rejected; rejection: weight 1, outside the bounds rejected; none: weight 1",
+    )
+    correction_level: CorrectionLevel = setting("token", "token: ρ per token; sequence: ρ is the product of the sequence's token ratios")
+    correction_cap: float = setting(2.0, "C: the truncation (tis) or the upper rejection bound (mis, rejection)")
+    correction_bounds: CorrectionBounds = setting("upper", "upper: reject ρ > C; two_sided: also ρ < 1/C")
+    aggregation: Aggregation = setting(
+        "token_mean", "how per-token losses become the loss: token_mean (every token weighs the same; verl token-mean, TRL bnpo), "
+        "seq_mean_token_sum, seq_mean_token_mean (TRL grpo), seq_mean_token_sum_norm (Dr. GRPO)",
+    )
+    norm_length: int | None = setting(None, "seq_mean_token_sum_norm's constant length L (default: sampling.max_new_tokens)")
+    kl_coef: float = setting(0.0, "> 0 adds a KL penalty to the frozen reference policy (the run's initial weights; TRL beta)")
+    kl_estimator: KLEstimator = setting("k3", "k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)")
 
     def __post_init__(self) -> None:
         for name in ("clip_low", "clip_high", "correction_cap", "kl_coef", "clip_ratio_c"):
@@ -72,12 +78,12 @@ class LoraConfig:
     """Low-rank adapters (peft) on a frozen base. Defaults are verl's (`lora_alpha` 16, `target_modules`
     all-linear: every linear layer but the output head); rank has none there (0: off), so it must be given."""
 
-    rank: int
-    alpha: float = 16.0  # the update is scaled by alpha / rank
+    rank: int = field(metadata={"description": "the adapters' rank R (required: verl's lora_rank, TRL's LoraConfig r)"})
+    alpha: float = setting(16.0, "the update is scaled by alpha / rank (verl's and peft's lora_alpha)")
     # Only 0 for now: dropout draws from the process's random stream, which rollouts and evaluations in the same
     # process also draw from, so a replay or a resume's rebuild could not reproduce a step bit for bit.
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = "all-linear"  # or module names, e.g. (q_proj, v_proj)
+    dropout: float = setting(0.0, "only 0: a step with dropout could not be replayed bit for bit")
+    target_modules: str | tuple[str, ...] = setting("all-linear", "all-linear (every linear layer but the output head) or module names, e.g. [q_proj, v_proj]")
 
     def __post_init__(self) -> None:
         if self.rank < 1:

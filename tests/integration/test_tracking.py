@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from loopline.metrics import METRICS
 from loopline.ports import free_port
 from tests.integration.test_chaos import _rows, _small_run
 
@@ -103,6 +104,7 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
     assert {s for s, _ in ledger} == {1, 2} and set(evals) == {0, 2}
     names = {m for _, m in ledger}
     assert {"reward_mean", "loss", "grad_norm", "learner_s"} <= names
+    assert names <= set(METRICS), names - set(METRICS)  # (each described in the docs' metric reference)
 
     # MLflow, read back from the server
     from mlflow.tracking import MlflowClient

@@ -19,6 +19,7 @@ from loopline.config import load_config
 from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
 from loopline.store.db import make_engine
 from loopline.trainer.checkpoint import weights_sha256
+from tests.helpers import undescribed_metrics
 
 ENV = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
 STARTER = SHIPPED_STARTERS / tiny_policy_name(content_hash(ENV), 0)
@@ -90,6 +91,7 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     # KL is 0 at step 1 (the policy is its reference), and after only where step 1 moved the weights (where
     # every group earned the same reward, every advantage is 0 and nothing moves)
     assert kl[1] == 0.0 and (kl[2] > 0) == moved, (kl, moved)
+    assert not undescribed_metrics(db, first["run_id"])
     again = train(str(path))  # a finished run: nothing is planned, rolled out, trained or evaluated again
     assert again["policy_version"] == 2 and again["eval"] == first["eval"]  # both read from the ledger
     run_id = first["run_id"]
@@ -213,7 +215,7 @@ def test_async_flow_overlaps_rollout_and_learning_within_max_staleness(prefect_s
     # step 1 can only train version-0 samples; later steps train samples started before the previous sync
     assert lags[0] == (1, 0) and max(lag for _, lag in lags) == 1, lags
     recorded = _scalar_rows(db, "SELECT max(value) FROM metric WHERE run_id = :r AND name = 'version_lag_max'", r=result["run_id"])
-    assert recorded[0][0] == 1.0
+    assert recorded[0][0] == 1.0 and not undescribed_metrics(db, result["run_id"])
     report = check_run(db, result["run_id"])
     assert report.ok, report.violations
 
@@ -409,7 +411,7 @@ def test_a_lora_run_checkpoints_adapters_replays_from_them_and_exports_the_merge
     path = _config(tmp_path, STARTER, learner=learner, eval={"every": 2, "tasks": 4}, groups_per_step=4, sampling={"max_new_tokens": 48})
     done = train(str(path))
     run_id, name = done["run_id"], done["run"]
-    assert done["policy_version"] == 2 and check_run(db, run_id).ok
+    assert done["policy_version"] == 2 and check_run(db, run_id).ok and not undescribed_metrics(db, run_id)
     digests = digests_of(db, run_id)
     digests[0] = weights_sha256(STARTER)
     signal = dict(db.execute(sa.text(

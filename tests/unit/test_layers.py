@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
 # importable from every layer (`types`: the RL vocabulary the rollout records, the ledger stores, the trainer reads)
-NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile"}
+NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile", "metrics"}
 # layer -> the layers it may import (besides itself and the neutral modules)
 ALLOWED = {
     "store": set(),

@@ -1,0 +1,211 @@
+"""The docs' reference pages, written from the code at every `mkdocs build` (the mkdocs-gen-files plugin runs
+this file), so they cannot drift from it: every run-config and environment-spec field with its type, default
+and description (a field without a description fails the build), every CLI command and flag (from the Typer
+apps), every metric (`loopline.metrics`), the invariants `loopline check` verifies, and the layers (the layer
+test's own table)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel
+
+
+class UndocumentedField(Exception):
+    """A setting without a description would reach users unexplained: the build fails instead."""
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
+
+
+def _models_in(annotation: Any) -> list[type]:
+    if _is_section(annotation):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
+    """(name, type, default, description) of a pydantic model's or a dataclass's settings (the trainer keeps its
+    settings as dataclasses, each field's description in its metadata, which pydantic reads too)."""
+    if issubclass(model, BaseModel):
+        return [(name, f.annotation, _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
+                for name, f in model.model_fields.items()]
+    hints = typing.get_type_hints(model)
+    return [(f.name, hints[f.name], _default(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                                            lambda f=f: f.default if f.default is not dataclasses.MISSING else f.default_factory()),
+             f.metadata.get("description")) for f in dataclasses.fields(model)]
+
+
+def _type(annotation: Any, anchors: dict[type, str]) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is Literal:
+        return " / ".join(f"`{json.dumps(a)}`" if not isinstance(a, str) else f"`{a}`" for a in args)
+    if origin is typing.Annotated:
+        return _type(args[0], anchors)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type(a, anchors) for a in args)
+    if origin in (list, tuple):
+        inner = [a for a in args if a is not Ellipsis]
+        return f"list of {_type(inner[0], anchors)}" if inner and (origin is list or Ellipsis in args) else "list [" + ", ".join(_type(a, anchors) for a in inner) + "]"
+    if origin is dict:
+        return f"map of {_type(args[0], anchors)} to {_type(args[1], anchors)}"
+    if _is_section(annotation):
+        return f"[section](#{anchors[annotation]})" if annotation in anchors else annotation.__name__
+    if annotation is typing.Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(required: bool, value_of) -> str:
+    if required:
+        return "required"
+    value = value_of()
+    if isinstance(value, BaseModel) or dataclasses.is_dataclass(value):
+        return "(its section's defaults)"
+    if isinstance(value, tuple):
+        value = list(value)
+    return f"`{json.dumps(value, ensure_ascii=False)}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def settings_reference(root: type, title: str, intro: str) -> str:
+    """One table per section (a nested model), headed by its path in the YAML (`learner.loss`)."""
+    sections: list[tuple[str, type]] = []  # (heading, section)
+    anchors: dict[type, str] = {}
+    missing: list[str] = []
+
+    def walk(model: type, path: str, tag: str = "") -> None:
+        if model in anchors:
+            return
+        anchors[model] = re.sub(r"[^a-z0-9_]+", "-", f"{path}{tag}".lower()).strip("-") or "top-level"
+        sections.append((f"`{path}`{tag}" if path else "Top level", model))
+        for name, annotation, _, description in _fields(model):
+            if not description:
+                missing.append(f"{path}.{name}" if path else name)
+            nested = _models_in(annotation)
+            for inner in nested:
+                kind = next((a for n, a, _, _ in _fields(inner) if n == "kind"), None)
+                tag = f" (kind: {typing.get_args(kind)[0]})" if kind is not None and len(nested) > 1 else ""
+                containers = {typing.get_origin(annotation), *(typing.get_origin(a) for a in typing.get_args(annotation))}
+                suffix = "[]" if containers & {list, tuple} else ".NAME" if dict in containers else ""
+                walk(inner, f"{path + '.' if path else ''}{name}{suffix}", tag)
+
+    walk(root, "")
+    if missing:
+        raise UndocumentedField(f"{root.__name__}: settings without a description: {', '.join(missing)} (add Field(description=...))")
+    out = [f"# {title}\n", intro, ""]
+    for heading, model in sections:
+        out += [f"## {heading} {{#{anchors[model]}}}\n"]
+        if model.__doc__ and model is not root and not model.__doc__.startswith(model.__name__ + "("):
+            out += [" ".join(model.__doc__.split()), ""]
+        out += ["| setting | type | default | what it is for |", "|---|---|---|---|"]
+        for name, annotation, default, description in _fields(model):
+            out.append(f"| `{name}` | {_cell(_type(annotation, anchors))} | {_cell(default)} | {_cell(description or '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def run_config_page() -> str:
+    from loopline.config import RunConfig
+
+    return settings_reference(
+        RunConfig,
+        "Run config",
+        "A run config is the YAML `loopline train` takes (`examples/arithmetic_quickstart.yaml`). Unknown settings "
+        "are refused (with a did-you-mean); `loopline schema` prints the same settings as a JSON Schema for an "
+        "editor. Generated from `loopline/config.py` and `loopline/trainer/config.py`.",
+    )
+
+
+def env_spec_page() -> str:
+    from loopline.envregistry.spec import EnvSpec
+
+    return settings_reference(
+        EnvSpec,
+        "Environment spec",
+        "An environment spec is the YAML `envreg add` registers (`examples/arithmetic_env.yaml`, "
+        "`examples/coding_env.yaml`). `envreg validate FILE` runs every check without writing anything; "
+        "`envreg schema` prints the JSON Schema. Generated from `loopline/envregistry/spec.py`.",
+    )
+
+
+def cli_page() -> str:
+    import typer.main
+    from typer.cli import get_docs_for_click
+
+    from loopline.cli import app as loopline_app
+    from loopline.envregistry.cli import app as envreg_app
+
+    out = ["# Command line\n", "Every command and flag of `loopline` and `envreg`, generated from their parsers. "
+           "`--help` after any command prints the same.\n"]
+    for name, app in (("loopline", loopline_app), ("envreg", envreg_app)):
+        command = typer.main.get_command(app)
+        docs = get_docs_for_click(obj=command, ctx=typer.Context(command), name=name, indent=1)
+        out.append(docs)
+    return "\n".join(out)
+
+
+def metrics_page() -> str:
+    from loopline.metrics import EVAL_METRICS, METRICS
+
+    out = ["# Metrics\n", "What each learner step records in the ledger's `metric` table, and so sends to every tracker "
+           "(`tracking:`), at the step's number. Generated from `loopline/metrics.py`.\n",
+           "| metric | what it is |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(text)} |" for name, text in METRICS.items()]
+    out += ["", "Each evaluation sends these at its version's step (the ledger keeps evaluations in `eval_result`):\n",
+            "| metric | what it is |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(text)} |" for name, text in EVAL_METRICS.items()]
+    return "\n".join(out) + "\n"
+
+
+def invariants_page() -> str:
+    from loopline.store.check import INVARIANTS
+
+    out = ["# Invariants\n", "What `loopline check RUN` verifies on a run's ledger rows (exit 1 on a violation, naming the "
+           "rows). Generated from `loopline/store/check.py`.\n", "| # | invariant |", "|---|---|"]
+    out += [f"| {number} | {_cell(text)} |" for number, text in INVARIANTS.items()]
+    return "\n".join(out) + "\n"
+
+
+def layers_table() -> str:
+    from tests.unit.test_layers import ALLOWED, NEUTRAL
+
+    out = ["| layer (`loopline/...`) | may import |", "|---|---|"]
+    out += [f"| `{layer}` | {', '.join(f'`{t}`' for t in sorted(allowed)) or 'nothing of loopline'} |" for layer, allowed in ALLOWED.items()]
+    out += ["", f"Every layer may import the neutral modules: {', '.join(f'`{m}`' for m in sorted(NEUTRAL))}. The command "
+            "lines (`cli.py`, `envreg.py`, `cli_support.py`) sit above everything."]
+    return "\n".join(out) + "\n"
+
+
+PAGES = {
+    "reference/run-config.md": run_config_page,
+    "reference/env-spec.md": env_spec_page,
+    "reference/cli.md": cli_page,
+    "reference/metrics.md": metrics_page,
+    "reference/invariants.md": invariants_page,
+    "architecture/layers.md": lambda: "# Layers\n\nGenerated from the layer test's table (`tests/unit/test_layers.py`), "
+    "which checks every import of the source against it.\n\n" + layers_table(),
+}
+
+
+if __name__ == "<run_path>":  # run by mkdocs-gen-files during `mkdocs build`
+    import mkdocs_gen_files
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the layer test's table: tests/unit/test_layers.py)
+
+    for page, write in PAGES.items():
+        with mkdocs_gen_files.open(page, "w") as f:
+            f.write(write())
