@@ -147,7 +147,7 @@ def cli_page() -> str:
     from typer.cli import get_docs_for_click
 
     from loopline.cli import app as loopline_app
-    from loopline.envregistry.cli import app as envreg_app
+    from loopline.envreg import app as envreg_app
 
     out = ["# Command line\n", "Every command and flag of `loopline` and `envreg`, generated from their parsers. "
            "`--help` after any command prints the same.\n"]

@@ -49,17 +49,15 @@ class SmokeResult:
 # Plays an env with `agent:` (its program against scripted model replies): the rollout layer's
 # (`loopline.rollout.agent_program.play_scripted`), handed in by whoever sits above both (the `envreg` command).
 AgentPlayer = Callable[[EnvSpec, Task], Awaitable[SmokeResult]]
-agent_player: AgentPlayer | None = None
 
 
 async def run_smoke(spec: EnvSpec, task: Task, play_agent: AgentPlayer | None = None) -> SmokeResult:
     if spec.smoke_test is None:
         raise ValueError(f"{spec.name} declares no smoke_test")
     if spec.agent is not None:
-        player = play_agent or agent_player
-        if player is None:
+        if play_agent is None:
             raise ValueError(f"{spec.name} runs an agent program: test it with the `envreg` command")
-        return await player(spec, task)
+        return await play_agent(spec, task)
     result = SmokeResult(task.id)
     clock = time.monotonic()
 

@@ -156,7 +156,7 @@ def test_tool_output_and_errors_reach_the_model(coding):
 @pytest.mark.slow
 def test_envreg_add_and_test_coding_env(database_url, docker_image):
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url}
-    run = lambda *a: subprocess.run([sys.executable, "-c", "from loopline.envregistry.cli import app; app()", *a], env=env, capture_output=True, text=True, timeout=300)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-c", "from loopline.envreg import app; app()", *a], env=env, capture_output=True, text=True, timeout=300)  # noqa: E731
     added = run("add", str(CODING))
     assert added.returncode == 0 and "coding_env@" in added.stdout, added.stderr
     tested = run("test", "coding_env", "--tasks", "3")

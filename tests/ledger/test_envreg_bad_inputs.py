@@ -163,7 +163,7 @@ def _add(url: str, case: str) -> dict:
     report = f"import atexit; atexit.register(lambda: open({str(status_file)!r}, 'w').write(open('/proc/self/status').read()))"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", f"{report}\nfrom loopline.envregistry.cli import app; app()", "add", str(spec_file)],
+        [sys.executable, "-c", f"{report}\nfrom loopline.envreg import app; app()", "add", str(spec_file)],
         capture_output=True, text=True, env=env, timeout=60,
     )
     seconds = time.monotonic() - start

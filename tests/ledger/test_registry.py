@@ -55,7 +55,7 @@ def test_invalid_task_file_registers_nothing(db, tmp_path):
 
 def _envreg(*args, url: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "from loopline.envregistry.cli import app; app()", *args],
+        [sys.executable, "-c", "from loopline.envreg import app; app()", *args],
         env={**os.environ, "LOOPLINE_DATABASE_URL": url},
         capture_output=True,
         text=True,

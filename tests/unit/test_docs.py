@@ -141,7 +141,7 @@ def _loopline_clis():
     import typer.main
 
     from loopline.cli import app as loopline_app
-    from loopline.envregistry.cli import app as envreg_app
+    from loopline.envreg import app as envreg_app
 
     return {"loopline": typer.main.get_command(loopline_app), "envreg": typer.main.get_command(envreg_app)}
 

@@ -14,7 +14,7 @@ NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "ty
 ALLOWED = {
     "store": set(),
     "migrations": {"store"},
-    "envregistry": {"store", "cli_support"},
+    "envregistry": {"store"},
     "rollout": {"store", "envregistry"},
     "trainer": set(),  # (its records are `loopline.types`; the tasks load them from the ledger)
     "plan": set(),  # memory before launch: arithmetic on a model's shape and a run's workload
