@@ -181,12 +181,13 @@ def invariants_page() -> str:
 
 
 def layers_table() -> str:
-    from tests.unit.test_layers import ALLOWED, NEUTRAL
+    from tests.unit.test_layers import ALLOWED, NEUTRAL, TOP
 
     out = ["| layer (`loopline/...`) | may import |", "|---|---|"]
     out += [f"| `{layer}` | {', '.join(f'`{t}`' for t in sorted(allowed)) or 'nothing of loopline'} |" for layer, allowed in ALLOWED.items()]
-    out += ["", f"Every layer may import the neutral modules: {', '.join(f'`{m}`' for m in sorted(NEUTRAL))}. The command "
-            "lines (`cli.py`, `envreg.py`, `cli_support.py`) sit above everything."]
+    out += ["", f"Every layer may import the neutral modules: {', '.join(f'`{m}`' for m in sorted(NEUTRAL))}. Above every "
+            f"layer, importable by none: {', '.join(f'`{m}`' for m in sorted(TOP - {'__init__'}))} (the command lines). No module "
+            "imports itself back through others, not even from inside a function."]
     return "\n".join(out) + "\n"
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from loopline.envregistry import verifiers
 from loopline.envregistry.calculator import CalculatorError, calculate, format_number
-from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox, open_sandbox
+from loopline.envregistry.sandbox.backends import open_sandbox
+from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox
 from loopline.envregistry.spec import EnvSpec, Tool
 from loopline.envregistry.tasks import Task
 from loopline.store.nul import unicode

@@ -3,9 +3,9 @@
 `loopline train` (or the learner deployment on a work pool) with `learner.launch` in the run config runs
 
     deepspeed [--hostfile H] --num_nodes N --num_gpus G --master_port P --no_local_rank \\
-        --module loopline.flows.learner_launch --config RUN.yaml ...
+        --module loopline.flows.learner_rank --config RUN.yaml ...
 
-and waits. Rank 0 runs the train flow as it would run alone (ledger, engine, commits); the other ranks
+and waits (each rank runs `learner_rank`, which imports the train flow; this module is what the flow imports). Rank 0 runs the train flow as it would run alone (ledger, engine, commits); the other ranks
 follow its learner (`trainer/ranks.py`). Nothing outlives the flow: the launcher runs in a session of its
 own that the flow kills when it ends or is cancelled, and each rank on this host watches the flow's
 process and takes the session down if it died (even by SIGKILL); on other hosts, DeepSpeed's launcher
@@ -14,7 +14,6 @@ kills the ranks when one of them fails, and rank 0's death breaks the others' co
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,12 +33,12 @@ from loopline.ports import free_port
 
 # what rank 0 on another host needs to reach the ledger, the Prefect API and the run's files
 _FORWARDED = ("LOOPLINE_", "PREFECT_API_", "DS_ACCELERATOR", "E2B_API_KEY")
-_LAUNCHED = "LOOPLINE_LEARNER_RANK_OF"  # set in the ranks' environment: the flow process that launched them
+LAUNCHED = "LOOPLINE_LEARNER_RANK_OF"  # set in the ranks' environment: the flow process that launched them
 
 
 def launched() -> bool:
     """Whether this process is one of a launched learner's ranks (then it must not launch again)."""
-    return _LAUNCHED in os.environ
+    return LAUNCHED in os.environ
 
 
 def command(settings: RankLaunch, args: list[str], port: int) -> list[str]:
@@ -47,7 +46,7 @@ def command(settings: RankLaunch, args: list[str], port: int) -> list[str]:
     hosts = ["--hostfile", settings.hostfile] if settings.hostfile else []
     return [
         launcher, *hosts, "--num_nodes", str(settings.nodes), "--num_gpus", str(settings.ranks_per_node),
-        "--master_port", str(port), *settings.args, "--no_local_rank", "--module", "loopline.flows.learner_launch", *args,
+        "--master_port", str(port), *settings.args, "--no_local_rank", "--module", "loopline.flows.learner_rank", *args,
     ]
 
 
@@ -114,7 +113,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _watch(parent: str) -> None:
+def watch(parent: str) -> None:
     """On the launching host: when the flow process that launched this learner is gone, so is its session."""
 
     def loop() -> None:
@@ -123,34 +122,3 @@ def _watch(parent: str) -> None:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=loop, name="launcher-watch", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopline.flows.learner_launch")
-    parser.add_argument("--config")
-    parser.add_argument("--resume")
-    parser.add_argument("--fork")
-    parser.add_argument("--result", required=True)
-    parser.add_argument("--parent", required=True)
-    args = parser.parse_args(argv)
-    os.environ[_LAUNCHED] = args.parent
-    _watch(args.parent)
-    from loopline.trainer import ranks
-
-    if ranks.join() != 0:
-        ranks.follow()
-        return
-    from loopline.flows.train import train
-
-    try:
-        summary = train.with_options(flow_run_name="learner-rank-0")(args.config, resume=args.resume, fork=args.fork)
-        outcome = {"summary": summary}
-    except BaseException as exc:  # the flow's message for the launching process; the ranks are killed by the launcher
-        Path(args.result).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        raise
-    ranks.finish()
-    Path(args.result).write_text(json.dumps(outcome))
-
-
-if __name__ == "__main__":
-    main()

@@ -37,6 +37,7 @@ from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import ContextOverflow, EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
+from loopline.rollout.episode_setup import EpisodeSetup
 from loopline.rollout.openai_api import AgentEpisode, Budget
 from loopline.rollout.openai_server import OpenAIServer
 from loopline.types import SegmentRecord, TrajectoryRecord
@@ -110,7 +111,7 @@ def model_endpoint() -> ModelEndpoint:
     return ModelEndpoint(server.unix_path, os.environ.get(URL_VAR) or None)
 
 
-async def run_agent_program(engine: Sampler, setup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
+async def run_agent_program(engine: Sampler, setup: EpisodeSetup, task: Task, request_id: str, labels: dict[str, str] | None = None) -> TrajectoryRecord:
     spec, budgets = setup.spec, setup.spec.budgets
     server, model = endpoint(), model_endpoint()
     started = time.monotonic()
@@ -237,8 +238,6 @@ async def play_scripted(spec, task: Task, max_context: int | None = None) -> Smo
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
     `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's, and its
     context unless `max_context` says the policy's)."""
-    from loopline.rollout.harness import EpisodeSetup
-
     check_reachable(spec)
     starter = Path(__file__).resolve().parent.parent / "starters"
     policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())

@@ -11,24 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from loopline.envregistry.episode import Episode
-from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.actions import Answer, Calls, NoAction, Unparsable, parse_action
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
+from loopline.rollout.agent_program import run_agent_program
+from loopline.rollout.engine import ContextOverflow, EngineError, Sampler
+from loopline.rollout.episode_setup import EpisodeSetup
 from loopline.types import SegmentRecord, TrajectoryRecord
-
-
-@dataclass(frozen=True)
-class EpisodeSetup:
-    spec: EnvSpec
-    env_version: int  # the registered version number (name@version)
-    chat: ChatFormat
-    sampling: SamplingParams
 
 
 def _now() -> datetime:
@@ -39,8 +31,6 @@ async def run_episode(engine: Sampler, setup: EpisodeSetup, task: Task, request_
     """Play one task to the end and return its trajectory (the caller commits it). An env with `agent:` is
     played by the user's program instead (`agent_program`)."""
     if setup.spec.agent is not None:
-        from loopline.rollout.agent_program import run_agent_program
-
         return await run_agent_program(engine, setup, task, request_id, labels)
     started = time.monotonic()
     episode = await Episode.start(setup.spec, task, labels)

@@ -83,7 +83,7 @@ def test_every_reference_solution_passes_its_hidden_tests(coding):
     Four containers each play a quarter of the tasks in turn, their workspace emptied between tasks: a
     container per task cost most of this test's time, and that path has tests of its own above."""
     spec, tasks = coding
-    from loopline.envregistry.sandbox.base import open_sandbox
+    from loopline.envregistry.sandbox.backends import open_sandbox
 
     digest = _references_digest(spec)
     full = os.environ.get("LOOPLINE_ALL_REFERENCES") == "1" or not CHECKED.is_file() or CHECKED.read_text().strip() != digest

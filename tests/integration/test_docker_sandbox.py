@@ -7,7 +7,8 @@ import multiprocessing as mp
 
 import pytest
 
-from loopline.envregistry.sandbox.base import InfraFailure, open_sandbox
+from loopline.envregistry.sandbox.backends import open_sandbox
+from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.docker import DockerSandbox, cleanup_orphans, _client
 from loopline.envregistry.spec import Sandbox
 
@@ -105,7 +106,7 @@ def test_fork_bomb_is_contained_by_the_pids_limit(docker_image):
 
 
 def test_setup_commands_run_once_at_start(docker_image):
-    from loopline.envregistry.sandbox.base import open_sandbox
+    from loopline.envregistry.sandbox.backends import open_sandbox
 
     spec = Sandbox(backend="docker", image=docker_image, setup=("echo ready > marker",))
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from loopline.envregistry.episode import Episode, ToolCall
-from loopline.envregistry.sandbox.base import InfraFailure, open_sandbox
+from loopline.envregistry.sandbox.backends import open_sandbox
+from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.e2b import E2BSandbox
 from loopline.envregistry.spec import EnvSpec, Sandbox, load_spec
 from loopline.envregistry.tasks import load_tasks

@@ -275,7 +275,7 @@ def test_an_evaluation_episode_that_fails_for_infra_reasons_is_played_again(chat
 
 def test_a_cancelled_tool_call_leaves_no_process_behind():
     """A rollout worker that stops cancels its episodes; the local backend's command must die with the call."""
-    from loopline.envregistry.sandbox.base import open_sandbox
+    from loopline.envregistry.sandbox.backends import open_sandbox
     from loopline.envregistry.spec import Sandbox
 
     async def go():

@@ -558,7 +558,8 @@ def test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint(tmp_path, monkey
     list lets through (allowed entries take precedence); without a model, `network` maps to internet access."""
     import e2b
 
-    from loopline.envregistry.sandbox.base import ModelEndpoint, open_sandbox
+    from loopline.envregistry.sandbox.backends import open_sandbox
+    from loopline.envregistry.sandbox.base import ModelEndpoint
 
     asked = []
 

@@ -1,5 +1,6 @@
-"""The layering DESIGN.md states, checked on the source: nothing imports upward, SQL lives in `store/`,
-Prefect only in `tasks/` and `flows/`."""
+"""The layering DESIGN.md states, checked on the source: every module has a layer, nothing imports upward, no
+module imports itself back through others (not even from inside a function), SQL lives in `store/`, Prefect
+only in `tasks/` and `flows/`. The docs' layer page is generated from ALLOWED and NEUTRAL."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
 # importable from every layer (`types`: the RL vocabulary the rollout records, the ledger stores, the trainer reads)
-NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile", "metrics"}
+NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile", "metrics", "activity"}
+# the command lines, above every layer (nothing below may import them)
+TOP = {"cli", "envreg", "cli_support", "cli_progress", "allocator", "__init__"}
 # layer -> the layers it may import (besides itself and the neutral modules)
 ALLOWED = {
     "store": set(),
@@ -34,14 +37,30 @@ def _modules():
         yield path, parts[0].removesuffix(".py")
 
 
+def _name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(path) for path, _ in _modules()}
+
+
 def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function; `from loopline.x import y` names the module
+    `loopline.x.y` when y is one (else `loopline.x`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found
+
+
+def test_every_module_has_a_layer():
+    """A module outside the table would escape the layer check (its imports, and who imports it)."""
+    layers = set(ALLOWED) | NEUTRAL | TOP
+    assert not {layer for _, layer in _modules()} - layers, "add it to ALLOWED, NEUTRAL or TOP"
 
 
 def test_nothing_imports_upward():
@@ -55,6 +74,37 @@ def test_nothing_imports_upward():
                 if target != layer and target not in NEUTRAL and target not in ALLOWED[layer]:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles():
+    """Modules that import each other, directly or round a longer loop, even from inside a function (a local
+    import that only defers the circle hides it): each circle found (Tarjan's strongly connected components)."""
+    graph = {_name(path): {m for m in _imports(path) if m in MODULES} - {_name(path)} for path, _ in _modules()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
 
 
 def test_no_sql_outside_the_store():

@@ -1,0 +1,42 @@
+"""One rank of a learner launched through DeepSpeed's launcher (`learner_launch`): rank 0 runs the train flow
+as it would run alone and writes its result for the launching flow; the other ranks follow its learner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from loopline.flows import learner_launch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loopline.flows.learner_rank")
+    parser.add_argument("--config")
+    parser.add_argument("--resume")
+    parser.add_argument("--fork")
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--parent", required=True)
+    args = parser.parse_args(argv)
+    os.environ[learner_launch.LAUNCHED] = args.parent
+    learner_launch.watch(args.parent)
+    from loopline.trainer import ranks  # (after the watch: importing torch takes seconds)
+
+    if ranks.join() != 0:
+        ranks.follow()
+        return
+    from loopline.flows.train import train  # (rank 0 only: the followers need no Prefect)
+
+    try:
+        summary = train.with_options(flow_run_name="learner-rank-0")(args.config, resume=args.resume, fork=args.fork)
+        outcome = {"summary": summary}
+    except BaseException as exc:  # the flow's message for the launching process; the ranks are killed by the launcher
+        Path(args.result).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+    ranks.finish()
+    Path(args.result).write_text(json.dumps(outcome))
+
+
+if __name__ == "__main__":
+    main()
