@@ -17,7 +17,7 @@ from loopline.store._sql import q, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome
 from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
-from loopline.store.slots import _NO_LEASE, _end_attempt, group_id_for, slot_id_for
+from loopline.store.slots import NO_LEASE, end_attempt, group_id_for, slot_id_for
 
 BulkMethod = Literal["copy", "copy_lists", "executemany"]  # the last two for comparison (benchmarks)
 
@@ -97,15 +97,15 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
         slot = slots[slot_of[attempt_id]]
         if slot.id in done_slots or slot.state == "done":
             outcomes[attempt_id] = CommitOutcome(attempt_id, None, "slot already has a committed trajectory")
-            _end_attempt(session, attempt_id, "cancelled", "SlotAlreadyCommitted", outcomes[attempt_id].reason)
+            end_attempt(session, attempt_id, "cancelled", "SlotAlreadyCommitted", outcomes[attempt_id].reason)
             continue
         if slot.state == "abandoned":
             outcomes[attempt_id] = CommitOutcome(attempt_id, None, "its group was dropped after infra failures")
-            _end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
+            end_attempt(session, attempt_id, "cancelled", "GroupDropped", outcomes[attempt_id].reason)
             continue
         if slot.state == "leased" and slot.lease_attempt_id != attempt_id:  # fencing: a worker frozen past its lease
             outcomes[attempt_id] = CommitOutcome(attempt_id, None, "another attempt holds the slot now (this one's lease expired)")
-            _end_attempt(session, attempt_id, "cancelled", "LeaseLost", outcomes[attempt_id].reason)
+            end_attempt(session, attempt_id, "cancelled", "LeaseLost", outcomes[attempt_id].reason)
             continue
         trajectory_id = uuid.uuid4()
         done_slots.add(slot.id)
@@ -140,7 +140,7 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
         _bulk_write(raw, "segment", _SEGMENT_COLUMNS, _SEGMENT_TYPES, segment_rows, method)
         q(
             session,
-            "UPDATE slot SET state = 'done', " + _NO_LEASE + " WHERE id = ANY(:s)",
+            "UPDATE slot SET state = 'done', " + NO_LEASE + " WHERE id = ANY(:s)",
             s=list(done_slots),
         )
         for status in ("ok", "task_failed"):

@@ -11,7 +11,8 @@ from sqlmodel import Session
 
 from loopline.errors import LooplineError
 from loopline.store._sql import q, transaction
-from loopline.store.errors import LedgerConflict, LostTheRun
+from loopline.store.errors import LedgerConflict
+from loopline.store.fencing import fence
 from loopline.store.records import LearnerBatch, LearnerCommit
 from loopline.types import Split, TrainedSample
 
@@ -33,7 +34,7 @@ def complete_groups(session: Session, run_id: uuid.UUID, split: Split = "train")
 
 def group_states(session: Session, run_id: uuid.UUID) -> dict[str, int]:
     """How many groups are open, complete, claimed, consumed and dropped."""
-    states = _group_states(session, run_id)
+    states = group_state_counts(session, run_id)
     session.rollback()
     return states
 
@@ -51,7 +52,8 @@ def last_infra_failure(session: Session, run_id: uuid.UUID) -> str | None:
     return f"{row[0]}: {(row[1] or '').strip()}" if row else None
 
 
-def _group_states(session: Session, run_id: uuid.UUID) -> dict[str, int]:
+def group_state_counts(session: Session, run_id: uuid.UUID) -> dict[str, int]:
+    """`group_states` inside the caller's transaction."""
     rows = q(session, "SELECT state, count(*) FROM rollout_group WHERE run_id = :r GROUP BY state", r=run_id)
     return {state: n for state, n in rows}
 
@@ -80,7 +82,7 @@ def _batch_trajectories(session: Session, group_ids: Sequence[uuid.UUID]) -> tup
     )
 
 
-def _groups_of_step(session: Session, run_id: uuid.UUID, learner_step: int, state: str) -> tuple[uuid.UUID, ...]:
+def groups_of_step(session: Session, run_id: uuid.UUID, learner_step: int, state: str) -> tuple[uuid.UUID, ...]:
     return tuple(
         q(
             session,
@@ -111,7 +113,7 @@ def claim_learner_batch(
     with transaction(session):
         last_step, latest = _lock_run_progress(session, run_id)
         if learner_step <= last_step:
-            groups = _groups_of_step(session, run_id, learner_step, "consumed")
+            groups = groups_of_step(session, run_id, learner_step, "consumed")
             produced = q(
                 session, "SELECT version FROM policy_version WHERE run_id = :r AND learner_step = :k", r=run_id, k=learner_step
             ).scalar_one()
@@ -123,7 +125,7 @@ def claim_learner_batch(
                 f"learner step {learner_step} requested, but the last committed step is {last_step}; "
                 f"resume from step {last_step + 1}"
             )
-        groups = _groups_of_step(session, run_id, learner_step, "claimed")
+        groups = groups_of_step(session, run_id, learner_step, "claimed")
         stale = 0
         if not groups:
             if max_staleness is not None:  # too old to ever train: drop them so nothing waits on them
@@ -179,9 +181,7 @@ def commit_learner_step(
     with transaction(session):
         last_step, latest = _lock_run_progress(session, run_id)
         if driver is not None:
-            now = q(session, "SELECT name, holder FROM run WHERE id = :r", r=run_id).one()
-            if now.holder != driver:
-                raise LostTheRun.of(now.name, driver, now.holder)
+            fence(session, run_id, driver)
         if k <= last_step:
             consumed = q(
                 session, "SELECT count(*) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
@@ -192,7 +192,7 @@ def commit_learner_step(
             return LearnerCommit(k, version, consumed, already_committed=True)
         if k != last_step + 1:
             raise LedgerConflict(f"cannot commit learner step {k}: the last committed step is {last_step}")
-        claimed = _groups_of_step(session, run_id, k, "claimed")
+        claimed = groups_of_step(session, run_id, k, "claimed")
         if not claimed:
             raise LedgerConflict(f"learner step {k} has no claimed groups: call claim_learner_batch first")
         if set(claimed) != set(batch.group_ids) or _batch_trajectories(session, claimed) != batch.trajectory_ids:
@@ -272,7 +272,7 @@ def _upsert_metrics(session: Session, run_id: uuid.UUID, step: int, metrics: dic
 
 def trained_batch(session: Session, run_id: uuid.UUID, learner_step: int) -> tuple[uuid.UUID, ...]:
     """The trajectories a committed learner step trained, in the order the learner got them (replay)."""
-    groups = _groups_of_step(session, run_id, learner_step, "consumed")
+    groups = groups_of_step(session, run_id, learner_step, "consumed")
     ids = _batch_trajectories(session, groups)
     session.rollback()
     return ids

@@ -17,8 +17,9 @@ from loopline.errors import LooplineError
 from loopline.holder import application_name
 from loopline.store._sql import q, transaction
 from loopline.store.commits import write_eval_episodes
-from loopline.store.errors import LedgerConflict, LostTheRun
-from loopline.store.learning import _group_states, _groups_of_step
+from loopline.store.errors import LedgerConflict
+from loopline.store.fencing import fence
+from loopline.store.learning import group_state_counts, groups_of_step
 from loopline.store.models import Run
 from loopline.store.queries import shown_status
 from loopline.store.records import CheckpointInfo, ResumeState
@@ -140,9 +141,7 @@ def heartbeat(session: Session, run_id: uuid.UUID, holder: str) -> str | None:
 def require_driver(session: Session, run_id: uuid.UUID, driver: str) -> None:
     """Refuse (LostTheRun) unless `driver` still drives the run: a process that lost it must not plan or train on."""
     with transaction(session):
-        now = q(session, "SELECT name, holder FROM run WHERE id = :r", r=run_id).one()
-    if now.holder != driver:
-        raise LostTheRun.of(now.name, driver, now.holder)
+        fence(session, run_id, driver)
 
 
 def end_run(session: Session, run_id: uuid.UUID, holder: str, status: str, reason: str | None) -> bool:
@@ -405,8 +404,8 @@ def resume_state(session: Session, run_id: uuid.UUID) -> ResumeState:
             raise LooplineError(f"run {run_id} has no policy version; create it with create_run")
         next_step = latest.learner_step + 1
         consumed = q(session, "SELECT count(*) FROM consumption WHERE run_id = :r", r=run_id).scalar_one()
-        pending = _groups_of_step(session, run_id, next_step, "claimed")
-        states = _group_states(session, run_id)
+        pending = groups_of_step(session, run_id, next_step, "claimed")
+        states = group_state_counts(session, run_id)
     return ResumeState(
         run_id=run_id,
         last_checkpoint=CheckpointInfo(*ckpt) if ckpt else None,

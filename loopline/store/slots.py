@@ -238,14 +238,14 @@ def release_attempt(session: Session, attempt_id: uuid.UUID, reason: str = "rele
     """Give a slot back without blaming anyone (graceful shutdown); returns False if the lease was gone."""
     with transaction(session):
         slot = _lock_attempt_slot(session, attempt_id)
-        _end_attempt(session, attempt_id, "cancelled", "Released", reason)
+        end_attempt(session, attempt_id, "cancelled", "Released", reason)
         if slot is None or slot.state != "leased" or slot.lease_attempt_id != attempt_id:
             return False
-        q(session, "UPDATE slot SET state = 'pending', " + _NO_LEASE + " WHERE id = :s", s=slot.id)
+        q(session, "UPDATE slot SET state = 'pending', " + NO_LEASE + " WHERE id = :s", s=slot.id)
     return True
 
 
-_NO_LEASE = "lease_owner = NULL, lease_attempt_id = NULL, lease_expires_at = NULL"
+NO_LEASE = "lease_owner = NULL, lease_attempt_id = NULL, lease_expires_at = NULL"
 
 
 def _lock_attempt_slot(session: Session, attempt_id: uuid.UUID) -> sa.Row | None:
@@ -267,7 +267,7 @@ def _lock_attempt_slot(session: Session, attempt_id: uuid.UUID) -> sa.Row | None
     ).first()
 
 
-def _end_attempt(
+def end_attempt(
     session: Session, attempt_id: uuid.UUID, status: str, error_class: str | None, error_text: str | None
 ) -> None:
     q(
@@ -290,8 +290,8 @@ def _record_lease_loss(
         holds_lease = slot.state == "leased" and slot.lease_attempt_id == attempt_id
         if not (holds_lease and (slot.expired or slot.lease_owner in dead_holders)):
             return False  # renewed, committed or handled by another process meanwhile
-        _end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
-        q(session, "UPDATE slot SET state = 'pending', " + _NO_LEASE + " WHERE id = :s", s=slot.id)
+        end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
+        q(session, "UPDATE slot SET state = 'pending', " + NO_LEASE + " WHERE id = :s", s=slot.id)
     return True
 
 
@@ -299,13 +299,13 @@ def _record_infra_failure(session: Session, attempt_id: uuid.UUID, error_class: 
     with transaction(session):
         slot = _lock_attempt_slot(session, attempt_id)
         holds_lease = slot.state == "leased" and slot.lease_attempt_id == attempt_id
-        _end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
+        end_attempt(session, attempt_id, "infra_failed", error_class, error_text)
         if not holds_lease:
             return "stale"
         if slot.infra_failures + 1 < slot.max_attempts:
             q(
                 session,
-                "UPDATE slot SET state = 'pending', infra_failures = infra_failures + 1, " + _NO_LEASE + " WHERE id = :s",
+                "UPDATE slot SET state = 'pending', infra_failures = infra_failures + 1, " + NO_LEASE + " WHERE id = :s",
                 s=slot.id,
             )
             return "retry"
@@ -329,7 +329,7 @@ def _drop_group(session: Session, group_id: uuid.UUID) -> None:
     )
     q(
         session,
-        "UPDATE slot SET state = 'abandoned', " + _NO_LEASE + " WHERE group_id = :g AND state IN ('pending', 'leased')",
+        "UPDATE slot SET state = 'abandoned', " + NO_LEASE + " WHERE group_id = :g AND state IN ('pending', 'leased')",
         g=group_id,
     )
 
