@@ -15,7 +15,7 @@ from loopline.errors import LooplineError
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.types import LEASE_SECONDS
-from loopline.trainer.config import AdvantageConfig, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+from loopline.trainer.config import AdvantageConfig, BackendName, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
 class _Strict(BaseModel):
@@ -71,7 +71,7 @@ class LearnerSettings(_Strict):
     )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio)")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
-    backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
+    backend: BackendName = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
     zero_stage: int | None = Field(
         None, ge=0, le=3,
         description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several "

@@ -14,14 +14,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Protocol, get_args
 
 import torch
 
 from loopline.failpoints import failpoint
 from loopline.trainer.batch import Padded
+from loopline.trainer.config import BackendName
 
-BackendName = Literal["deepspeed", "torch"]
 
 
 class NonFiniteGradient(Exception):
@@ -268,12 +268,23 @@ class TorchBackend(Frozen):
         return blob["loopline"]
 
 
+def _deepspeed(model, optimizer, scheduler, config, device: torch.device) -> Backend:
+    return DeepSpeedBackend(model, optimizer, scheduler, config.grad_clip, config.zero_stage, config.dtype)
+
+
+def _torch(model, optimizer, scheduler, config, device: torch.device) -> Backend:
+    if config.dtype != "fp32":
+        raise ValueError(f"dtype {config.dtype} needs backend deepspeed (the torch backend trains in fp32)")
+    return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
+
+
+# `learner.backend` by name: adding one is its Backend, its entry here (and its name in BackendName).
+BACKENDS: dict[str, Callable[..., Backend]] = {"deepspeed": _deepspeed, "torch": _torch}
+assert set(BACKENDS) == set(get_args(BackendName)), "BackendName and BACKENDS must name the same backends"
+
+
 def build_backend(name: BackendName, model, optimizer, scheduler, config, device: torch.device) -> Backend:
     """The backend a run config names (`learner.backend`)."""
-    if name == "deepspeed":
-        return DeepSpeedBackend(model, optimizer, scheduler, config.grad_clip, config.zero_stage, config.dtype)
-    if name == "torch":
-        if config.dtype != "fp32":
-            raise ValueError(f"dtype {config.dtype} needs backend deepspeed (the torch backend trains in fp32)")
-        return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
-    raise ValueError(f"unknown learner backend {name!r}: deepspeed or torch")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown learner backend {name!r}: {' or '.join(BACKENDS)}")
+    return BACKENDS[name](model, optimizer, scheduler, config, device)

@@ -16,6 +16,7 @@ CorrectionLevel = Literal["token", "sequence"]
 CorrectionBounds = Literal["upper", "two_sided"]
 KLEstimator = Literal["k1", "k3"]
 LRSchedule = Literal["constant", "cosine", "linear"]
+BackendName = Literal["deepspeed", "torch"]  # (trainer/backends.BACKENDS)
 
 
 def setting(default, description: str):

@@ -230,7 +230,7 @@ class Learner:
         # With one optimizer step per learner step, π_old is π_θ before that step: the loss's own forward gives
         # it exactly (TRL does the same), saving a forward pass. A rejecting correction must know every
         # micro-batch's kept tokens before the first gradient (its denominators), so it keeps the pass.
-        reuse = self.config.minibatches == 1 and loss_config.correction not in ("mis", "rejection")
+        reuse = self.config.minibatches == 1 and not losses.CORRECTIONS[loss_config.correction].rejects
         old: dict[int, torch.Tensor] = {}
         corrections: dict[int, Correction] = {}
 

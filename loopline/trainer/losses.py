@@ -135,24 +135,40 @@ class Correction:
     ratio: torch.Tensor  # [B, T] ρ = π_old/μ at the chosen level (1 off the action tokens)
 
 
+@dataclass(frozen=True)
+class CorrectionRule:
+    """One off-policy correction: whether it rejects tokens (or sequences) whose ρ is outside the bounds (then
+    they leave the loss, and its denominators must be known before the first gradient step), and the weight
+    it gives each kept token from ρ and the cap."""
+
+    rejects: bool
+    weight: Callable[[torch.Tensor, float], torch.Tensor]
+
+
+# `loss.correction` by name (verl's rollout correction): adding one is its entry here (and in config.OffPolicyCorrection).
+CORRECTIONS: dict[str, CorrectionRule] = {
+    "none": CorrectionRule(False, lambda rho, cap: torch.ones_like(rho)),
+    "tis": CorrectionRule(False, lambda rho, cap: rho.clamp(max=cap)),  # truncated importance sampling
+    "mis": CorrectionRule(True, lambda rho, cap: rho),  # masked: weight ρ, rejected outside the bounds
+    "rejection": CorrectionRule(True, lambda rho, cap: torch.ones_like(rho)),  # verl's rollout_rs alone
+}
+assert set(CORRECTIONS) == set(get_args(OffPolicyCorrection)), "trainer/config.OffPolicyCorrection and CORRECTIONS must name the same ones"
+
+
 def off_policy_correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Correction:
     m = mask.bool()
     log_rho = torch.where(m, old_logp - behaviour_logp, torch.zeros_like(old_logp)).detach()
     if config.correction_level == "sequence":
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(old_logp)
     rho = torch.exp(log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    rule = CORRECTIONS[config.correction]
     kept = m.clone()
-    if config.correction in ("mis", "rejection"):
+    if rule.rejects:
         outside = rho > config.correction_cap
         if config.correction_bounds == "two_sided":
             outside |= rho < 1.0 / config.correction_cap
         kept &= ~outside
-    if config.correction == "tis":
-        weight = rho.clamp(max=config.correction_cap)
-    elif config.correction == "mis":
-        weight = rho
-    else:
-        weight = torch.ones_like(rho)
+    weight = rule.weight(rho, config.correction_cap)
     return Correction(torch.where(kept, weight, torch.zeros_like(weight)), kept, torch.where(m, rho, torch.ones_like(rho)))
 
 
