@@ -15,7 +15,7 @@ from loopline.errors import LooplineError
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.types import LEASE_SECONDS
-from loopline.trainer.config import AdvantageConfig, BackendName, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+from loopline.trainer.config import AdvantageConfig, BackendName, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
 
 class _Strict(BaseModel):
@@ -63,31 +63,28 @@ class RankLaunch(_Strict):
         return self.nodes * self.ranks_per_node
 
 
+_TRAINER = {f.name: f for f in dataclasses.fields(LearnerConfig)}
+
+
+def _trainer_setting(name: str, **bounds):
+    """A learner setting whose default and meaning are the trainer's own (`trainer/config.LearnerConfig`, one place
+    each); the run config adds only its bounds."""
+    return Field(_TRAINER[name].default, description=_TRAINER[name].metadata["description"], **bounds)
+
+
 class LearnerSettings(_Strict):
-    lr: float = Field(LearnerConfig.lr, gt=0, description="AdamW's learning rate (peak, after any warm-up)")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate over this many optimizer steps")
-    lr_schedule: LRSchedule = Field(
-        "constant", description="after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches"
-    )
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio)")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
+    lr: float = _trainer_setting("lr", gt=0)
+    warmup_steps: int = _trainer_setting("warmup_steps", ge=0)
+    lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
+    min_lr_ratio: float = _trainer_setting("min_lr_ratio", ge=0.0, le=1.0)
+    weight_decay: float = _trainer_setting("weight_decay", ge=0.0)
     backend: BackendName = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
-    zero_stage: int | None = Field(
-        None, ge=0, le=3,
-        description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with several "
-        "or with dtype: fp16",
-    )
-    micro_batch_tokens: int = Field(16384, ge=64, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (memory, not the update)")
-    minibatches: int = Field(1, ge=1, description="optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
-    share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs)")
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
-        description="bf16: mixed precision on a GPU (fp32 master weights and Adam states); fp16: the same for GPUs without "
-        "bf16 (V100, T4), with dynamic loss scaling: a step whose gradients overflow is skipped (metric fp16_skipped_steps)",
-    )
-    gradient_checkpointing: bool = Field(
-        True, description="keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward)"
-    )
+    zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
+    micro_batch_tokens: int = _trainer_setting("micro_batch_tokens", ge=64)
+    minibatches: int = _trainer_setting("minibatches", ge=1)
+    share_prefix: bool = _trainer_setting("share_prefix")
+    dtype: Dtype = _trainer_setting("dtype")
+    gradient_checkpointing: bool = _trainer_setting("gradient_checkpointing")
     checkpoint_every: int = Field(
         4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
     )

@@ -17,6 +17,7 @@ CorrectionBounds = Literal["upper", "two_sided"]
 KLEstimator = Literal["k1", "k3"]
 LRSchedule = Literal["constant", "cosine", "linear"]
 BackendName = Literal["deepspeed", "torch"]  # (trainer/backends.BACKENDS)
+Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 def setting(default, description: str):
@@ -99,22 +100,37 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    lr: float = 3e-4
-    warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
-    # after warm-up: constant (verl's default), or a cosine or linear decay reaching min_lr_ratio * lr at
-    # optimizer step decay_steps (a run's: its steps x minibatches, as verl's total_training_steps, TRL's max_steps)
-    lr_schedule: LRSchedule = "constant"
+    """The learner's settings. The run config's `learner:` section takes the defaults and meanings of the ones it
+    shares from here (one place each); `decay_steps`, `temperature` and `seed` it derives from the run."""
+
+    lr: float = setting(3e-4, "AdamW's learning rate (peak, after any warm-up)")
+    warmup_steps: int = setting(0, "linear warm-up of the learning rate over this many optimizer steps")
+    lr_schedule: LRSchedule = setting(
+        "constant", "after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches"
+    )
+    # a decay reaches min_lr_ratio * lr at optimizer step decay_steps (a run's: its steps x minibatches, as verl's
+    # total_training_steps, TRL's max_steps)
     decay_steps: int | None = None
-    min_lr_ratio: float = 0.0  # verl's min_lr_ratio; TRL's linear and cosine schedules end at 0 too
-    weight_decay: float = 0.0  # AdamW's (TRL's default 0; verl's actor uses 0.01)
+    min_lr_ratio: float = setting(0.0, "where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio; TRL's end at 0 too)")
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
     grad_clip: float = 1.0
     temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
-    micro_batch_tokens: int = 8192
-    minibatches: int = 1  # optimizer steps per learner step (π_old anchors all of them)
-    share_prefix: bool = True  # run a prompt shared by several rows of a micro-batch once (trainer/prefix.py)
-    gradient_checkpointing: bool = True  # keep each layer's input only, recompute the rest in backward (TRL's default)
-    zero_stage: int | None = None  # DeepSpeed ZeRO stage; None: 0 on one rank (nothing to partition), 1 on several
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 / fp16: DeepSpeed's mixed precision (GPU)
+    micro_batch_tokens: int = setting(
+        16384, "tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (memory, not the update)"
+    )
+    minibatches: int = setting(1, "optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
+    share_prefix: bool = setting(True, "run a prompt shared by a group's samples once (same update, fewer FLOPs; trainer/prefix.py)")
+    gradient_checkpointing: bool = setting(
+        True, "keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward; TRL's default)"
+    )
+    zero_stage: int | None = setting(
+        None, "DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with "
+        "several or with dtype: fp16",
+    )
+    dtype: Dtype = setting(
+        "fp32", "bf16: mixed precision on a GPU (fp32 master weights and Adam states); fp16: the same for GPUs without "
+        "bf16 (V100, T4), with dynamic loss scaling: a step whose gradients overflow is skipped (metric fp16_skipped_steps)",
+    )
     seed: int = 0
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
