@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 
-from loopline.flows.policies import SHIPPED_STARTERS
+from loopline.pipeline.policies import SHIPPED_STARTERS
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.engine_thread import EngineThread

@@ -48,10 +48,10 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
     from prefect import flow
     from prefect.utilities.annotations import quote
 
-    from loopline.flows.assembly import run_config
+    from loopline.pipeline.assembly import run_config
     from loopline.flows.train import prepare
     from loopline.tasks import loop as tasks
-    from loopline.tasks import stages
+    from loopline.pipeline import stages
 
     @flow(name="orchestration-overhead")
     def bench() -> tuple[list[float], list[float]]:

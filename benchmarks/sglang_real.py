@@ -144,7 +144,7 @@ def _base_gap(home: Path, name: str, model: Path) -> float:
 
     from loopline.store import ledger
     from loopline.store.db import make_engine, session
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline.stages import load_sequences
 
     database = make_engine()
     with session(database) as s:

@@ -79,7 +79,7 @@ def main() -> None:
                 times[variant].append(_resume(train, {**env, "LOOPLINE_TEMP_SERVER": variant}, engine, "startup-bench"))
         imports = [_timed([sys.executable, "-c", "import loopline.flows.train"], env) for _ in range(args.repeats)]
         boot = [
-            _timed([sys.executable, "-c", "from pathlib import Path; from loopline.flows.server import TemporaryServer; "
+            _timed([sys.executable, "-c", "from pathlib import Path; from loopline.orchestration.server import TemporaryServer; "
                     f"TemporaryServer(Path({tmp!r}) / 'logs').wait()"], env)
             for _ in range(args.repeats)
         ]

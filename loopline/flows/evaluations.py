@@ -7,11 +7,11 @@ from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
 from loopline.failpoints import failpoint
-from loopline.flows import assembly
-from loopline.flows.tracking import Trackers
+from loopline.pipeline import assembly
+from loopline.pipeline.tracking import Trackers
 from loopline.store import ledger
 from loopline.tasks import loop as tasks
-from loopline.tasks import stages
+from loopline.pipeline import stages
 
 
 class Evaluations:

@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from loopline.errors import LooplineError
-from loopline.flows import assembly
+from loopline.pipeline import assembly
 from loopline.store import ledger
 from loopline.tasks.loop import RESULT
 from loopline.trainer import checkpoint

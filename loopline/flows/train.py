@@ -22,24 +22,24 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline import plan
-from loopline.flows import assembly, learner_launch
+from loopline.pipeline import assembly, learner_launch
 from loopline.flows import lifecycle as lifecycle_
-from loopline.flows.assembly import FORKED_FROM, run_config
+from loopline.pipeline.assembly import FORKED_FROM, run_config
 from loopline.config import RunConfig, config_file, parse_config
 from loopline.flows.evaluations import Evaluations
-from loopline.flows.policies import HUB_ID, hub_policy, unknown_policy
-from loopline.flows.preflight import refuse_unreachable_servers, refuse_what_cannot_run, require_fits
-from loopline.flows.starter import Progress, ensure_tiny_policy, pull_smollm2
-from loopline.flows.tracking import Trackers
+from loopline.pipeline.policies import HUB_ID, hub_policy, unknown_policy
+from loopline.pipeline.preflight import refuse_unreachable_servers, refuse_what_cannot_run, require_fits
+from loopline.pipeline.starter import Progress, ensure_tiny_policy, pull_smollm2
+from loopline.pipeline.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
 from loopline.store.errors import LedgerConflict
 from loopline.tasks import loop as tasks
-from loopline.tasks import stages
-from loopline.tasks.learner_side import LearnerSide
-from loopline.tasks.stages import LoopContext
+from loopline.pipeline import stages
+from loopline.pipeline.learner_side import LearnerSide
+from loopline.pipeline.stages import LoopContext
 from loopline.trainer import lora
 from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writes
 

@@ -20,10 +20,10 @@ from prefect.utilities.annotations import quote
 
 from loopline import aio, holder, stop_signals
 from loopline.errors import LooplineError
-from loopline.flows import assembly
+from loopline.pipeline import assembly
 from loopline.store import ledger
 from loopline.tasks import loop as tasks
-from loopline.tasks import stages
+from loopline.pipeline import stages
 
 DEPLOYMENT = "rollout_worker/loopline-rollout-worker"  # `loopline deploy` registers it under this name
 

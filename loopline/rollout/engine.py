@@ -111,7 +111,7 @@ class ContextOverflow(ValueError):
 
 
 # What a weight sync hands an engine: an exported model directory, or - to an engine in the learner's own
-# process - the learner's tensors by name (no disk; see `tasks/stages.sync_weights`).
+# process - the learner's tensors by name (no disk; see `pipeline/stages.sync_weights`).
 WeightsSource = Union[str, Path, Mapping[str, "torch.Tensor"]]
 
 

@@ -1,6 +1,6 @@
 """Prefect tasks around the loop's stages: coarse (one batch, one learner step), retriable, idempotent.
 
-Each wraps a plain function of `loopline.tasks.stages`; the ledger, not Prefect's cache, is what
+Each wraps a plain function of `loopline.pipeline.stages`; the ledger, not Prefect's cache, is what
 makes a retry or a re-run safe, so caching is off (the inputs hold live engines and learners).
 
 Callers pass live objects wrapped in `prefect.utilities.annotations.quote`: otherwise Prefect walks
@@ -25,7 +25,7 @@ from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import StopFlag
 from loopline.store import queries
 from loopline.store.errors import is_outage
-from loopline.tasks import stages
+from loopline.pipeline import stages
 
 # What may succeed on a second try: the database, an inference engine, a sandbox, the network.
 # A config or contract error (LooplineError, LedgerConflict, a bug) fails at once instead.

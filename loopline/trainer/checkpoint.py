@@ -99,7 +99,7 @@ def clean_partial_writes(root: Path) -> list[Path]:
 
 
 def clean_unnamed_writes(root: Path, named: set[str], own: bool = False) -> list[Path]:
-    """Remove a learner's own checkpoint and export directories (`NAME.PID`, see tasks/stages.learn) that no
+    """Remove a learner's own checkpoint and export directories (`NAME.PID`, see pipeline/stages.learn) that no
     ledger row names and whose writer is gone: what a learner that lost the run, or died between writing
     and committing, left behind. `own`: this process's too (it is on its way out: a stop signal, a lost
     run or a failure aborted a step between its writes and its commit; with a real model, gigabytes)."""

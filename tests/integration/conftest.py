@@ -16,7 +16,7 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_prefect_server_for_the_session(tmp_path_factory):
-    from loopline.flows.server import TemporaryServer, configured_api_url
+    from loopline.orchestration.server import TemporaryServer, configured_api_url
 
     if configured_api_url():  # a developer's own server (or CI's): the processes report there
         yield

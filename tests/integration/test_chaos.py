@@ -96,7 +96,7 @@ def _rows(db, sql, **params):
 @pytest.mark.parametrize("mode", ["sync"])  # async: the main-pid test below (the kill points' code is shared)
 def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode, tiny_dirs, database_url, db, tmp_path):
     from loopline.config import load_config
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline.stages import load_sequences
     from loopline.trainer.checkpoint import weights_sha256
     from loopline.trainer.learner import Learner
 

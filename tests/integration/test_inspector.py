@@ -31,8 +31,8 @@ from loopline.rollout.scheduler import Binding
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 from loopline.tasks import loop as loop_tasks
-from loopline.tasks.learner_side import LearnerSide
-from loopline.tasks.stages import LoopContext
+from loopline.pipeline.learner_side import LearnerSide
+from loopline.pipeline.stages import LoopContext
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.ports import free_port
 from tests.helpers import wait_healthy

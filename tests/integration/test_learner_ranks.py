@@ -27,7 +27,7 @@ def _ranks_of(home: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"loopline.flows.learner_rank" in cmdline and any(str(home).encode() in arg for arg in cmdline):
+        if b"loopline.orchestration.learner_rank" in cmdline and any(str(home).encode() in arg for arg in cmdline):
             found.append(int(proc.name))
     return found
 

@@ -16,7 +16,7 @@ import yaml
 from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
-from loopline.flows.policies import SHIPPED_STARTERS, tiny_policy_name
+from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
 from loopline.store.db import make_engine
 from loopline.trainer.checkpoint import weights_sha256
 from tests.helpers import undescribed_metrics
@@ -335,7 +335,7 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(engine_kind, pr
 def test_the_run_configs_knobs_reach_the_optimizer_and_the_sampler(tiny_dirs, tmp_path):
     """Issue 32: warm-up, schedule, weight decay and top-p/top-k, read on the objects a run builds from its config."""
     from loopline.envregistry.spec import load_spec
-    from loopline.flows.assembly import build_setup
+    from loopline.pipeline.assembly import build_setup
     from loopline.trainer.learner import Learner
 
     path = _config(
@@ -357,7 +357,7 @@ def test_the_run_configs_knobs_reach_the_optimizer_and_the_sampler(tiny_dirs, tm
 
 
 def test_a_run_whose_learning_rate_decays_over_its_steps_is_not_extended(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
-    from loopline.flows.assembly import extend_run
+    from loopline.pipeline.assembly import extend_run
     from loopline.flows.train import train
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)

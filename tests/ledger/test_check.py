@@ -77,7 +77,7 @@ def _set_gap_metrics(db, run_id, **values):
 def test_a_refused_episode_with_nothing_generated_is_stored_trained_on_as_a_zero_and_passes_check(db, run):
     """An agent program whose every call the endpoint refused (agent_program._refused): one segment, the task's
     prompt, nothing generated. Its group trains on the others' tokens with its 0 in the group's mean."""
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline.stages import load_sequences
 
     refused = TrajectoryRecord(
         "arithmetic", 1, "v1", "h1", 0.0, True, False, [SegmentRecord("r/refused/", 0, "tok", [1, 2, 3], [], [], [], "none: nothing was generated")],
@@ -98,7 +98,7 @@ def test_a_trajectory_of_two_chains_is_stored_loaded_as_two_sequences_and_passes
     """Issue 48: an agent that rewrote its history made a second chain; it was discarded, it is kept now."""
     from dataclasses import replace
 
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline.stages import load_sequences
 
     first = chained_trajectory(1.0, 0)
     rewritten = SegmentRecord("r2/", 0, "tok", [1, 2, 99], [4], [1], [-0.4], "log_softmax(logits/T)", starts_chain=True)

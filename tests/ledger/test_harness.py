@@ -160,7 +160,7 @@ def test_context_overflow_ends_the_episode_as_truncated(chat):
 
 
 def test_learner_reads_committed_multi_turn_trajectories_token_exact(chat, db, run):
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline.stages import load_sequences
 
     ledger.plan_step(db, run.id, 1, ["t1"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
@@ -196,7 +196,7 @@ class OneAtATime(ScriptedEngine):
 def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queue(chat, db, run):
     """12 held-out episodes, a 1 s wall-time budget each, an engine that takes 0.3 s a request one at a time:
     all 12 at once would wait up to 3.6 s before their first call; `concurrency` 2 starts each when it can run."""
-    from loopline.tasks.stages import evaluate
+    from loopline.pipeline.stages import evaluate
 
     from loopline import activity
 
@@ -225,7 +225,7 @@ def test_waiting_for_the_engine_is_not_charged_to_the_wall_time_budget(chat, db,
     """Six held-out episodes at once on an engine serving one request at a time (0.3 s each), a 1 s budget: the
     last waits 1.8 s for its only model call. Queueing depends on the load (an async run's rollouts share the
     engine), not on the agent: it must neither truncate the episode nor score it 0 (seen on SmolLM2, issue 17)."""
-    from loopline.tasks.stages import evaluate
+    from loopline.pipeline.stages import evaluate
 
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(6)]
     success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6, max_attempts=1))
@@ -265,7 +265,7 @@ class FailsFirst(OneAtATime):
 def test_an_evaluation_episode_that_fails_for_infra_reasons_is_played_again(chat, db, run):
     """An engine or sandbox failure says nothing about the policy: the episode is played again (same task and
     seed), and the evaluation completes instead of failing the run."""
-    from loopline.tasks.stages import evaluate
+    from loopline.pipeline.stages import evaluate
 
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(3)]
     assert asyncio.run(evaluate(run.id, FailsFirst(chat), _setup(chat), lambda: db, tasks, 1, 0.0, 0, concurrency=3)) == 1.0

@@ -507,7 +507,7 @@ def test_a_step_whose_groups_are_all_stale_or_whose_worker_stopped_says_what_to_
     import types
 
     from loopline.store.db import session as new_session
-    from loopline.tasks import stages
+    from loopline.pipeline import stages
 
     ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, max_attempts=3)
     _complete_step(db, run, step=15, tasks=("old",), version=0)

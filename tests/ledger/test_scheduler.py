@@ -74,8 +74,8 @@ def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, e
 
     # the learner step then has nothing to train on, and says why in one line (the last infra failure) and what to do
     from loopline.errors import LooplineError
-    from loopline.tasks.learner_side import LearnerSide
-    from loopline.tasks.stages import LoopContext, learn
+    from loopline.pipeline.learner_side import LearnerSide
+    from loopline.pipeline.stages import LoopContext, learn
 
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=None, binding=broken, concurrency=2, max_attempts=2,

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.tasks import loop as tasks
-from loopline.tasks.learner_side import LearnerSide
-from loopline.tasks.stages import LoopContext
+from loopline.pipeline.learner_side import LearnerSide
+from loopline.pipeline.stages import LoopContext
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.engine_thread import EngineThread
@@ -163,7 +163,7 @@ def test_releasing_servers_with_the_ledger_gone_is_logged_not_raised_over_why_th
     from types import SimpleNamespace
 
     from loopline.store.errors import DatabaseUnavailable
-    from loopline.tasks.stages import release_servers
+    from loopline.pipeline.stages import release_servers
 
     def unreachable():
         raise DatabaseUnavailable("connection refused")
@@ -178,8 +178,8 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
     """The learner_step task retries a lost database: the failed try already moved the learner's weights,
     so the retry restores them (checkpoint + replay) before training the same batch again."""
     from loopline.store.errors import DatabaseUnavailable
-    from loopline.tasks import stages
-    from loopline.tasks.stages import load_sequences
+    from loopline.pipeline import stages
+    from loopline.pipeline.stages import load_sequences
 
     spec = load_spec(ARITHMETIC)
     train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:20]

@@ -22,8 +22,12 @@ ALLOWED = {
     "trainer": set(),  # (its records are `loopline.types`; the tasks load them from the ledger)
     "plan": set(),  # memory before launch: arithmetic on a model's shape and a run's workload
     "config": {"rollout", "trainer"},  # the run config: its sections name their engines and learner settings
-    "tasks": {"store", "envregistry", "rollout", "trainer", "config"},
-    "flows": {"store", "envregistry", "rollout", "trainer", "tasks", "config", "plan"},
+    # the loop's plain code: its stages, the learner's side, a run's assembly, policies, trackers (no Prefect)
+    "pipeline": {"store", "envregistry", "rollout", "trainer", "config", "plan"},
+    "tasks": {"store", "envregistry", "rollout", "trainer", "config", "pipeline"},
+    "flows": {"store", "envregistry", "rollout", "trainer", "tasks", "config", "plan", "pipeline"},
+    # the Prefect server, deployments and work pools, a launched learner rank's entry point
+    "orchestration": {"store", "config", "trainer", "pipeline", "flows"},
     # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers.
     # Advantages come from the store as the learner used them (never recomputed with the trainer's code).
     "ui": {"store", "envregistry"},
@@ -119,10 +123,11 @@ def test_no_sql_outside_the_store():
 
 
 def test_prefect_only_in_tasks_and_flows():
+    """(and in orchestration/, which runs Prefect's server and registers the flows)"""
     wrong = [
         f"{path.relative_to(PACKAGE)} imports {module}"
         for path, layer in _modules()
-        if layer not in ("tasks", "flows")
+        if layer not in ("tasks", "flows", "orchestration")
         for module in _imports(path)
         if module == "prefect" or module.startswith("prefect.")
     ]

@@ -63,7 +63,7 @@ def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, 
     import shutil
 
     from loopline.envregistry.spec import load_spec
-    from loopline.flows.assembly import build_setup
+    from loopline.pipeline.assembly import build_setup
 
     policy = shutil.copytree(tiny_dirs["v0"], tmp_path / "policy")
     calc = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "<calc>1 + 2</calc>"}]

@@ -122,7 +122,7 @@ def test_an_env_that_asks_for_hermes_with_a_policy_without_it_is_refused_before_
     import yaml
 
     from loopline.errors import LooplineError
-    from loopline.flows.assembly import build_setup
+    from loopline.pipeline.assembly import build_setup
     from loopline.config import RunConfig
 
     data = yaml.safe_load(ARITHMETIC.read_text()) | {"tool_calls": "hermes"}

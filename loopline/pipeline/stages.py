@@ -41,7 +41,7 @@ from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
 from loopline.types import LEASE_SECONDS
 from loopline.trainer.batch import TrainSequence, batch_metrics, sequences_from_trajectory
-from loopline.tasks.learner_side import LearnerSide
+from loopline.pipeline.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
 
 

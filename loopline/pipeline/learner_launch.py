@@ -3,7 +3,7 @@
 `loopline train` (or the learner deployment on a work pool) with `learner.launch` in the run config runs
 
     deepspeed [--hostfile H] --num_nodes N --num_gpus G --master_port P --no_local_rank \\
-        --module loopline.flows.learner_rank --config RUN.yaml ...
+        --module loopline.orchestration.learner_rank --config RUN.yaml ...
 
 and waits (each rank runs `learner_rank`, which imports the train flow; this module is what the flow imports). Rank 0 runs the train flow as it would run alone (ledger, engine, commits); the other ranks
 follow its learner (`trainer/ranks.py`). Nothing outlives the flow: the launcher runs in a session of its
@@ -46,7 +46,7 @@ def command(settings: RankLaunch, args: list[str], port: int) -> list[str]:
     hosts = ["--hostfile", settings.hostfile] if settings.hostfile else []
     return [
         launcher, *hosts, "--num_nodes", str(settings.nodes), "--num_gpus", str(settings.ranks_per_node),
-        "--master_port", str(port), *settings.args, "--no_local_rank", "--module", "loopline.flows.learner_rank", *args,
+        "--master_port", str(port), *settings.args, "--no_local_rank", "--module", "loopline.orchestration.learner_rank", *args,
     ]
 
 

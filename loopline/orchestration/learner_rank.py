@@ -8,11 +8,11 @@ import json
 import os
 from pathlib import Path
 
-from loopline.flows import learner_launch
+from loopline.pipeline import learner_launch
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopline.flows.learner_rank")
+    parser = argparse.ArgumentParser(prog="python -m loopline.orchestration.learner_rank")
     parser.add_argument("--config")
     parser.add_argument("--resume")
     parser.add_argument("--fork")

@@ -22,7 +22,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
 
-from loopline.flows import server
+from loopline.orchestration import server
 from loopline.flows.evaluate import evaluate
 from loopline.flows.train import learner, train
 from loopline.flows.worker import DEPLOYMENT as WORKER_DEPLOYMENT

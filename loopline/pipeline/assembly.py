@@ -35,7 +35,7 @@ from loopline.rollout.scheduler import Binding
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
-from loopline.tasks import stages
+from loopline.pipeline import stages
 from loopline.trainer import ranks
 from loopline.trainer.config import LoraConfig
 from loopline.trainer.learner import Learner
