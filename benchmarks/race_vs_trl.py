@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -158,8 +157,20 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     if process.poll() is None:
         process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops where it is, resumable
         process.wait(timeout=300)
-    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+    return loopline_side(name, mode, home, started_wall, model, seconds, mark_s)
 
+
+def loopline_side(name: str, mode: str, home: Path, started_wall: float, model: Path, seconds: float, mark_s: float) -> dict:
+    """A loopline side's results, from its run's ledger: each version's commit on the side's clock (seconds from
+    its process start, less the exports written so far), the policy at each mark, its peak memory. Read in a
+    process of its own: a process keeps the first embedded ledger it opened (the other side's home)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_read_side, (name, mode, home, started_wall, model, seconds, mark_s))
+
+
+def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Path, seconds: float, mark_s: float) -> dict:
     os.environ["LOOPLINE_HOME"] = str(home)
     os.environ.pop("LOOPLINE_DATABASE_URL", None)
     from loopline.store import db as store_db
@@ -169,20 +180,22 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     with database.connect() as conn:
         run = views.run_id(conn, name)
         timings = [dict(zip(t.columns, r)) for t in [views.step_timings(conn, run)] for r in t.rows]
+        metrics = views.metrics(conn, run)
+        peak_gb = max((r[metrics.columns.index("value")] for r in metrics.rows if r[metrics.columns.index("name")] == "peak_rss_gb"), default=None)
     with store_db.session(database) as s:
-        weights = {v: ledger.version_weights(s, run, v).uri for v in ledger.exported_versions(s, run)}
+        weights = {v: ledger.version_weights(s, run, v).uri for v in ledger.exported_versions(s, run) if v > 0}
     database.dispose()
-    # the clock: seconds from process start to each version's commit, less the exports written so far
-    # (every version is exported here only so that each mark can be evaluated; a run normally exports every 4th)
-    saved, trained = 0.0, {0: 0.0}
+    # every version is exported here only so that each mark can be evaluated (a run normally exports every 4th)
+    saved, trained = 0.0, {}
     for row in timings:
         saved += row["export_s"] or 0.0
         trained[row["step"]] = row["committed_at"] - started_wall - saved
-    marks = at_marks({v: {"trained_s": t, "path": weights[v], "version": v} for v, t in trained.items() if v in weights}, seconds, mark_s)
+    policies = {0: {"trained_s": 0.0, "path": str(model), "version": 0}} | {
+        v: {"trained_s": t, "path": weights[v], "version": v} for v, t in trained.items() if v in weights}
     rows = timings[1:] or timings
     return {
-        "side": f"loopline {mode}", "marks": marks, "base": weights[0], "peak_rss_gb": peak_gb, "steps": len(timings),
-        "steps_in_budget": sum(s <= seconds for v, s in trained.items() if v > 0),
+        "side": f"loopline {mode}", "marks": at_marks(policies, seconds, mark_s), "base": str(model), "peak_rss_gb": peak_gb,
+        "steps": len(timings), "steps_in_budget": sum(t <= seconds for t in trained.values()),
         "startup_s": (timings[0]["committed_at"] - started_wall - (timings[0]["rollout_s"] or 0) - (timings[0]["learner_s"] or 0)) if timings else None,
         "median_step": {part: statistics.median((r[part] or 0.0) for r in rows) for part in ("rollout_s", "learner_s", "checkpoint_s", "export_s", "sync_s")} if rows else {},
         "export_s_total": saved,
@@ -271,13 +284,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="rollout temperature, both sides")
     parser.add_argument("--out", type=Path, default=RESULTS / "race_vs_trl")
     parser.add_argument("--report", type=Path, metavar="WORK", help="evaluate and report a finished race's work directory again")
+    parser.add_argument("--reuse", type=Path, metavar="WORK", help="a race's work directory whose loopline sides finished: read them "
+                        "from their ledgers (each clock starts at its run config's writing, just before its process) and race TRL")
     args = parser.parse_args()
     if args.report:
         return finish(args.report, args.out)
     seconds, mark_s = args.minutes * 60, args.mark_minutes * 60
 
-    work = Path(tempfile.mkdtemp(prefix="loopline-race-"))
-    model = prepare_model(work)
+    work = args.reuse or Path(tempfile.mkdtemp(prefix="loopline-race-"))
+    model = work / "smollm2-tools-template" if args.reuse else prepare_model(work)
     env = write_env(work, args.eval_tasks)
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
@@ -287,6 +302,11 @@ def main() -> None:
     print(same, flush=True)
     sides = []
     for mode in args.modes.split(","):
+        done = sorted(work.glob(f"race-{mode}-*.yaml")) if args.reuse else []
+        if done:
+            print(f"loopline {mode}: read from {done[-1].stem}'s ledger", flush=True)
+            sides.append(loopline_side(done[-1].stem, mode, work / f"home-{mode}", done[-1].stat().st_mtime, model, seconds, mark_s))
+            continue
         print(f"loopline {mode}: {args.minutes:g} min ...", flush=True)
         sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature))
     print(f"TRL: {args.minutes:g} min ...", flush=True)
