@@ -10,44 +10,46 @@ raises). Exactly-once rests on three things:
   transaction, and the groups it trains are recorded before training, so a retry trains exactly
   the same set.
 
-By concern: `runs` (runs, policy versions, evaluations, resume), `slots` (plans, claims, leases,
-attempts), `commits` (trajectories in and out), `learning` (groups, learner batches, consumption).
+By concern: `runs` (lifecycle, fencing, liveness), `versions` (weights, exports, evaluations, servers),
+`resume` (where a run stands), `slots` (plans, claims, leases, attempts), `commits` (trajectories in and
+out), `learning` (groups, learner batches, consumption).
 This module is the one name callers use for all of them.
 """
 
 from __future__ import annotations
 
 from loopline.store.runs import (
-    start_run,
-    request_cancel,
-    mark_abandoned,
+    config_hash,
+    create_run,
+    delete_run,
+    end_run,
+    get_run,
     heartbeat,
+    mark_abandoned,
+    request_cancel,
     require_driver,
     restate_config,
-    end_run,
-    delete_run,
+    set_run_plan,
+    start_run,
+)
+from loopline.store.versions import (
     VersionWeights,
-    config_hash,
-    consumed_trajectory_ids,
-    create_run,
     exported_versions,
-    named_files,
-    get_run,
     initial_weights,
     latest_policy_version,
     mark_published,
+    named_files,
     owed_evaluations,
-    record_eval_result,
     rebuilt_digests,
+    record_eval_result,
     record_export,
     record_rebuild,
     record_served,
     release_servers,
-    resume_state,
     serving_servers,
-    set_run_plan,
     version_weights,
 )
+from loopline.store.resume import consumed_trajectory_ids, resume_state
 from loopline.store.slots import (
     claim_slots,
     expire_leases,
