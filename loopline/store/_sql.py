@@ -24,9 +24,33 @@ def q(session: Session, sql: str, **params: Any) -> sa.CursorResult:
     return session.execute(sa.text(sql), params)
 
 
-def rows(session: Session, sql: str, **params: Any) -> list[sa.Row]:
-    """A read that holds no transaction open afterwards."""
+def _read(session: Session, sql: str, params: dict[str, Any], take):
+    """A read that holds no transaction open afterwards: a process frozen after it keeps no snapshot or locks."""
     try:
-        return list(q(session, sql, **params).all())
+        return take(q(session, sql, **params))
     finally:
         session.rollback()
+
+
+def rows(session: Session, sql: str, **params: Any) -> list[sa.Row]:
+    return _read(session, sql, params, lambda r: list(r.all()))
+
+
+def one_row(session: Session, sql: str, **params: Any) -> sa.Row:
+    return _read(session, sql, params, lambda r: r.one())
+
+
+def first_row(session: Session, sql: str, **params: Any) -> sa.Row | None:
+    return _read(session, sql, params, lambda r: r.first())
+
+
+def scalar(session: Session, sql: str, **params: Any) -> Any:
+    return _read(session, sql, params, lambda r: r.scalar_one())
+
+
+def scalar_or_none(session: Session, sql: str, **params: Any) -> Any:
+    return _read(session, sql, params, lambda r: r.scalar_one_or_none())
+
+
+def column(session: Session, sql: str, **params: Any) -> list[Any]:
+    return _read(session, sql, params, lambda r: list(r.scalars().all()))

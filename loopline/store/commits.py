@@ -13,7 +13,7 @@ from sqlmodel import Session, SQLModel
 from loopline.errors import LooplineError
 from loopline.store.nul import storable
 from loopline.store.packed import use_packed_arrays
-from loopline.store._sql import q, transaction
+from loopline.store._sql import one_row, q, rows, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome
 from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
@@ -225,7 +225,7 @@ def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequenc
     (`rollout/infra_failed_frac`: played again; the policy never saw them), tool calls per episode and the
     fraction that failed, the wall time from the batch's first attempt to its last (`timing_s/rollout`, and
     `perf/trajectories_per_s` over it), the mean episode, and the sync that served `version` (its weights)."""
-    row = q(
+    row = one_row(
         session,
         "WITH t AS (SELECT id, slot_id, truncated, (timings->>'episode_s')::float8 AS episode_s FROM trajectory WHERE id = ANY(:ids)), "
         "calls AS (SELECT count(*) AS n, count(*) FILTER (WHERE (e->>'error')::boolean) AS errors "
@@ -238,8 +238,7 @@ def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequenc
         "attempts.wall_s, (SELECT (sync_timings->>'total_s')::float8 FROM policy_version WHERE run_id = :r AND version = :v) AS sync_s "
         "FROM calls, attempts",
         ids=list(trajectory_ids), r=run_id, v=version,
-    ).one()
-    session.rollback()
+    )
     episodes = max(row.episodes, 1)
     timed = {
         "timing_s/rollout": row.wall_s, "perf/trajectories_per_s": row.episodes / row.wall_s if row.wall_s else None,
@@ -278,17 +277,16 @@ def whole_prompts(segments: Sequence) -> list[list[int]]:
 
 def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:
     """Committed trajectories with their segments' tokens, in the order asked for; all must exist."""
-    rows = q(
+    found = rows(
         session,
         "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
         "s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, s.starts_chain "
         "FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
         "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
         ids=list(trajectory_ids),
-    ).all()
-    session.rollback()
+    )
     by_id: dict[uuid.UUID, list] = {}
-    for row in rows:
+    for row in found:
         by_id.setdefault(row.id, []).append(row)
     missing = [t for t in trajectory_ids if t not in by_id]
     if missing:

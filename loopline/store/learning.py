@@ -10,7 +10,7 @@ from psycopg.types.json import Jsonb
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
-from loopline.store._sql import q, transaction
+from loopline.store._sql import column, first_row, q, scalar, scalar_or_none, transaction
 from loopline.store.errors import LedgerConflict
 from loopline.store.fencing import fence
 from loopline.store.records import LearnerBatch, LearnerCommit
@@ -21,14 +21,13 @@ from loopline.types import Split, TrainedSample
 
 def complete_groups(session: Session, run_id: uuid.UUID, split: Split = "train") -> list[uuid.UUID]:
     """Groups whose every sample is committed and that no learner step has claimed yet."""
-    ids = q(
+    ids = column(
         session,
         "SELECT id FROM rollout_group WHERE run_id = :r AND split = :s AND state = 'complete' "
         "ORDER BY step, group_index",
         r=run_id,
         s=split,
-    ).scalars().all()
-    session.rollback()
+    )
     return list(ids)
 
 
@@ -42,13 +41,12 @@ def group_states(session: Session, run_id: uuid.UUID) -> dict[str, int]:
 def last_infra_failure(session: Session, run_id: uuid.UUID) -> str | None:
     """What the run's newest infra-failed attempt said (`error_class: error_text`): why a step may have no
     group left to train on."""
-    row = q(
+    row = first_row(
         session,
         "SELECT error_class, error_text FROM attempt WHERE run_id = :r AND status = 'infra_failed' "
         "ORDER BY ended_at DESC NULLS LAST LIMIT 1",
         r=run_id,
-    ).first()
-    session.rollback()
+    )
     return f"{row[0]}: {(row[1] or '').strip()}" if row else None
 
 
@@ -280,10 +278,9 @@ def trained_batch(session: Session, run_id: uuid.UUID, learner_step: int) -> tup
 
 def trained_threads(session: Session, run_id: uuid.UUID, learner_step: int) -> int | None:
     """The intra-op thread count a committed step was computed with (None: not recorded, older runs)."""
-    value = q(
+    value = scalar_or_none(
         session, "SELECT value FROM metric WHERE run_id = :r AND step = :k AND name = 'learner_threads'", r=run_id, k=learner_step
-    ).scalar_one_or_none()
-    session.rollback()
+    )
     return int(value) if value else None
 
 
@@ -296,12 +293,11 @@ def record_refused_step(session: Session, run_id: uuid.UUID, step: int, metrics:
 
 def open_groups_through(session: Session, run_id: uuid.UUID, step: int) -> int:
     """Train groups of steps <= `step` still being generated (the async learner waits for them)."""
-    n = q(
+    n = scalar(
         session,
         "SELECT count(*) FROM rollout_group WHERE run_id = :r AND split = 'train' AND step <= :k AND state = 'open'",
         r=run_id,
         k=step,
-    ).scalar_one()
-    session.rollback()
+    )
     return n
 

@@ -8,14 +8,13 @@ import uuid
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
-from loopline.store._sql import q, transaction
+from loopline.store._sql import column, q, transaction
 from loopline.store.learning import group_state_counts, groups_of_step
 from loopline.store.records import CheckpointInfo, ResumeState
 
 
 def consumed_trajectory_ids(session: Session, run_id: uuid.UUID) -> set[uuid.UUID]:
-    ids = q(session, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id).scalars().all()
-    session.rollback()
+    ids = column(session, "SELECT trajectory_id FROM consumption WHERE run_id = :r", r=run_id)
     return set(ids)
 
 

@@ -12,7 +12,7 @@ from psycopg.types.json import Jsonb
 from sqlmodel import Session
 
 from loopline.errors import LooplineError
-from loopline.store._sql import q, transaction
+from loopline.store._sql import first_row, q, rows, scalar, transaction
 from loopline.store.commits import write_eval_episodes
 from loopline.types import TrajectoryRecord
 
@@ -28,15 +28,14 @@ class VersionWeights:
 def version_weights(session: Session, run_id: uuid.UUID, version: int | None = None) -> VersionWeights:
     """Where a policy version's weights are (the newest version when `version` is None): one query, what a
     rollout process asks every second to follow the learner."""
-    row = q(
+    row = first_row(
         session,
         "SELECT version, weights_uri, sha256, adapter_uri FROM policy_version WHERE run_id = :r "
         "AND (CAST(:v AS int) IS NULL OR version = :v) "
         "ORDER BY version DESC LIMIT 1",
         r=run_id,
         v=version,
-    ).first()
-    session.rollback()
+    )
     if row is None:
         raise LooplineError(f"run {run_id} has no policy version {version}")
     return VersionWeights(row.version, row.weights_uri, row.sha256, row.adapter_uri)
@@ -98,29 +97,26 @@ def owed_evaluations(
     session: Session, run_id: uuid.UUID, scheduled: Callable[[int], bool], through: int
 ) -> list[VersionWeights]:
     """Versions up to `through` whose scheduled evaluation is not in the ledger yet, oldest first."""
-    rows = q(
+    found = rows(
         session,
         "SELECT p.version, p.weights_uri FROM policy_version p WHERE p.run_id = :r AND p.version <= :upto "
         "AND NOT EXISTS (SELECT 1 FROM eval_result e WHERE e.run_id = p.run_id AND e.policy_version = p.version) "
         "ORDER BY p.version",
         r=run_id,
         upto=through,
-    ).all()
-    session.rollback()
-    return [VersionWeights(r.version, r.weights_uri) for r in rows if scheduled(r.version)]
+    )
+    return [VersionWeights(r.version, r.weights_uri) for r in found if scheduled(r.version)]
 
 
 def initial_weights(session: Session, run_id: uuid.UUID) -> str:
     """Where the run's version 0 came from (the learner and tokenizer start there)."""
-    uri = q(session, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run_id).scalar_one()
-    session.rollback()
+    uri = scalar(session, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run_id)
     return uri
 
 
 def latest_policy_version(session: Session, run_id: uuid.UUID) -> int:
     """The learner's newest version (what the staleness gate compares the engines' versions with)."""
-    version = q(session, "SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r", r=run_id).scalar_one()
-    session.rollback()
+    version = scalar(session, "SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r", r=run_id)
     return version
 
 
@@ -188,13 +184,12 @@ def release_servers(session: Session, run_id: uuid.UUID, holder: str) -> None:
 
 def serving_servers(session: Session, run_id: uuid.UUID) -> list[tuple[str, str, int]]:
     """(url, holder, served version) of the servers some process still generates on (not released)."""
-    rows = q(
+    found = rows(
         session,
         "SELECT url, holder, served_version FROM engine_server WHERE run_id = :r AND released_at IS NULL ORDER BY url, holder",
         r=run_id,
-    ).all()
-    session.rollback()
-    return [tuple(row) for row in rows]
+    )
+    return [tuple(row) for row in found]
 
 
 # --------------------------------------------------------------------------- resume
