@@ -39,6 +39,9 @@ def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
         return [(name, f.annotation, _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
                 for name, f in model.model_fields.items()]
     hints = typing.get_type_hints(model)
+    for f in dataclasses.fields(model):  # a name chosen from a registry: its names, as a Literal shows them
+        if "registry" in f.metadata:
+            hints[f.name] = Literal[tuple(f.metadata["registry"].names)]
     return [(f.name, hints[f.name], _default(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
                                             lambda f=f: f.default if f.default is not dataclasses.MISSING else f.default_factory()),
              f.metadata.get("description")) for f in dataclasses.fields(model)]

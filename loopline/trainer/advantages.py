@@ -9,11 +9,11 @@ signal: it is flagged, and either dropped or kept with zero advantage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, get_args
+from typing import Sequence
 
 import torch
 
-from loopline.trainer.config import AdvantageConfig, DegenerateHandling, Estimator, StdKind  # noqa: F401 (re-exported)
+from loopline.trainer.config import ESTIMATORS, AdvantageConfig, DegenerateHandling, Estimator, StdKind  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,21 @@ def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], co
 
 # Each estimator: a group's rewards (at least 2, not all equal) -> (advantages, the std it divided by, 0 if none).
 
+@ESTIMATORS.register("grpo")
 def _grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     std = group.std(correction=0 if config.std == "population" else 1)
     return (group - group.mean()) / (std + config.eps), std
 
 
+@ESTIMATORS.register("dr_grpo")
 def _dr_grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return group - group.mean(), group.new_zeros(())  # mean-only: no division by the std
 
 
+@ESTIMATORS.register("rloo")
 def _rloo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     # each sample's baseline is the mean of the OTHER samples of its group
     return group - (group.sum() - group) / (group.numel() - 1), group.new_zeros(())
 
 
-# By the name `learner.advantage.estimator` gives (the names config.Estimator allows).
-ESTIMATORS: dict[str, Callable[[torch.Tensor, AdvantageConfig], tuple[torch.Tensor, torch.Tensor]]] = {
-    "grpo": _grpo, "dr_grpo": _dr_grpo, "rloo": _rloo,
-}
-assert set(ESTIMATORS) == set(get_args(Estimator)), "trainer/config.Estimator and ESTIMATORS must name the same estimators"
+ESTIMATORS.check_implemented()

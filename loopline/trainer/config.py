@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeAlias
 
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
+from loopline.registry import Registry
+
+# Components chosen by name: the built-ins declared here (no torch), implemented and registered by
+# trainer/advantages.py and trainer/losses.py; a component registered anywhere else is a valid name too.
+ESTIMATORS: Registry = Registry("advantage estimator", "learner.advantage.estimator", ("grpo", "dr_grpo", "rloo"))
+AGGREGATIONS: Registry = Registry(
+    "loss aggregation", "learner.loss.aggregation", ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+)
+CORRECTIONS: Registry = Registry("off-policy correction", "learner.loss.correction", ("none", "tis", "mis", "rejection"))
+KL_ESTIMATORS: Registry = Registry("KL estimator", "learner.loss.kl_estimator", ("k1", "k3"))
+# (each a registered name)
+Estimator: TypeAlias = str
+Aggregation: TypeAlias = str
+OffPolicyCorrection: TypeAlias = str
+KLEstimator: TypeAlias = str
 StdKind = Literal["population", "sample"]
 DegenerateHandling = Literal["drop", "zero"]
-Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "rejection"]
 CorrectionLevel = Literal["token", "sequence"]
 CorrectionBounds = Literal["upper", "two_sided"]
-KLEstimator = Literal["k1", "k3"]
 LRSchedule = Literal["constant", "cosine", "linear"]
 BackendName = Literal["deepspeed", "torch"]  # (trainer/backends.BACKENDS)
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -27,10 +38,13 @@ def setting(default, description: str):
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    estimator: Estimator = setting("grpo", "grpo: (r - group mean) / (std + eps); dr_grpo: r - group mean (no std); rloo: leave-one-out baseline")
+    estimator: Estimator = ESTIMATORS.setting_field("grpo", "grpo: (r - group mean) / (std + eps); dr_grpo: r - group mean (no std); rloo: leave-one-out baseline")
     std: StdKind = setting("sample", "GRPO's divisor: the sample standard deviation (1/(n-1), as verl's torch.std and TRL) or the population one (1/n)")
     eps: float = setting(1e-6, "added to the standard deviation (verl 1e-6; TRL 1e-4)")
     degenerate: DegenerateHandling = setting("zero", "a group whose samples all scored the same: zero (advantage 0: trained on, no signal) or drop (left out)")
+
+    def __post_init__(self) -> None:
+        ESTIMATORS.check(self.estimator)
 
 
 @dataclass(frozen=True)
@@ -39,22 +53,25 @@ class LossConfig:
     clip_high: float = setting(0.28, "... and above at 1 + clip_high: asymmetric, DAPO's clip-higher (verl clip_ratio_high, TRL epsilon_high)")
     clip_ratio_c: float | None = setting(3.0, "dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off")
     # Rejected tokens leave the loss entirely (its denominators and the KL term too).
-    correction: OffPolicyCorrection = setting(
+    correction: OffPolicyCorrection = CORRECTIONS.setting_field(
         "tis", "the π_old/μ correction of an off-policy rollout (verl's rollout correction): tis: weight min(ρ, cap); mis: "
         "weight ρ, tokens (or sequences) outside the bounds rejected; rejection: weight 1, outside the bounds rejected; none: weight 1",
     )
     correction_level: CorrectionLevel = setting("token", "token: ρ per token; sequence: ρ is the product of the sequence's token ratios")
     correction_cap: float = setting(2.0, "C: the truncation (tis) or the upper rejection bound (mis, rejection)")
     correction_bounds: CorrectionBounds = setting("upper", "upper: reject ρ > C; two_sided: also ρ < 1/C")
-    aggregation: Aggregation = setting(
+    aggregation: Aggregation = AGGREGATIONS.setting_field(
         "token_mean", "how per-token losses become the loss: token_mean (every token weighs the same; verl token-mean, TRL bnpo), "
         "seq_mean_token_sum, seq_mean_token_mean (TRL grpo), seq_mean_token_sum_norm (Dr. GRPO)",
     )
     norm_length: int | None = setting(None, "seq_mean_token_sum_norm's constant length L (default: sampling.max_new_tokens)")
     kl_coef: float = setting(0.0, "> 0 adds a KL penalty to the frozen reference policy (the run's initial weights; TRL beta)")
-    kl_estimator: KLEstimator = setting("k3", "k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)")
+    kl_estimator: KLEstimator = KL_ESTIMATORS.setting_field("k3", "k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)")
 
     def __post_init__(self) -> None:
+        CORRECTIONS.check(self.correction)
+        AGGREGATIONS.check(self.aggregation)
+        KL_ESTIMATORS.check(self.kl_estimator)
         for name in ("clip_low", "clip_high", "correction_cap", "kl_coef", "clip_ratio_c"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

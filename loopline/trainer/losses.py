@@ -17,12 +17,12 @@ Every tensor here is [batch, tokens] with a 0/1 `mask` marking action tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, get_args
+from typing import Callable
 
 import torch
 
 from loopline.trainer.config import (  # noqa: F401 (re-exported)
-    Aggregation, CorrectionBounds, CorrectionLevel, KLEstimator, LossConfig, OffPolicyCorrection,
+    AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, Aggregation, CorrectionBounds, CorrectionLevel, KLEstimator, LossConfig, OffPolicyCorrection,
 )
 
 
@@ -78,14 +78,11 @@ def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_
     return sums.sum() / (count * norm_length)
 
 
-# `loss.aggregation` by name: adding one is a function and its entry here (and in config.Aggregation).
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "token_mean": _token_mean,
-    "seq_mean_token_sum": _seq_mean_token_sum,
-    "seq_mean_token_mean": _seq_mean_token_mean,
-    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
-}
-assert set(AGGREGATIONS) == set(get_args(Aggregation)), "trainer/config.Aggregation and AGGREGATIONS must name the same ones"
+# `loss.aggregation` by name (trainer/config.AGGREGATIONS declares the built-ins).
+for _name, _aggregate in (("token_mean", _token_mean), ("seq_mean_token_sum", _seq_mean_token_sum),
+                          ("seq_mean_token_mean", _seq_mean_token_mean), ("seq_mean_token_sum_norm", _seq_mean_token_sum_norm)):
+    AGGREGATIONS.register(_name)(_aggregate)
+AGGREGATIONS.check_implemented()
 
 
 def aggregate(
@@ -114,11 +111,9 @@ def aggregate(
 K3_BOUND = 10.0
 
 # `loss.kl_estimator` by name (Schulman's k1 and k3), each of log(π_ref / π_θ) per token.
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "k1": lambda log_ratio: -log_ratio,
-    "k3": lambda log_ratio: (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_BOUND),
-}
-assert set(KL_ESTIMATORS) == set(get_args(KLEstimator)), "trainer/config.KLEstimator and KL_ESTIMATORS must name the same ones"
+KL_ESTIMATORS.register("k1")(lambda log_ratio: -log_ratio)
+KL_ESTIMATORS.register("k3")(lambda log_ratio: (torch.exp(log_ratio) - log_ratio - 1).clamp(max=K3_BOUND))
+KL_ESTIMATORS.check_implemented()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -145,14 +140,12 @@ class CorrectionRule:
     weight: Callable[[torch.Tensor, float], torch.Tensor]
 
 
-# `loss.correction` by name (verl's rollout correction): adding one is its entry here (and in config.OffPolicyCorrection).
-CORRECTIONS: dict[str, CorrectionRule] = {
-    "none": CorrectionRule(False, lambda rho, cap: torch.ones_like(rho)),
-    "tis": CorrectionRule(False, lambda rho, cap: rho.clamp(max=cap)),  # truncated importance sampling
-    "mis": CorrectionRule(True, lambda rho, cap: rho),  # masked: weight ρ, rejected outside the bounds
-    "rejection": CorrectionRule(True, lambda rho, cap: torch.ones_like(rho)),  # verl's rollout_rs alone
-}
-assert set(CORRECTIONS) == set(get_args(OffPolicyCorrection)), "trainer/config.OffPolicyCorrection and CORRECTIONS must name the same ones"
+# `loss.correction` by name (verl's rollout correction; trainer/config.CORRECTIONS declares the built-ins).
+CORRECTIONS.register("none")(CorrectionRule(False, lambda rho, cap: torch.ones_like(rho)))
+CORRECTIONS.register("tis")(CorrectionRule(False, lambda rho, cap: rho.clamp(max=cap)))  # truncated importance sampling
+CORRECTIONS.register("mis")(CorrectionRule(True, lambda rho, cap: rho))  # masked: weight ρ, rejected outside the bounds
+CORRECTIONS.register("rejection")(CorrectionRule(True, lambda rho, cap: torch.ones_like(rho)))  # verl's rollout_rs alone
+CORRECTIONS.check_implemented()
 
 
 def off_policy_correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Correction:

@@ -1,0 +1,57 @@
+"""Components chosen by name in a config (an advantage estimator, a loss aggregation, ...), as verl registers its
+policy losses and advantage estimators.
+
+A registry's names are known without importing the components' modules (they need torch; a run config is
+checked before torch loads): the built-in names are declared where the config is, and each component's module
+registers its implementation under its name. A component defined anywhere else, a test module or a user's
+plugin, registers itself the same way and is then a valid name in every config.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import field
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, what: str, setting: str, builtin: tuple[str, ...]) -> None:
+        self.what, self.setting = what, setting
+        self.names: list[str] = list(builtin)
+        self._implementations: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """`@REGISTRY.register("name")` on the implementation: the name becomes valid in every config."""
+
+        def add(implementation: T) -> T:
+            self._implementations[name] = implementation
+            if name not in self.names:
+                self.names.append(name)
+            return implementation
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        if name not in self._implementations:
+            raise KeyError(f"{self.setting}: no {self.what} {name!r} is registered; the registered ones: {', '.join(self._implementations)}")
+        return self._implementations[name]
+
+    def check(self, name: str) -> None:
+        """Refuse a name nobody declared or registered (a config's typo), naming the ones there are."""
+        if name not in self.names:
+            close = difflib.get_close_matches(str(name), self.names, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"unknown {self.what} {name!r}; {hint}one of: {', '.join(self.names)}")
+
+    def check_implemented(self) -> None:
+        """At the end of the module that implements the built-ins: every declared name has its implementation."""
+        missing = [n for n in self.names if n not in self._implementations]
+        assert not missing, f"{self.setting}: declared but not registered: {', '.join(missing)}"
+
+    def setting_field(self, default: str, description: str) -> Any:
+        """A dataclass field choosing from this registry: its description, and its names as the JSON Schema's
+        enum when the schema is made (so a registered component shows in an editor too)."""
+        return field(default=default, metadata={"description": description, "registry": self,
+                                                "json_schema_extra": lambda schema: schema.update(enum=list(self.names))})

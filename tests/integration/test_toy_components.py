@@ -1,0 +1,60 @@
+"""A component registered from outside loopline (this module, as a user's plugin would) is a valid name in a run
+config, shows in its JSON Schema, and is what the learner runs: a toy advantage estimator, loss aggregation, KL
+estimator and off-policy correction, each touching nothing but its own registration."""
+
+from __future__ import annotations
+
+import torch
+
+from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, AdvantageConfig
+from loopline.trainer.learner import Learner, LearnerConfig
+from loopline.trainer.losses import CorrectionRule
+from tests.integration.test_learner import rollout_sequences
+
+CALLED: set[str] = set()
+
+
+@ESTIMATORS.register("toy_sign")
+def _sign(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    CALLED.add("estimator")
+    return torch.sign(group - group.mean()), group.new_zeros(())
+
+
+@AGGREGATIONS.register("toy_sum")
+def _sum(per_token, mask, total_tokens, total_sequences, norm_length, sequence_tokens=None):
+    CALLED.add("aggregation")
+    return per_token.sum() / 1000.0
+
+
+@KL_ESTIMATORS.register("toy_half_square")
+def _half_square(log_ratio: torch.Tensor) -> torch.Tensor:
+    CALLED.add("kl")
+    return 0.5 * log_ratio**2
+
+
+def _unit(rho: torch.Tensor, cap: float) -> torch.Tensor:
+    CALLED.add("correction")
+    return torch.ones_like(rho)
+
+
+CORRECTIONS.register("toy_unit")(CorrectionRule(False, _unit))
+
+
+def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step(tiny_dirs):
+    from loopline.config import RunConfig, parse_config
+
+    toys = {"advantage": {"estimator": "toy_sign"},
+            "loss": {"aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
+    config = parse_config({"name": "toys", "env": "env.yaml", "learner": toys}, "run.yaml")
+    assert (config.learner.advantage.estimator, config.learner.loss.correction) == ("toy_sign", "toy_unit")
+    schema = RunConfig.model_json_schema()["$defs"]
+    assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
+    assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
+
+    learner_config = LearnerConfig(lr=1e-3, micro_batch_tokens=64, advantage=config.learner.advantage, loss=config.learner.loss)
+    learner = Learner(tiny_dirs["v0"], learner_config, backend="torch")
+    before = learner.parameters_vector()
+    result = learner.rl_step(rollout_sequences(tiny_dirs["v0"]))
+    assert result.skipped is None and not torch.equal(before, learner.parameters_vector())
+    assert CALLED == {"estimator", "aggregation", "kl", "correction"}
+    assert result.metrics["kl_ref"] == 0.0  # (the policy is its own reference at the first step)
