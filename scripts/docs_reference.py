@@ -2,7 +2,7 @@
 this file), so they cannot drift from it: every run-config and environment-spec field with its type, default
 and description (a field without a description fails the build), every CLI command and flag (from the Typer
 apps), every metric (`loopline.metrics`), the invariants `loopline check` verifies, and the layers (the layer
-test's own table)."""
+test's own table); the benchmarks' plots are served from `benchmarks/results/` as they are."""
 
 from __future__ import annotations
 
@@ -213,3 +213,7 @@ if __name__ == "<run_path>":  # run by mkdocs-gen-files during `mkdocs build`
     for page, write in PAGES.items():
         with mkdocs_gen_files.open(page, "w") as f:
             f.write(write())
+    root = Path(__file__).resolve().parents[1]
+    for plot in sorted((root / "benchmarks" / "results").glob("*.png")):  # (the benchmarks' own files, not copies)
+        with mkdocs_gen_files.open(f"benchmarks/results/{plot.name}", "wb") as f:
+            f.write(plot.read_bytes())
