@@ -53,6 +53,11 @@ class Saves(TrainerCallback):
         self.paused = 0.0  # seconds spent saving
         self.steps: list[dict] = []
         self.trainer = None
+        self.startup_s: float | None = None  # process start to training start: imports, model load, the trainer
+
+    def on_train_begin(self, args, state, control, **_):
+        self.startup_s = time.monotonic() - STARTED
+        return control
 
     def on_step_end(self, args, state, control, **_):
         now = time.monotonic() - STARTED - self.paused
@@ -112,7 +117,7 @@ def main() -> None:
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     (args.out / "steps.json").write_text(json.dumps({
-        "steps": saves.steps, "train_reward": rewards, "save_s": saves.paused,
+        "steps": saves.steps, "train_reward": rewards, "save_s": saves.paused, "startup_s": saves.startup_s,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
     }, indent=1))
 

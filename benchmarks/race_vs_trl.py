@@ -228,7 +228,7 @@ def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: 
     return {
         "side": "TRL", "base": str(model), "peak_rss_gb": result["peak_rss_gb"], "steps": len(ends),
         "steps_in_budget": sum(t <= seconds for t in ends), "marks": at_marks(policies, seconds, mark_s),
-        "startup_s": ends[0] - (ends[1] - ends[0]) if len(ends) > 1 else None,
+        "startup_s": result.get("startup_s"),  # (measured by the TRL side: process start to training start)
         "median_step": {"step_s": statistics.median(b - a for a, b in zip(ends, ends[1:]))} if len(ends) > 1 else {},
         "train_reward": result["train_reward"], "save_s_total": result["save_s"],
     }
