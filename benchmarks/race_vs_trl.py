@@ -166,8 +166,12 @@ def loopline_side(name: str, mode: str, home: Path, started_wall: float, model: 
     process of its own: a process keeps the first embedded ledger it opened (the other side's home)."""
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
         return pool.apply(_read_side, (name, mode, home, started_wall, model, seconds, mark_s))
+    finally:  # (close, not terminate: the worker exits normally and stops the embedded ledger it started)
+        pool.close()
+        pool.join()
 
 
 def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Path, seconds: float, mark_s: float) -> dict:
