@@ -42,6 +42,7 @@ TOKEN_MEANS = (
 )
 
 
+@AGGREGATIONS.register("token_mean")
 def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Every action token weighs the same: long trajectories weigh more."""
     return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
@@ -55,12 +56,14 @@ def _sequences(per_token: torch.Tensor, mask: torch.Tensor, total_sequences) -> 
     return per_token.sum(-1)[has_tokens], tokens[has_tokens], count
 
 
+@AGGREGATIONS.register("seq_mean_token_sum")
 def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Each trajectory weighs its token count (unnormalised length bias)."""
     sums, _, count = _sequences(per_token, mask, total_sequences)
     return sums.sum() / count
 
 
+@AGGREGATIONS.register("seq_mean_token_mean")
 def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Each trajectory weighs the same, whatever its length (and its number of chains: a chain's token sum is
     divided by all its trajectory's tokens, `sequence_tokens`, where the caller gives them)."""
@@ -70,6 +73,7 @@ def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_toke
     return (sums / tokens).sum() / count
 
 
+@AGGREGATIONS.register("seq_mean_token_sum_norm")
 def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
     """Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)."""
     if norm_length is None:
@@ -78,11 +82,7 @@ def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_
     return sums.sum() / (count * norm_length)
 
 
-# `loss.aggregation` by name (trainer/config.AGGREGATIONS declares the built-ins).
-for _name, _aggregate in (("token_mean", _token_mean), ("seq_mean_token_sum", _seq_mean_token_sum),
-                          ("seq_mean_token_mean", _seq_mean_token_mean), ("seq_mean_token_sum_norm", _seq_mean_token_sum_norm)):
-    AGGREGATIONS.register(_name)(_aggregate)
-AGGREGATIONS.check_implemented()
+AGGREGATIONS.check_implemented()  # (`loss.aggregation` by name: the functions above, registered as the config declares them)
 
 
 def aggregate(
