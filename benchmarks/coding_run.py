@@ -110,8 +110,8 @@ def policy(tasks_limit: int | None) -> dict:
     model = pulled_model(loopline_home())
     spec, tasks = _spec_and_tasks()
     held_out = [t for t in tasks if t.split == "eval"][:tasks_limit]
-    chat = replace(ChatFormat.for_policy(model), few_shot=tuple(config["few_shot"]))
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=config["sampling"]["max_new_tokens"], seed=0)
+    chat = replace(ChatFormat.for_policy(model), few_shot=tuple(config["rollout"]["few_shot"]))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=config["rollout"]["sampling"]["max_new_tokens"], seed=0)
     setup = EpisodeSetup(spec, 0, chat, sampling)  # env_version labels ledger rows: this part writes none
     out = {}
     print(f"{'conc':>4s} {'pass':>6s} {'reward':>6s} {'wrote':>6s} {'ran':>6s} {'tokens':>6s} {'traj/s':>7s} {'start share':>11s} {'infra':>5s} {'s':>5s}")

@@ -33,10 +33,11 @@ name: $name
 env: arithmetic_env.yaml
 policy: $MODEL
 steps: 2
-groups_per_step: 8
-group_size: 8
-concurrency: 64
-sampling: {temperature: 1.0, max_new_tokens: 48}
+rollout:
+  groups_per_step: 8
+  group_size: 8
+  concurrency: 64
+  sampling: {temperature: 1.0, max_new_tokens: 48}
 learner: {lr: 3.0e-6, backend: deepspeed, dtype: $DTYPE}
 eval: {every: 2, tasks: 50, temperature: 0.0}
 engine:

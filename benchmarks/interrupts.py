@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _config(home: Path, name: str, steps: int) -> Path:
     data = yaml.safe_load((ROOT / "examples" / "arithmetic_quickstart.yaml").read_text())
-    data.update(name=name, env=str(ROOT / "examples" / "arithmetic_env.yaml"), steps=steps, groups_per_step=8, lease_seconds=5)
+    data.update(name=name, env=str(ROOT / "examples" / "arithmetic_env.yaml"), steps=steps)
+    data["rollout"].update(groups_per_step=8, lease_seconds=5)
     data["learner"]["checkpoint_every"] = 6
     data["eval"].update(every=6, tasks=20)
     path = home / "run.yaml"

@@ -38,7 +38,7 @@ def main() -> None:
         path = Path(tmp) / "run.yaml"
         path.write_text(yaml.safe_dump(config))
         direct, prefect = measure(str(path), args.steps)
-    print(f"steps of each kind: {len(direct)} (quickstart: {config['groups_per_step']} groups x {config['group_size']})")
+    print(f"steps of each kind: {len(direct)} (quickstart: {config['rollout']['groups_per_step']} groups x {config['rollout']['group_size']})")
     print(f"direct  median {statistics.median(direct):.2f} s  ({', '.join(f'{t:.2f}' for t in direct)})")
     print(f"prefect median {statistics.median(prefect):.2f} s  ({', '.join(f'{t:.2f}' for t in prefect)})")
     print(f"ratio prefect / direct = {statistics.median(prefect) / statistics.median(direct):.3f}")
@@ -66,7 +66,7 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
                     stages.plan(ctx, step)
                     asyncio.run(stages.rollout(ctx, step))
                     stages.wait_for_groups(ctx, step)
-                    stages.learn(ctx, step, max_groups=ctx.groups_per_step)
+                    stages.learn(ctx, step, max_groups=ctx.rollout.groups_per_step)
                     asyncio.run(stages.sync_weights(ctx))
                 else:  # the same stages as Prefect task runs, as the train flow calls them
                     tasks.plan_step(live, step)

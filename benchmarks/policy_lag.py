@@ -43,7 +43,7 @@ def main() -> None:
             label = "sync" if mode == "sync" else f"async s={staleness}"
             config = {
                 **base, "name": f"lag-{mode}-{staleness}", "env": str(ROOT / "examples" / "arithmetic_env.yaml"),
-                "policy": args.policy, "steps": args.steps, "mode": mode, "max_staleness": staleness,
+                "policy": args.policy, "steps": args.steps, "rollout": {**base["rollout"], "mode": mode, "max_staleness": staleness},
                 "eval": {**base.get("eval", {}), "every": args.eval_every},
             }
             path = Path(tmp) / f"{config['name']}.yaml"

@@ -141,10 +141,9 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     name = f"race-{mode}-{int(time.time())}"
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(env), "policy": str(model), "mode": mode, "steps": 10_000,
-        "groups_per_step": 8, "group_size": 8, "concurrency": 32,
-        "sampling": {"temperature": temperature, "max_new_tokens": 64},
-        "few_shot": few_shot_turns(),
+        "name": name, "env": str(env), "policy": str(model), "steps": 10_000,
+        "rollout": {"mode": mode, "groups_per_step": 8, "group_size": 8, "concurrency": 32,
+                    "sampling": {"temperature": temperature, "max_new_tokens": 64}, "few_shot": few_shot_turns()},
         "learner": {"lr": 3e-6, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000},
         "eval": {"every": 10_000, "tasks": 1, "temperature": 0.0},  # (v0 is evaluated on 1 task: the run's own evaluations are off)
     }, sort_keys=False))

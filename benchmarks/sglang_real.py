@@ -98,8 +98,8 @@ def short_run(
     config = home / "run.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(model), "steps": steps,
-        "groups_per_step": groups, "group_size": group_size, "concurrency": concurrency,
-        "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens},
+        "rollout": {"groups_per_step": groups, "group_size": group_size, "concurrency": concurrency,
+                    "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens}},
         "learner": {"lr": lr, "backend": "torch", **({"lora": {"rank": lora}} if lora else {})},
         "eval": {"every": steps, "tasks": 4, "temperature": 0.0},
         "engine": {"kind": "sglang", "servers": [server]},

@@ -101,7 +101,7 @@ def train(mode: str) -> None:
     import yaml
 
     config = yaml.safe_load((ROOT / "examples" / "smollm2_arithmetic.yaml").read_text())
-    config["mode"] = mode
+    config["rollout"]["mode"] = mode
     config["name"] = f"smollm2-arith-{mode}-{int(time.time())}"
     work = Path(tempfile.mkdtemp(prefix="smollm2-"))
     shutil.copy(ROOT / "examples" / "arithmetic_env.yaml", work / "arithmetic_env.yaml")

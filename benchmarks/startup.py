@@ -65,7 +65,7 @@ def main() -> None:
         config = Path(tmp) / "run.yaml"
         config.write_text(yaml.safe_dump({
             "name": "startup-bench", "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(policy),
-            "steps": 1, "groups_per_step": 1, "group_size": 2, "concurrency": 2, "sampling": {"max_new_tokens": 8},
+            "steps": 1, "rollout": {"groups_per_step": 1, "group_size": 2, "concurrency": 2, "sampling": {"max_new_tokens": 8}},
             "learner": {"backend": "deepspeed"}, "eval": {"every": 1, "tasks": 2},
         }))
         env = {**os.environ, "LOOPLINE_DATABASE_URL": url, "LOOPLINE_HOME": str(Path(tmp) / "home"),

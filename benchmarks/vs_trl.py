@@ -57,9 +57,9 @@ def run_loopline(model: Path, env: Path, steps: int, work: Path) -> dict:
     config = work / "run.yaml"
     name = f"vs-trl-{int(time.time())}"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(env), "policy": str(model), "mode": "sync", "steps": steps,
-        "groups_per_step": 8, "group_size": 8, "concurrency": 64,
-        "sampling": {"temperature": 1.0, "max_new_tokens": 32},
+        "name": name, "env": str(env), "policy": str(model), "steps": steps,
+        "rollout": {"mode": "sync", "groups_per_step": 8, "group_size": 8, "concurrency": 64,
+                    "sampling": {"temperature": 1.0, "max_new_tokens": 32}},
         "learner": {"lr": 1e-6, "backend": "deepspeed", "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean"}},
         "eval": {"every": steps, "tasks": 16, "temperature": 0.0},
     }))

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
 from loopline.yamlfile import line_index, read_text, read_yaml
+from loopline.rollout.engine import InFlightPolicy
 from loopline.rollout.engines import ENGINES  # (no torch either)
-from loopline.types import LEASE_SECONDS
-from loopline.trainer.config import AdvantageConfig, BackendName, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
+from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -78,7 +82,7 @@ class LearnerSettings(_Strict):
     lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
     min_lr_ratio: float = _trainer_setting("min_lr_ratio", ge=0.0, le=1.0)
     weight_decay: float = _trainer_setting("weight_decay", ge=0.0)
-    backend: BackendName = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
+    backend: BACKENDS.name_type() = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
     zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
     micro_batch_tokens: int = _trainer_setting("micro_batch_tokens", ge=64)
     minibatches: int = _trainer_setting("minibatches", ge=1)
@@ -127,14 +131,10 @@ class LaunchSettings(_Strict):
     startup_timeout_s: float = Field(900.0, gt=0, description="how long a server may take to answer its health check after it starts")
 
 
-EngineKindName = Literal["local", "sglang"]
-assert set(get_args(EngineKindName)) == set(ENGINES), "EngineKindName and rollout/engines.ENGINES must name the same engines"
-
-
 class EngineSettings(_Strict):
     """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
 
-    kind: EngineKindName = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers")
+    kind: ENGINES.name_type() = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (or an engine registered in rollout/engines.ENGINES)")
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
     timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
@@ -173,48 +173,33 @@ class ChatTurn(_Strict):
     content: str = Field(description="what is said, as the chat template renders it")
 
 
-class RunConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$", description="the run's name in the ledger (`loopline train` again resumes it)")
-    env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
-    policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
+class RolloutSettings(_Strict):
+    """How the learner's batches are generated: their size, the loop's shape, what a failed episode costs."""
+
     mode: Literal["sync", "async"] = Field("sync", description="sync: rollout, learn, sync in lock-step; async: rollouts overlap learning")
+    groups_per_step: int = Field(32, ge=1, description="tasks per learner step (TRL's prompts per step; verl's train_batch_size)")
+    group_size: int = Field(8, ge=1, description="episodes per task, compared with each other for the advantage (TRL's num_generations; verl's rollout.n)")
+    concurrency: int = Field(32, ge=1, description="episodes in flight at once (the engine's batch)")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts are sampled")
+    few_shot: list[ChatTurn] | None = Field(
+        None, description="demonstration turns before every task's prompt (they teach a small model the env's tool syntax); "
+        "unset: the policy's own (its loopline_prompt.json, e.g. smollm2-135m's calculator demonstrations); []: none",
+    )
     max_staleness: int = Field(
         1, ge=0, description="async: train nothing generated more than this many versions before the version being trained"
     )
     local_rollout: bool = Field(
         True, description="async: generate in the training process too; false leaves it to `loopline worker RUN` processes"
     )
-    rollout_workers: int = Field(
+    workers: int = Field(
         0, ge=0, description="async with local_rollout: false: rollout_worker flow runs the train flow submits through its "
         "deployment (`loopline deploy --pool`) and keeps running; 0: start `loopline worker RUN` yourself",
     )
-    in_flight: Literal["finish", "abort", "continue"] = Field(
+    in_flight: InFlightPolicy = Field(
         "finish", description="at a weight sync, requests in flight finish on the old weights, are aborted, or continue on the new"
     )
-    steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
-    groups_per_step: int = Field(32, ge=1, description="tasks per learner step (TRL's prompts per step; verl's train_batch_size)")
-    group_size: int = Field(8, ge=1, description="episodes per task, compared with each other for the advantage (TRL's num_generations; verl's rollout.n)")
-    concurrency: int = Field(32, ge=1, description="episodes in flight at once (the engine's batch)")
-    max_attempts: int = Field(3, ge=1, description="attempts of an episode that fails for an infrastructure reason before its group is given up")
-    lease_seconds: float = Field(LEASE_SECONDS, gt=0, description="a dead worker's slots are retried after this long")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
-    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts are sampled")
-    few_shot: list[ChatTurn] | None = Field(
-        None, description="demonstration turns before every task's prompt (they teach a small model the env's tool syntax); "
-        "unset: the policy's own (its loopline_prompt.json, e.g. smollm2-135m's calculator demonstrations); []: none",
-    )
-    learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
-    eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
-    engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
-    tracking: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
-        default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
-        "trainer.logger); not part of the run's identity: a resume may change them",
-    )
-
-    @field_validator("tracking")
-    @classmethod
-    def _each_tracker_once(cls, value: list[str]) -> list[str]:
-        return list(dict.fromkeys(value))
+    max_attempts: int = Field(MAX_ATTEMPTS, ge=1, description="attempts of an episode that fails for an infrastructure reason before its group is given up")
+    lease_seconds: float = Field(LEASE_SECONDS, gt=0, description="a dead worker's slots are retried after this long (and a silent trainer is taken for dead)")
 
     @field_validator("group_size")
     @classmethod
@@ -224,10 +209,36 @@ class RunConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _deployed_workers_feed_an_async_learner(self) -> "RunConfig":
-        if self.rollout_workers and (self.mode != "async" or self.local_rollout):
-            raise ValueError("rollout_workers: deployed workers feed an async learner: set mode: async and local_rollout: false")
+    def _deployed_workers_feed_an_async_learner(self) -> "RolloutSettings":
+        if self.workers and (self.mode != "async" or self.local_rollout):
+            raise ValueError("workers: deployed workers feed an async learner: set mode: async and local_rollout: false")
         return self
+
+
+class RunConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$", description="the run's name in the ledger (`loopline train` again resumes it)")
+    env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
+    policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
+    steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
+    rollout: RolloutSettings = Field(RolloutSettings(), description="the batches: their size, sync or async, sampling, failed episodes")
+    learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
+    eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
+    engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
+    tracking: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
+        "trainer.logger); not part of the run's identity: a resume may change them",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_the_flat_layout(cls, data: object) -> object:
+        return flat_layout_upgraded(data)[0]
+
+    @field_validator("tracking")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
     @model_validator(mode="after")
     def _every_version_on_disk_for_other_processes(self) -> "RunConfig":
@@ -248,7 +259,7 @@ class RunConfig(_Strict):
         adapter sync the servers and workers load adapters, which are written for every version anyway)."""
         if self.syncs_adapters:
             return False
-        return not self.engine.in_process or (self.mode == "async" and not self.local_rollout)
+        return not self.engine.in_process or (self.rollout.mode == "async" and not self.rollout.local_rollout)
 
     @property
     def exports_every(self) -> int:
@@ -266,36 +277,68 @@ class RunConfig(_Strict):
         return version % self.exports_every == 0 or self.evaluates(version)
 
     def learner_config(self) -> LearnerConfig:
+        """The trainer's settings: the `learner:` section's shared ones as they are (one name each, see
+        `_trainer_setting`), and what the trainer derives from the rest of the run."""
         learner = self.learner
         loss = learner.loss
         if loss.aggregation == "seq_mean_token_sum_norm" and loss.norm_length is None:
-            loss = dataclasses.replace(loss, norm_length=self.sampling.max_new_tokens)  # Dr. GRPO's constant L
-        return LearnerConfig(
-            lr=learner.lr, warmup_steps=learner.warmup_steps, lr_schedule=learner.lr_schedule,
+            loss = dataclasses.replace(loss, norm_length=self.rollout.sampling.max_new_tokens)  # Dr. GRPO's constant L
+        shared = {f.name: getattr(learner, f.name) for f in dataclasses.fields(LearnerConfig) if f.name in LearnerSettings.model_fields}
+        return LearnerConfig(**shared | dict(
+            loss=loss, temperature=self.rollout.sampling.temperature, seed=self.seed,
             decay_steps=self.steps * learner.minibatches if learner.lr_schedule != "constant" else None,
-            min_lr_ratio=learner.min_lr_ratio, weight_decay=learner.weight_decay,
-            temperature=self.sampling.temperature, micro_batch_tokens=learner.micro_batch_tokens,
-            minibatches=learner.minibatches, share_prefix=learner.share_prefix,
-            gradient_checkpointing=learner.gradient_checkpointing, dtype=learner.dtype, zero_stage=learner.zero_stage, seed=self.seed,
-            advantage=learner.advantage, loss=loss, lora=learner.lora,
-        )
+        ))
 
     @property
     def env_is_file(self) -> bool:
         return self.env.endswith((".yaml", ".yml"))
 
 
+# The layout before sections: these settings stood at the top level (`rollout_workers` is now `rollout.workers`).
+# Stored configs of earlier runs and older files are read through it, so they resume and compare unchanged.
+FLAT_ROLLOUT = {
+    "mode": "mode", "max_staleness": "max_staleness", "local_rollout": "local_rollout", "rollout_workers": "workers",
+    "in_flight": "in_flight", "groups_per_step": "groups_per_step", "group_size": "group_size", "concurrency": "concurrency",
+    "max_attempts": "max_attempts", "lease_seconds": "lease_seconds", "sampling": "sampling", "few_shot": "few_shot",
+}
+
+
+def flat_layout_upgraded(data: object) -> tuple[object, dict[str, str]]:
+    """`data` with the flat layout's settings moved under `rollout:`, and which moved (old name -> new path)."""
+    if not isinstance(data, dict) or not (flat := [k for k in FLAT_ROLLOUT if k in data]):
+        return data, {}
+    rollout = {} if data.get("rollout") is None else data["rollout"]
+    if not isinstance(rollout, dict):
+        return data, {}  # (the section's own error says what is wrong)
+    if both := [k for k in flat if FLAT_ROLLOUT[k] in rollout]:
+        raise ValueError(f"{both[0]} is set twice: at the top level (the layout before sections) and as rollout.{FLAT_ROLLOUT[both[0]]}; keep the second")
+    moved = {k: f"rollout.{FLAT_ROLLOUT[k]}" for k in flat}
+    upgraded = {k: v for k, v in data.items() if k not in moved}
+    upgraded["rollout"] = {**rollout, **{FLAT_ROLLOUT[k]: data[k] for k in flat}}
+    return upgraded, moved
+
+
 MAX_CONFIG_BYTES = 1 << 20  # a run config is settings; a 50 MB one took 84 s to refuse
 
 
-def parse_config(data: object, where: str, lines: dict[tuple, int] | None = None) -> RunConfig:
-    """`data` validated as a run config, or one line per problem: where (file:line), the field, what is wrong."""
+def parse_config(data: object, where: str, lines: dict[tuple, int] | None = None, *, note_old_layout: bool = False) -> RunConfig:
+    """`data` validated as a run config, or one line per problem: where (file:line), the field, what is wrong.
+    The layout before sections is read too (`note_old_layout`: say where each of its settings goes now)."""
     if not isinstance(data, dict):
         raise LooplineError(f"{where}: expected a mapping of run settings (name, env, policy, steps, ...)")
+    lines = dict(lines or {})
+    try:
+        data, moved = flat_layout_upgraded(data)
+    except ValueError as exc:
+        raise LooplineError(f"invalid run config\n{where}: {exc}") from None
+    for old, new in moved.items():  # (a problem in a moved setting is still reported at its line)
+        lines.update({tuple(new.split(".")) + path[1:]: line for path, line in list(lines.items()) if path[:1] == (old,)})
+    if moved and note_old_layout:
+        log.warning("%s: %s: the layout before sections, read as %s; move them under rollout:", where, ", ".join(moved), ", ".join(moved.values()))
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise LooplineError("invalid run config\n" + "\n".join(_problem(e, where, lines or {}) for e in exc.errors())) from None
+        raise LooplineError("invalid run config\n" + "\n".join(_problem(e, where, lines) for e in exc.errors())) from None
     if (path := _non_finite(config.model_dump())) is not None:  # (the learner's dataclass sections too)
         raise LooplineError(f"invalid run config\n{where}: {path}: must be a finite number")
     return config
@@ -317,7 +360,7 @@ def _problem(error, where: str, lines: dict[tuple, int]) -> str:
 def _field_names() -> set[str]:
     """Every setting's name, in every section (for "did you mean")."""
     names: set[str] = set()
-    for model in (RunConfig, SamplingConfig, LearnerSettings, RankLaunch, LaunchSettings, EngineSettings, EvalSettings):
+    for model in (RunConfig, RolloutSettings, SamplingConfig, LearnerSettings, RankLaunch, LaunchSettings, EngineSettings, EvalSettings):
         names.update(model.model_fields)
     for section in (AdvantageConfig, LossConfig, LoraConfig):
         names.update(f.name for f in dataclasses.fields(section))
@@ -340,7 +383,7 @@ def load_config(path: str | Path) -> tuple[RunConfig, Path]:
     if not file.is_file():
         raise LooplineError(f"{file}: no such run config")
     data, node = read_yaml(read_text(file, MAX_CONFIG_BYTES, "a run config"), file, "a run config is settings, not data")
-    config = parse_config(data, str(file), line_index(node) if node is not None else None)
+    config = parse_config(data, str(file), line_index(node) if node is not None else None, note_old_layout=True)
     if config.env_is_file and not (file.parent / config.env).is_file():
         raise LooplineError(f"{file}: env: {config.env} not found (a YAML path is relative to the run config)")
     return config, file.parent

@@ -13,7 +13,7 @@ METRICS: dict[str, str] = {
     "advantage_std": "spread of the advantages over the trained sequences",
     "groups": "groups in the batch",
     "degenerate_groups": "groups whose samples all scored the same: no signal (`learner.advantage.degenerate`)",
-    "groups_stale_dropped": "complete groups dropped for being older than `max_staleness` (async)",
+    "groups_stale_dropped": "complete groups dropped for being older than `rollout.max_staleness` (async)",
     "sequences_trained": "sequences (trajectory chains) the update trained on",
     "tokens_trained": "action tokens the update trained on (the inspector's trained-tokens axis)",
     # the update
@@ -37,7 +37,7 @@ METRICS: dict[str, str] = {
     "correction_capped_fraction": "fraction of action tokens whose correction weight hit `correction_cap`",
     "rejected_fraction": "fraction of action tokens rejected by MIS or rejection (out of the loss entirely)",
     "version_lag_mean": "mean versions between a trained sample's generation and the weights trained (async)",
-    "version_lag_max": "largest such lag in the step (never above `max_staleness`)",
+    "version_lag_max": "largest such lag in the step (never above `rollout.max_staleness`)",
     # the episodes
     "response_length/mean": "generated tokens per trajectory, mean (over its chains)",
     "response_length/max": "generated tokens of the longest trajectory",

@@ -296,7 +296,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     elif not possible and max(learner, key=lambda r: r.bytes).part == "step batch":
         verdict = (
             f"does NOT fit: {where} need {size(need)} of {size(budget)}, and a step's trajectories alone do not: "
-            f"fewer groups_per_step or a smaller group_size"
+            f"fewer rollout.groups_per_step or a smaller rollout.group_size"
         )
     elif not possible:
         verdict = (
@@ -322,7 +322,7 @@ def _largest(fits, high: int = 1 << 30) -> int:
 def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
     """The Workload of a run config (`config.RunConfig`) and its environment's budgets."""
     learner = config.learner
-    new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.sampling.max_new_tokens)
+    new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.rollout.sampling.max_new_tokens)
     sequence = prompt_tokens + new_tokens
     dp = learner.launch.ranks if learner.launch is not None else (hw.devices if hw.gpu else 1)
     stage = learner.zero_stage if learner.zero_stage is not None else (0 if dp == 1 else 1)
@@ -332,11 +332,11 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
         data_parallel=dp,
         gradient_checkpointing=learner.gradient_checkpointing,
         micro_batch_tokens=learner.micro_batch_tokens,
-        step_tokens=config.groups_per_step * config.group_size * sequence // dp,
+        step_tokens=config.rollout.groups_per_step * config.rollout.group_size * sequence // dp,
         action_fraction=new_tokens / sequence,
         reference_model=learner.loss.kl_coef > 0,
         lora=(learner.lora.rank, learner.lora.target_modules) if learner.lora is not None else None,
-        concurrency=config.concurrency,
+        concurrency=config.rollout.concurrency,
         sequence_tokens=sequence,
         engine_dtype_bytes=2 if hw.gpu else 4,
         colocated=not hw.gpu or hw.devices == 1,

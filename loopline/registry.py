@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import field
-from typing import Any, Callable, Generic, TypeVar
+from typing import Annotated, Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -50,8 +50,34 @@ class Registry(Generic[T]):
         missing = [n for n in self.names if n not in self._implementations]
         assert not missing, f"{self.setting}: declared but not registered: {', '.join(missing)}"
 
+    def name_type(self) -> Any:
+        """The type of a pydantic setting that names one of this registry's components (`kind: ENGINES.name_type()`):
+        validated against the names registered when a config is read, shown as the JSON Schema's enum."""
+        return Annotated[str, RegistryName(self)]
+
     def setting_field(self, default: str, description: str) -> Any:
         """A dataclass field choosing from this registry: its description, and its names as the JSON Schema's
         enum when the schema is made (so a registered component shows in an editor too)."""
         return field(default=default, metadata={"description": description, "registry": self,
                                                 "json_schema_extra": lambda schema: schema.update(enum=list(self.names))})
+
+
+class RegistryName:
+    """Pydantic metadata: the annotated `str` must be a name of `registry` (see `Registry.name_type`)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        def registered(name: str) -> str:
+            self.registry.check(name)
+            return name
+
+        return core_schema.no_info_after_validator_function(registered, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> Any:
+        json_schema = handler(schema)
+        json_schema["enum"] = list(self.registry.names)
+        return json_schema

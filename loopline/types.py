@@ -18,6 +18,9 @@ Split = Literal["train", "eval"]
 # runs): a dead worker's slots are retried after this long. One default for the run config, the rollout
 # worker and the ledger.
 LEASE_SECONDS = 60.0
+# Attempts of an episode that fails for an infrastructure reason before its group is given up (one default for
+# the run config, the ledger's plans and evaluations).
+MAX_ATTEMPTS = 3
 
 @dataclass(frozen=True)
 class SegmentRecord:

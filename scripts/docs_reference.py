@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
+from loopline.registry import RegistryName
+
 
 class UndocumentedField(Exception):
     """A setting without a description would reach users unexplained: the build fails instead."""
@@ -35,8 +37,9 @@ def _models_in(annotation: Any) -> list[type]:
 def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
     """(name, type, default, description) of a pydantic model's or a dataclass's settings (the trainer keeps its
     settings as dataclasses, each field's description in its metadata, which pydantic reads too)."""
-    if issubclass(model, BaseModel):
-        return [(name, f.annotation, _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
+    if issubclass(model, BaseModel):  # (a name chosen from a registry, as below: its names)
+        return [(name, next((Literal[tuple(m.registry.names)] for m in f.metadata if isinstance(m, RegistryName)), f.annotation),
+                 _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
                 for name, f in model.model_fields.items()]
     hints = typing.get_type_hints(model)
     for f in dataclasses.fields(model):  # a name chosen from a registry: its names, as a Literal shows them

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
+from loopline.registry import Registry
 from loopline.yamlfile import line_index, read_text, read_yaml
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
@@ -28,6 +29,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# `sandbox.backend` by name: the built-ins declared here (a spec is checked without importing a backend's SDK),
+# implemented and registered in sandbox/backends.py; a backend registered anywhere else is a valid name too.
+SANDBOX_BACKENDS: Registry = Registry("sandbox backend", "sandbox.backend", ("docker", "e2b", "local"))
 MAX_TIMEOUT_S = 86_400.0  # a day: longer waits are configuration mistakes, not workloads
 RESERVED_TOOL_NAMES = ("answer",)  # `<answer>...</answer>` ends an episode; a tool cannot take the name
 
@@ -153,7 +157,10 @@ class Resources(_Strict):
 
 
 class Sandbox(_Strict):
-    backend: Literal["docker", "e2b", "local"] = Field(description="docker: a container per episode; e2b: E2B's cloud sandbox; local: a bubblewrap-isolated directory on this host")
+    backend: SANDBOX_BACKENDS.name_type() = Field(
+        description="docker: a container per episode; e2b: E2B's cloud sandbox; local: a bubblewrap-isolated directory on this host "
+        "(or a backend registered in sandbox/backends.SANDBOX_BACKENDS)"
+    )
     image: str | None = Field(None, description="docker: image name (build with `envreg image build`)")
     template: str | None = Field(None, description="e2b: template id")
     resources: Resources = Field(Resources(), description="limits on what the agent can hold: cpus, memory_mb, pids, disk_mb")

@@ -47,7 +47,7 @@ def evaluate(run: str, version: int | None = None) -> dict:
             )
         success = tasks.evaluate(
             run_id, quote(served), quote(parts.setup()), quote(parts.session_factory()), quote(evals), parts.env_version,
-            config.eval.temperature, config.eval.seed, config.concurrency,
+            config.eval.temperature, config.eval.seed, config.rollout.concurrency, config.rollout.max_attempts,
         )
     finally:
         served.shutdown()

@@ -29,7 +29,7 @@ class Evaluations:
         try:
             success = tasks.evaluate(
                 ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(self.tasks),
-                self.parts.env_version, config.eval.temperature, config.eval.seed, config.concurrency,
+                self.parts.env_version, config.eval.temperature, config.eval.seed, config.rollout.concurrency, config.rollout.max_attempts,
             )
         finally:
             ctx.evaluating.clear()

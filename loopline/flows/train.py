@@ -234,13 +234,13 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
         trackers.wake()  # (they read the step from the ledger, in a thread of their own)
-        tasks.report_lagging_servers(live, version, config.max_staleness, lagging)
+        tasks.report_lagging_servers(live, version, config.rollout.max_staleness, lagging)
         evaluations.owed()  # the scheduled one, and any a crash left owed
 
     try:
         tasks.sync_weights(live)  # a resumed run may have committed a version it never published
         evaluations.owed()
-        if config.mode == "sync":
+        if config.rollout.mode == "sync":
             for step in range(prepared.first_step, config.steps + 1):
                 stop_signals.raise_if_received()
                 tasks.plan_step(live, step)
@@ -269,14 +269,14 @@ def _summary(ctx: LoopContext, config: RunConfig, trackers: Trackers) -> dict:
 def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step) -> None:
     """A rollout worker task runs beside the learner steps; slots are planned just as far ahead as they may start."""
     live = quote(ctx)
-    staleness = config.max_staleness
+    staleness = config.rollout.max_staleness
     for step in range(first_step, min(config.steps, first_step + staleness) + 1):
         tasks.plan_step(live, step)
     stop = threading.Event()
-    worker = tasks.rollout_worker.submit(live, stop, staleness, None) if config.local_rollout else None
+    worker = tasks.rollout_worker.submit(live, stop, staleness, None) if config.rollout.local_rollout else None
     producing = (lambda: not worker.state.is_final()) if worker else None
-    if config.rollout_workers:  # flow runs of the rollout_worker deployment, on the machines of its work pool
-        deployed = DeployedWorkers(config.name, config.rollout_workers)
+    if config.rollout.workers:  # flow runs of the rollout_worker deployment, on the machines of its work pool
+        deployed = DeployedWorkers(config.name, config.rollout.workers)
         deployed.start()
         producing = deployed.alive
     try:
@@ -296,8 +296,8 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
 
 @flow(name="learner", **tasks.RESULT)
 def learner(config_path: str | None = None, resume: str | None = None) -> dict:
-    """The learner on its own: an async run (`local_rollout: false`) fed by `rollout_worker` flows elsewhere."""
+    """The learner on its own: an async run (`rollout.local_rollout: false`) fed by `rollout_worker` flows elsewhere."""
     config, _ = run_config(config_path, resume)
-    if config.mode != "async" or config.local_rollout:
-        raise LooplineError(f"run {config.name}: the learner flow trains async runs with `local_rollout: false`; use `train` otherwise")
+    if config.rollout.mode != "async" or config.rollout.local_rollout:
+        raise LooplineError(f"run {config.name}: the learner flow trains async runs with `rollout: {{mode: async, local_rollout: false}}`; use `train` otherwise")
     return train.fn(config_path, resume)

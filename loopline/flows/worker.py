@@ -49,18 +49,16 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
         raise LooplineError(
             f"run {config.name} writes its weights to disk every {config.exports_every} versions (its learner's engine takes "
             "the others from memory), so a worker in another process could not follow it; start the run with "
-            "`mode: async` and `local_rollout: false`, or set learner.export_every: 1"
+            "`rollout: {mode: async, local_rollout: false}`, or set learner.export_every: 1"
         )
-    concurrency = concurrency or config.concurrency
+    rollout = config.rollout.model_copy(update={"concurrency": concurrency or config.rollout.concurrency})
     ctx = stages.RolloutContext(
         run_id=run_id,
         session_factory=parts.session_factory(),
-        engine=assembly.build_run_engine(parts, parts.state.weights_uri, parts.state.policy_version, concurrency, adapters=True),
+        engine=assembly.build_run_engine(parts, parts.state.weights_uri, parts.state.policy_version, rollout.concurrency, adapters=True),
         binding=assembly.build_binding(parts),
-        concurrency=concurrency,
+        rollout=rollout,
         adapters=config.syncs_adapters,
-        lease_seconds=config.lease_seconds,
-        in_flight=config.in_flight,
     )
     stop = threading.Event()
     deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -69,7 +67,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     name = holder.this_process()
     log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
-        staleness = config.max_staleness if config.mode == "async" else 0
+        staleness = config.rollout.max_staleness if config.rollout.mode == "async" else 0
         with stop_signals.noted():  # (no retry once told to stop)
             stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
     finally:
@@ -107,7 +105,7 @@ class DeployedWorkers:
             return run_deployment(DEPLOYMENT, parameters={"run": self.run}, timeout=0, as_subflow=False, tags=[self.tag]).id
         except ObjectNotFound:
             raise LooplineError(
-                f"run {self.run} asks for rollout_workers, but this Prefect server has no {DEPLOYMENT} deployment: run "
+                f"run {self.run} asks for rollout.workers, but this Prefect server has no {DEPLOYMENT} deployment: run "
                 "`loopline server start`, `loopline deploy --pool NAME`, and `prefect worker start --pool NAME` on the machines"
             ) from None
 

@@ -138,12 +138,12 @@ def open_named_run(run: str) -> RunParts:
 
 def build_setup(config: RunConfig, spec: EnvSpec, env_version: int, initial: Path) -> EpisodeSetup:
     sampling = SamplingParams(
-        temperature=config.sampling.temperature, top_p=config.sampling.top_p, top_k=config.sampling.top_k,
-        max_new_tokens=config.sampling.max_new_tokens,
+        temperature=config.rollout.sampling.temperature, top_p=config.rollout.sampling.top_p, top_k=config.rollout.sampling.top_k,
+        max_new_tokens=config.rollout.sampling.max_new_tokens,
     )
     chat = ChatFormat.for_policy(initial)
-    if config.few_shot is not None:
-        chat = replace(chat, few_shot=tuple(turn.model_dump() for turn in config.few_shot))
+    if config.rollout.few_shot is not None:
+        chat = replace(chat, few_shot=tuple(turn.model_dump() for turn in config.rollout.few_shot))
     if spec.tool_calls == "hermes":
         try:
             chat = chat.with_tools(tool_schemas(spec.tools))
@@ -170,7 +170,7 @@ def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: i
     """The run's engine serving `version` from `weights`; `adapters` (a LoRA run's rollouts on SGLang, not an
     evaluation of an exported version): the servers keep the base and load adapters from the ledger."""
     return build_engine(
-        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.concurrency, parts.workdir() / "sglang",
+        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.rollout.concurrency, parts.workdir() / "sglang",
         tag=parts.run_id.hex[:8], lora=parts.config.learner.lora if adapters and parts.config.syncs_adapters else None,
     )
 

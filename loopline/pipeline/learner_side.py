@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from loopline.config import RunConfig
+from loopline.config import LearnerSettings, RunConfig
 from loopline.trainer.checkpoint import DiskFull
 from loopline.trainer.learner import Learner
 
@@ -52,13 +52,12 @@ class LearnerSide:
     # with `restore(checkpoint_uri, through_step)` first: it must not train the same batch twice.
     version: int | None = 0
     restore: Callable[[str, int], Learner] | None = None
-    # A full learner checkpoint every N steps (and at `last_step`); a resume replays the recorded batches
-    # since the newest one. Older ones are deleted.
-    checkpoint_every: int = 1
+    # The run config's `learner:` section, whole: a full checkpoint every `checkpoint_every` steps (and at
+    # `last_step`; a resume replays the recorded batches since the newest), and how many checkpoints and weight
+    # exports are kept (besides those `keep_version` names: evaluated ones).
+    settings: LearnerSettings = field(default_factory=LearnerSettings)
     last_step: int | None = None
     checkpoint_uri: str = ""  # the newest full checkpoint a commit named ("": none yet, replay from the initial weights)
-    keep_checkpoints: int = 2
-    keep_exports: int = 3  # newest weight exports kept, besides those `keep_version` names (evaluated ones)
     keep_version: Callable[[int], bool] | None = None
     # Which versions are written to disk (for other processes, evaluations, forks); the in-process engine
     # takes the others from the learner's memory when `sync_from_memory`.
@@ -74,8 +73,7 @@ class LearnerSide:
         """The learner side of a run: what to keep, write and sync as its config says, around the live state."""
         return cls(
             learner=learner, workdir=workdir, version=version, restore=restore, checkpoint_uri=checkpoint_uri,
-            checkpoint_every=config.learner.checkpoint_every, last_step=config.steps,
-            keep_checkpoints=config.learner.keep_checkpoints, keep_exports=config.learner.keep_exports,
+            settings=config.learner, last_step=config.steps,
             keep_version=config.evaluates, export_version=config.exports,
             sync_from_memory=config.engine.in_process, adapters=config.syncs_adapters,
         )
@@ -111,7 +109,7 @@ class LearnerSide:
         started = time.monotonic()
         checkpoint = weights = adapter = None
         try:
-            if step % self.checkpoint_every == 0 or step == self.last_step:
+            if step % self.settings.checkpoint_every == 0 or step == self.last_step:
                 checkpoint = self.learner.save_checkpoint(
                     self.workdir / "checkpoints" / f"step-{step:06d}{mine}", version, {"learner_step": step}
                 )
@@ -138,15 +136,15 @@ class LearnerSide:
         (never the one the newest commit named) and all but the newest `keep_exports` exports (never one
         `keep_version` keeps). Disk per step is then about 1/checkpoint_every of a full checkpoint."""
         checkpoints = sorted((self.workdir / "checkpoints").glob("step-*"))
-        for old in checkpoints[: -self.keep_checkpoints or None]:
+        for old in checkpoints[: -self.settings.keep_checkpoints or None]:
             if str(old) != self.checkpoint_uri and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
         exports = sorted((self.workdir / "weights").glob("v*"))
-        for old in exports[: -self.keep_exports or None]:
+        for old in exports[: -self.settings.keep_exports or None]:
             number = re.match(r"v(\d+)", old.name)  # v000006 or v000006.PID
             version = int(number.group(1)) if number else None
             if version is not None and not (self.keep_version and self.keep_version(version)):
                 shutil.rmtree(old, ignore_errors=True)
         adapters = sorted((self.workdir / "adapters").glob("v*"))
-        for old in adapters[: -self.keep_exports or None]:  # (the servers unload all but the newest two)
+        for old in adapters[: -self.settings.keep_exports or None]:  # (the servers unload all but the newest two)
             shutil.rmtree(old, ignore_errors=True)

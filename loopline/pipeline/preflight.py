@@ -42,9 +42,9 @@ def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
     """What the config asks and this machine or environment cannot give (found at step 1 it would leave a run
     behind that can never go on)."""
     train = sum(t.split == "train" for t in tasks)
-    if config.groups_per_step > train:
+    if config.rollout.groups_per_step > train:
         raise LooplineError(
-            f"run {config.name}: groups_per_step: {config.groups_per_step} is more than the {train} train tasks of "
+            f"run {config.name}: rollout.groups_per_step: {config.rollout.groups_per_step} is more than the {train} train tasks of "
             f"{config.env}; set it to at most {train}"
         )
     if config.learner.dtype == "bf16" and not _gpu_has("bf16"):

@@ -29,17 +29,17 @@ from sqlmodel import Session
 
 from loopline import activity, holder
 from loopline.envregistry.tasks import Task
-from loopline.config import RunConfig
+from loopline.config import RolloutSettings, RunConfig
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engine import Engine, EngineClosed, EngineError, InFlightPolicy, SamplingParams
+from loopline.rollout.engine import Engine, EngineClosed, EngineError, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
-from loopline.types import LEASE_SECONDS
+from loopline.types import MAX_ATTEMPTS
 from loopline.trainer.batch import TrainSequence, batch_metrics, sequences_from_trajectory
 from loopline.pipeline.learner_side import LearnerSide
 from loopline.trainer.learner import Learner, RefusedUpdate, computing_threads
@@ -53,9 +53,8 @@ class RolloutContext:
     session_factory: Callable[[], Session]
     engine: Engine
     binding: Binding
-    concurrency: int  # episodes in flight (the run config's)
-    lease_seconds: float = LEASE_SECONDS
-    in_flight: InFlightPolicy = "finish"  # what a weight sync does to requests in flight
+    # The run config's section, whole: batch sizes, episodes in flight, leases, attempts, what a sync does to requests in flight.
+    rollout: RolloutSettings = dataclasses.field(default_factory=RolloutSettings)
     # A LoRA run on SGLang: every version ships as its adapter alone (`policy_version.adapter_uri`), which the
     # learner writes with each commit and the engine loads; the full weights are exported only as `export_version` says.
     adapters: bool = False
@@ -72,10 +71,7 @@ class LoopContext(RolloutContext):
     """A whole training process: rollout, the plan, and the learner's side (`learning`)."""
 
     learning: LearnerSide
-    groups_per_step: int
-    group_size: int
     seed: int = 0
-    max_attempts: int = 3  # infra failures of one slot before its group is dropped
     # The process that drives the run (its holder name): a learner commit is refused once another process has
     # taken the run over (fencing). None: not checked (a learner driven by hand, the tests of the stages).
     driver: str | None = None
@@ -88,8 +84,7 @@ class LoopContext(RolloutContext):
         """A run's loop: its sizes and policies as its config says, around the live handles."""
         return cls(
             run_id=run_id, session_factory=session_factory, engine=engine, binding=binding, learning=learning, driver=driver,
-            groups_per_step=config.groups_per_step, group_size=config.group_size, concurrency=config.concurrency, seed=config.seed,
-            max_attempts=config.max_attempts, in_flight=config.in_flight, lease_seconds=config.lease_seconds, adapters=config.syncs_adapters,
+            rollout=config.rollout, seed=config.seed, adapters=config.syncs_adapters,
         )
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
@@ -107,15 +102,15 @@ def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> lis
 def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:
     """The step's groups: task choice is a pure function of (seed, step), so a re-plan is identical."""
     train = sorted(t for t, task in ctx.binding.tasks.items() if task.split == "train")
-    chosen = random.Random(f"{ctx.seed}/{step}").sample(train, ctx.groups_per_step)
+    chosen = random.Random(f"{ctx.seed}/{step}").sample(train, ctx.rollout.groups_per_step)
     with ctx.session_factory() as s:
         if ctx.driver is not None:
             ledger.require_driver(s, ctx.run_id, ctx.driver)
-        return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.group_size, max_attempts=ctx.max_attempts)
+        return ledger.plan_step(s, ctx.run_id, step, chosen, ctx.rollout.group_size, max_attempts=ctx.rollout.max_attempts)
 
 
 async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
-    return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds))
+    return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds))
 
 
 async def rollout_continuous(
@@ -123,7 +118,7 @@ async def rollout_continuous(
 ) -> RolloutStats:
     """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
     cfg = WorkerConfig(
-        ctx.run_id, worker or holder.this_process(), concurrency=ctx.concurrency, lease_seconds=ctx.lease_seconds,
+        ctx.run_id, worker or holder.this_process(), concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds,
         max_staleness=max_staleness, max_complete_groups=max_complete_groups, wait_for_work=True,
     )
     return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop, paused=ctx.evaluating.is_set)
@@ -158,14 +153,14 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
             return None
         if batch.empty and batch.stale_dropped:
             raise LooplineError(
-                f"learner step {step}: each of its {batch.stale_dropped} complete groups was older than max_staleness "
-                "(the rollouts fell behind the learner); raise max_staleness or add rollout workers, then resume "
+                f"learner step {step}: each of its {batch.stale_dropped} complete groups was older than rollout.max_staleness "
+                "(the rollouts fell behind the learner); raise rollout.max_staleness or add rollout workers, then resume "
                 "(loopline train --resume RUN)"
             )
         if batch.empty:  # every group of the step was dropped: its slots kept failing outside the policy
             failure = ledger.last_infra_failure(s, ctx.run_id)
             raise LooplineError(
-                f"learner step {step}: no group to train on: each was dropped after {ctx.max_attempts} infrastructure failures of "
+                f"learner step {step}: no group to train on: each was dropped after {ctx.rollout.max_attempts} infrastructure failures of "
                 f"a sample{f'; the last: {failure}' if failure else ''}. Check the environment on its own (`envreg test ENV`), "
                 "then resume (loopline train --resume RUN)"
             )
@@ -251,7 +246,7 @@ async def sync_weights(ctx: RolloutContext) -> int:
                 f"v{newest.version} was committed without an export and this process does not hold it; "
                 "a process other than the learner needs learner.export_every: 1"
             )
-        timings = dict(await ctx.engine.update_weights(newest.version, weights, ctx.in_flight) or {})
+        timings = dict(await ctx.engine.update_weights(newest.version, weights, ctx.rollout.in_flight) or {})
         timings["total_s"] = time.monotonic() - started
         failpoint("weight_sync")
     with ctx.session_factory() as s:
@@ -306,7 +301,7 @@ def release_servers(ctx: RolloutContext) -> None:
 
 async def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory: Callable[[], Session],
-    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int, max_attempts: int = 3,
+    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int, max_attempts: int = MAX_ATTEMPTS,
 ) -> float:
     """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version.
     At most `concurrency` episodes at once, as in training: each holds a sandbox from its start."""

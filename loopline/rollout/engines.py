@@ -1,5 +1,5 @@
-"""Engines built by name: the run config's `engine.kind` is a key of `ENGINES`, so adding an engine touches
-this table and the engine's own module, nothing else."""
+"""Engines built by name: the run config's `engine.kind` is a name registered in `ENGINES`, so adding an engine
+touches its own module and nothing else (`ENGINES.register("name")(EngineKind(build, in_process))`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from loopline.registry import Registry
 from loopline.rollout.engine_thread import EngineThread
 
 
@@ -79,7 +80,6 @@ def _sglang(request: EngineRequest) -> EngineThread:
     return engine
 
 
-ENGINES: dict[str, EngineKind] = {
-    "local": EngineKind(_local, in_process=True),  # LocalEngine in this process (CPU)
-    "sglang": EngineKind(_sglang, in_process=False),
-}
+ENGINES: Registry[EngineKind] = Registry("engine", "engine.kind", ())
+ENGINES.register("local")(EngineKind(_local, in_process=True))  # LocalEngine in this process (CPU)
+ENGINES.register("sglang")(EngineKind(_sglang, in_process=False))

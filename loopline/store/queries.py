@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlmodel import Session
 
 from loopline import holder
+from loopline.types import LEASE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class RunSummary:
 
 
 HEARTBEAT_S = 5.0  # how often a run's driving process says it is alive
+
+
+def run_lease(run: str = "") -> str:
+    """SQL for a run's lease_seconds, in its stored config's layout (under `rollout:`, or at the top level as
+    configs stored before sections have it), else the default: `run` is the run table's alias, if any."""
+    config = f"{run}.config" if run else "config"
+    return f"coalesce(({config}->'rollout'->>'lease_seconds')::float, ({config}->>'lease_seconds')::float, {LEASE_SECONDS})"
 
 
 def shown_status(status: str, holder_name: str | None, silent_s: float | None, lease_seconds: float) -> tuple[str, str | None]:
@@ -87,7 +95,7 @@ def list_runs(session: Session) -> list[RunSummary]:
     rows = session.execute(
         sa.text(
             "SELECT r.name, r.id, r.status, r.created_at, r.status_reason, r.holder, "
-            "extract(epoch FROM now() - r.heartbeat_at) AS silent_s, coalesce((r.config->>'lease_seconds')::float, 60) AS lease, "
+            f"extract(epoch FROM now() - r.heartbeat_at) AS silent_s, {run_lease('r')} AS lease, "
             "r.config->'forked_from'->>'run' AS parent, r.config->'forked_from'->>'policy_version' AS parent_version, "
             "(SELECT coalesce(max(learner_step), 0) FROM policy_version p WHERE p.run_id = r.id) AS step, "
             "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS version, "

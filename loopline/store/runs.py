@@ -18,7 +18,7 @@ from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
 from loopline.store.fencing import fence
 from loopline.store.models import Run
-from loopline.store.queries import shown_status
+from loopline.store.queries import run_lease, shown_status
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -81,7 +81,7 @@ def start_run(session: Session, run_id: uuid.UUID, holder: str) -> None:
     the row lock makes two that start at the same moment one refusal."""
     state = (
         "SELECT name, status, holder, extract(epoch FROM now() - heartbeat_at) AS silent_s, "
-        "coalesce((config->>'lease_seconds')::float, 60) AS lease, heartbeat_at FROM run WHERE id = :r"
+        f"{run_lease()} AS lease, heartbeat_at FROM run WHERE id = :r"
     )
     with transaction(session):
         before = q(session, state, r=run_id).one()

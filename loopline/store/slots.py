@@ -17,7 +17,7 @@ from loopline.store import nul
 from loopline.store._sql import q, transaction
 from loopline.store.errors import LedgerConflict
 from loopline.store.records import Lease
-from loopline.types import LEASE_SECONDS, Split
+from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS, Split
 
 # Slot and group ids are derived from their coordinates: planning the same step twice is a no-op.
 _ID_NAMESPACE = uuid.UUID("6f1c9a52-3f6e-4d0b-9d0e-1c3a0b7e5a11")
@@ -41,7 +41,7 @@ def plan_step(
     task_ids: Sequence[str],
     group_size: int,
     split: Split = "train",
-    max_attempts: int = 3,
+    max_attempts: int = MAX_ATTEMPTS,
 ) -> list[uuid.UUID]:
     """Create one group of `group_size` slots per task for this step; re-planning the same step is a no-op.
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from loopline.store.commits import StoredPromptBroken, whole_prompts
 from loopline.store.nul import restored
-from loopline.store.queries import shown_status
+from loopline.store.queries import run_lease, shown_status
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def runs(conn: sa.Connection) -> Table:
         "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS policy_version, "
         "(SELECT count(*) FROM trajectory t WHERE t.run_id = r.id) AS trajectories, "
         "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, r.status_reason AS reason, r.holder, "
-        "extract(epoch FROM now() - r.heartbeat_at)::float AS silent_s, coalesce((r.config->>'lease_seconds')::float, 60) AS lease "
+        f"extract(epoch FROM now() - r.heartbeat_at)::float AS silent_s, {run_lease('r')} AS lease "
         "FROM run r ORDER BY r.created_at DESC",
     )
     rows = []

@@ -81,7 +81,7 @@ def plan_step(ctx: stages.LoopContext, step: int) -> int:
 @task(name="rollout_batch", **TASK)
 def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
     stats = aio.run(stages.rollout(ctx, step))
-    return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.concurrency)}
+    return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.rollout.concurrency)}
 
 
 @task(name="rollout_worker", **TASK)
@@ -97,7 +97,7 @@ def rollout_worker(
 def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
     """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
     stages.wait_for_groups(ctx, step, producing)
-    return stages.learn(ctx, step, max_groups=ctx.groups_per_step, max_staleness=max_staleness) is not None
+    return stages.learn(ctx, step, max_groups=ctx.rollout.groups_per_step, max_staleness=max_staleness) is not None
 
 
 @task(name="sync_weights", **TASK)
@@ -113,10 +113,10 @@ def report_lagging_servers(ctx: stages.RolloutContext, version: int, max_stalene
 @task(name="evaluate", **TASK)
 def evaluate(
     run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
-    temperature: float, seed: int, concurrency: int,
+    temperature: float, seed: int, concurrency: int, max_attempts: int,
 ) -> float:
     """Held-out success of the version `engine` serves, stored in the ledger and shown as the run's eval table."""
-    success = aio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency))
+    success = aio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency, max_attempts))
     with session_factory() as s:
         rows = queries.eval_results(s, run_id)
     table = "\n".join(f"| {e.version} | {e.tasks} | {e.success:.1%} |" for e in rows)

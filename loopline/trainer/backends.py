@@ -14,13 +14,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Protocol, get_args
+from typing import Any, Callable, Protocol
 
 import torch
 
 from loopline.failpoints import failpoint
 from loopline.trainer.batch import Padded
-from loopline.trainer.config import BackendName
+from loopline.trainer.config import BACKENDS, BackendName
 
 
 
@@ -278,13 +278,14 @@ def _torch(model, optimizer, scheduler, config, device: torch.device) -> Backend
     return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
 
 
-# `learner.backend` by name: adding one is its Backend, its entry here (and its name in BackendName).
-BACKENDS: dict[str, Callable[..., Backend]] = {"deepspeed": _deepspeed, "torch": _torch}
-assert set(BACKENDS) == set(get_args(BackendName)), "BackendName and BACKENDS must name the same backends"
+# `learner.backend` by name: a backend is its Backend and its registration, `@BACKENDS.register("name")` on a
+# function (model, optimizer, scheduler, LearnerConfig, device) -> Backend, in whatever module defines it.
+BACKENDS.register("deepspeed")(_deepspeed)
+BACKENDS.register("torch")(_torch)
+BACKENDS.check_implemented()
 
 
 def build_backend(name: BackendName, model, optimizer, scheduler, config, device: torch.device) -> Backend:
     """The backend a run config names (`learner.backend`)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown learner backend {name!r}: {' or '.join(BACKENDS)}")
+    BACKENDS.check(name)
     return BACKENDS[name](model, optimizer, scheduler, config, device)

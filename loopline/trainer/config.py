@@ -17,6 +17,7 @@ AGGREGATIONS: Registry = Registry(
 )
 CORRECTIONS: Registry = Registry("off-policy correction", "learner.loss.correction", ("none", "tis", "mis", "rejection"))
 KL_ESTIMATORS: Registry = Registry("KL estimator", "learner.loss.kl_estimator", ("k1", "k3"))
+BACKENDS: Registry = Registry("learner backend", "learner.backend", ("deepspeed", "torch"))  # (trainer/backends.py)
 # (each a registered name)
 Estimator: TypeAlias = str
 Aggregation: TypeAlias = str
@@ -27,7 +28,7 @@ DegenerateHandling = Literal["drop", "zero"]
 CorrectionLevel = Literal["token", "sequence"]
 CorrectionBounds = Literal["upper", "two_sided"]
 LRSchedule = Literal["constant", "cosine", "linear"]
-BackendName = Literal["deepspeed", "torch"]  # (trainer/backends.BACKENDS)
+BackendName: TypeAlias = str  # (a name registered in BACKENDS)
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 

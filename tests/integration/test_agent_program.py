@@ -344,8 +344,8 @@ def test_loopline_train_trains_an_agent_program_and_the_ledger_holds_its_calls(d
     name = f"agent-{tmp_path.name[-12:]}".replace("_", "-")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2, "groups_per_step": 4, "group_size": 4,
-        "concurrency": 16, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 8},
+        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2,
+        "rollout": {"groups_per_step": 4, "group_size": 4, "concurrency": 16, "sampling": {"max_new_tokens": 48}}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 8},
     }))
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server, as a user without one stands
@@ -373,8 +373,8 @@ def test_a_trainer_killed_mid_episode_leaves_no_program_behind_and_the_run_resum
     name = f"agent-kill-{tmp_path.name[-12:]}".replace("_", "-")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2, "groups_per_step": 4, "group_size": 4,
-        "concurrency": 8, "lease_seconds": 3, "sampling": {"max_new_tokens": 48}, "learner": {"lr": 3e-4, "backend": "torch"},
+        "name": name, "env": str(AGENT_ENV), "policy": str(STARTER), "steps": 2,
+        "rollout": {"groups_per_step": 4, "group_size": 4, "concurrency": 8, "lease_seconds": 3, "sampling": {"max_new_tokens": 48}}, "learner": {"lr": 3e-4, "backend": "torch"},
         "eval": {"every": 2, "tasks": 4},
     }))
     # the trainer's sandboxes are made here: the check below sees only them (not under tmp_path: pytest's

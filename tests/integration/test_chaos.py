@@ -57,8 +57,8 @@ def _small_run(tmp_path: Path, name: str, policy, database_url: str, *, mode: st
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(policy),
-        "mode": mode, "max_staleness": 1, "steps": 3, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
-        "lease_seconds": lease_seconds, "sampling": {"max_new_tokens": 16},
+        "steps": 3, "rollout": {"mode": mode, "max_staleness": 1, "groups_per_step": 2, "group_size": 4, "concurrency": 4,
+                                "lease_seconds": lease_seconds, "sampling": {"max_new_tokens": 16}},
         # a full checkpoint at steps 2 and 3 only: a resume after step 1 replays its recorded batch
         "learner": {"lr": 1e-3, "backend": backend, "checkpoint_every": 2},
         "eval": {"every": every, "tasks": 4},

@@ -124,7 +124,7 @@ def trained_home(tiny_dirs, tmp_path_factory):
     config = home.parent / "run.yaml"
     config.write_text(yaml.safe_dump({
         "name": "held", "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
-        "steps": 2, "groups_per_step": 2, "group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 8},
+        "steps": 2, "rollout": {"groups_per_step": 2, "group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 8}},
         "learner": {"backend": "torch", "export_every": 1}, "eval": {"every": 10, "tasks": 4},
     }))
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=_env(home), cwd=ROOT,

@@ -195,8 +195,8 @@ def test_a_pydantic_ai_agent_trains_its_native_tool_calls_and_the_ledger_holds_t
     name = f"pydantic-ai-{tmp_path.name[-12:]}".replace("_", "-")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(TOOLS_ENV), "policy": "tiny", "steps": 2, "groups_per_step": 2, "group_size": 4,
-        "concurrency": 8, "sampling": {"max_new_tokens": 64}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 4},
+        "name": name, "env": str(TOOLS_ENV), "policy": "tiny", "steps": 2,
+        "rollout": {"groups_per_step": 2, "group_size": 4, "concurrency": 8, "sampling": {"max_new_tokens": 64}}, "learner": {"lr": 3e-4, "backend": "torch"}, "eval": {"every": 2, "tasks": 4},
     }))
     env = {**os.environ, "LOOPLINE_DATABASE_URL": database_url, "LOOPLINE_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)

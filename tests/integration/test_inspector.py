@@ -32,6 +32,7 @@ from loopline.store import ledger
 from loopline.store.db import session as new_session
 from loopline.tasks import loop as loop_tasks
 from loopline.pipeline.learner_side import LearnerSide
+from loopline.config import RolloutSettings
 from loopline.pipeline.stages import LoopContext
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.ports import free_port
@@ -59,9 +60,7 @@ def seeded(tiny_dirs, database_url, tmp_path_factory):
         engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, row.version, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), {t.id: t for t in tasks}),
         learning=LearnerSide(learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"), workdir=tmp_path_factory.mktemp("inspect")),
-        groups_per_step=3,
-        group_size=4,
-        concurrency=16,
+        rollout=RolloutSettings(groups_per_step=3, group_size=4, concurrency=16),
     )
 
     try:

@@ -38,7 +38,8 @@ def test_unexported_versions_rebuild_exactly_under_load_and_a_differing_rebuild_
     # the quickstart, smaller: its shipped starter and its group shape (8 samples share each prompt: the
     # learner's shared-prompt gradient is large enough to be summed by several threads)
     data = yaml.safe_load((ROOT / "examples" / "arithmetic_quickstart.yaml").read_text())
-    data.update(name=name, env=str(ROOT / "examples" / "arithmetic_env.yaml"), steps=4, groups_per_step=8, lease_seconds=3)
+    data.update(name=name, env=str(ROOT / "examples" / "arithmetic_env.yaml"), steps=4)
+    data["rollout"].update(groups_per_step=8, lease_seconds=3)
     data["learner"]["checkpoint_every"] = 4  # versions 1-3: no checkpoint, no export; only the learner's memory holds them
     data["eval"].update(every=4, tasks=20)
     config = tmp_path / "run.yaml"

@@ -132,7 +132,7 @@ def test_a_config_this_environment_or_machine_cannot_run_is_refused_before_the_r
     config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode="sync", lease_seconds=3, backend="torch", every=10)
     data = yaml.safe_load(config.read_text())
     for change, said in (
-        ({"groups_per_step": 100000}, "groups_per_step: 100000 is more than the"),
+        ({"rollout": {**data["rollout"], "groups_per_step": 100000}}, "rollout.groups_per_step: 100000 is more than the"),
         ({"learner": {**data["learner"], "dtype": "bf16", "backend": "deepspeed"}}, "learner.dtype: bf16 needs a GPU with bf16"),
         ({"learner": {**data["learner"], "dtype": "fp16", "backend": "deepspeed"}}, "learner.dtype: fp16 needs a CUDA GPU"),
         ({"learner": {**data["learner"], "dtype": "bf16"}}, "dtype: bf16 needs backend: deepspeed"),

@@ -37,7 +37,7 @@ def test_server_deployments_and_run_deployment(database_url, tiny_dirs, db, tmp_
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]), "steps": 1,
-        "groups_per_step": 2, "group_size": 4, "concurrency": 8, "sampling": {"max_new_tokens": 16},
+        "rollout": {"groups_per_step": 2, "group_size": 4, "concurrency": 8, "sampling": {"max_new_tokens": 16}},
         "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 5, "tasks": 4},
     }))
     started = _cli("server", "start", "--port", str(port), "--database", prefect_db, env=env)

@@ -1,11 +1,19 @@
 """A component registered from outside loopline (this module, as a user's plugin would) is a valid name in a run
-config, shows in its JSON Schema, and is what the learner runs: a toy advantage estimator, loss aggregation, KL
-estimator and off-policy correction, each touching nothing but its own registration."""
+config or env spec, shows in its JSON Schema, and is what runs: a toy advantage estimator, loss aggregation, KL
+estimator and off-policy correction (a learner step here), and a toy engine, sandbox backend and learner backend
+(with the others, a whole training step of the train flow: test_train_flow.py), each touching nothing but its own
+registration."""
 
 from __future__ import annotations
 
 import torch
 
+from loopline.envregistry.sandbox.local import LocalSandbox
+from loopline.envregistry.spec import SANDBOX_BACKENDS
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest
+from loopline.rollout.local_engine import LocalEngine
+from loopline.trainer.backends import BACKENDS, TorchBackend
 from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, AdvantageConfig
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.trainer.losses import CorrectionRule
@@ -40,21 +48,48 @@ def _unit(rho: torch.Tensor, cap: float) -> torch.Tensor:
 CORRECTIONS.register("toy_unit")(CorrectionRule(False, _unit))
 
 
+def _toy_engine(request: EngineRequest) -> EngineThread:
+    CALLED.add("engine")
+    return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=request.concurrency))
+
+
+ENGINES.register("toy_local")(EngineKind(_toy_engine, in_process=True))
+
+
+@SANDBOX_BACKENDS.register("toy_dir")
+async def _toy_sandbox(spec, labels, model) -> LocalSandbox:
+    CALLED.add("sandbox")
+    return LocalSandbox(spec)
+
+
+@BACKENDS.register("toy_torch")
+def _toy_backend(model, optimizer, scheduler, config, device) -> TorchBackend:
+    CALLED.add("learner backend")
+    return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
+
+
+# The run config and env spec a training step of them all takes (test_train_flow.py runs it).
+TOY_LEARNER = {"backend": "toy_torch", "lr": 1e-3, "advantage": {"estimator": "toy_sign"},
+               "loss": {"aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
+TOY_ENGINE = {"kind": "toy_local"}
+TOY_SANDBOX = "toy_dir"
+
+
 def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step(tiny_dirs):
     from loopline.config import RunConfig, parse_config
 
-    toys = {"advantage": {"estimator": "toy_sign"},
-            "loss": {"aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
-    config = parse_config({"name": "toys", "env": "env.yaml", "learner": toys}, "run.yaml")
+    config = parse_config({"name": "toys", "env": "env.yaml", "learner": TOY_LEARNER, "engine": TOY_ENGINE}, "run.yaml")
     assert (config.learner.advantage.estimator, config.learner.loss.correction) == ("toy_sign", "toy_unit")
     schema = RunConfig.model_json_schema()["$defs"]
     assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
     assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
+    assert "toy_local" in schema["EngineSettings"]["properties"]["kind"]["enum"] and config.engine.in_process
+    assert "toy_torch" in schema["LearnerSettings"]["properties"]["backend"]["enum"]
 
     learner_config = LearnerConfig(lr=1e-3, micro_batch_tokens=64, advantage=config.learner.advantage, loss=config.learner.loss)
     learner = Learner(tiny_dirs["v0"], learner_config, backend="torch")
     before = learner.parameters_vector()
     result = learner.rl_step(rollout_sequences(tiny_dirs["v0"]))
     assert result.skipped is None and not torch.equal(before, learner.parameters_vector())
-    assert CALLED == {"estimator", "aggregation", "kl", "correction"}
+    assert {"estimator", "aggregation", "kl", "correction"} <= CALLED
     assert result.metrics["kl_ref"] == 0.0  # (the policy is its own reference at the first step)

@@ -17,6 +17,7 @@ from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
 from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
+from loopline.store import ledger
 from loopline.store.db import make_engine
 from loopline.trainer.checkpoint import weights_sha256
 from tests.helpers import undescribed_metrics
@@ -40,16 +41,13 @@ def digests_of(db, run_id) -> dict[int, str | None]:
     return dict(rows)
 
 
-def _config(tmp_path, policy, **overrides):
+def _config(tmp_path, policy, rollout: dict | None = None, **overrides):
     data = {
         "name": f"flow-{tmp_path.name}"[:60].replace("_", "-"),
         "env": str((os.path.dirname(__file__) + "/../../examples/arithmetic_env.yaml")),
         "policy": str(policy),
         "steps": 2,
-        "groups_per_step": 2,
-        "group_size": 4,
-        "concurrency": 8,
-        "sampling": {"max_new_tokens": 16},
+        "rollout": {"groups_per_step": 2, "group_size": 4, "concurrency": 8, "sampling": {"max_new_tokens": 16}, **(rollout or {})},
         "learner": {"lr": 1e-3, "backend": "torch"},
         "eval": {"every": 1, "tasks": 8},
         **overrides,
@@ -168,15 +166,62 @@ def test_train_flow_runs_resumes_and_checks(prefect_server, tiny_dirs, database_
     assert not replay_step(name, 2)["reproduced"]  # step 1's batch now has another reward: other weights
 
 
+RECORDED_FLAT = Path(__file__).resolve().parents[1] / "data" / "run_config_stored_at_bd0252b.json"
+
+
+def test_a_run_whose_config_was_stored_before_sections_resumes_as_the_same_run(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    """A config the ledger stored before the run config had sections (rollout settings at the top level, as
+    loopline wrote it at bd0252b: recorded in tests/data) resumes from the ledger, is the same run as its
+    sectioned file, has its lease read, and is stored in sections once a newer loopline drives it."""
+    from loopline.flows.train import train
+    from loopline.store.queries import list_runs, run_lease
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    recorded = json.loads(RECORDED_FLAT.read_text())
+    assert "groups_per_step" in recorded and "rollout" not in recorded  # (the old layout)
+    path = _config(tmp_path, tiny_dirs["v0"], steps=1, rollout={"lease_seconds": 30})
+    name = train(str(path))["run"]  # one step in the new layout, then its stored config replaced by the recorded one
+    run_id, stored = _scalar_rows(db, "SELECT id, config FROM run WHERE name = :n", n=name)[0]
+    ledger.restate_config(db, run_id, {**recorded, "name": name, "env": stored["env"], "policy": stored["policy"]})
+    assert _scalar_rows(db, f"SELECT {run_lease()} FROM run WHERE id = :r", r=run_id)[0][0] == 30.0  # (the recorded value)
+    assert {r.name: r.status for r in list_runs(db)}[name] == "finished"
+
+    resumed = train(resume=name)  # no file: the stored, flat config; it trains step 2
+    assert resumed["policy_version"] == 2 and [v for v, _ in resumed["eval"]] == [0, 1, 2]
+    assert train(str(_config(tmp_path, tiny_dirs["v0"], steps=2, rollout={"lease_seconds": 30})))["policy_version"] == 2  # the same run
+    restated = _scalar_rows(db, "SELECT config FROM run WHERE id = :r", r=run_id)[0][0]
+    assert restated["rollout"]["lease_seconds"] == 30.0 and "groups_per_step" not in restated
+
+
+def test_a_training_step_runs_on_components_registered_outside_loopline(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
+    """Issue 51: an engine, a sandbox backend, a learner backend and the learner's four components, each registered
+    by a test module as a plugin would be (test_toy_components.py), are chosen by the run config and env spec
+    and are what a step of `train` runs."""
+    from loopline.flows.train import train
+    from tests.integration import test_toy_components as toys
+
+    monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
+    monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
+    env = yaml.safe_load(ENV.read_text())
+    env.update(name="toy-arithmetic", sandbox={"backend": toys.TOY_SANDBOX})
+    (tmp_path / "toy_env.yaml").write_text(yaml.safe_dump(env))
+    toys.CALLED.clear()
+    path = _config(tmp_path, tiny_dirs["v0"], env=str(tmp_path / "toy_env.yaml"), steps=1, eval={"every": 1, "tasks": 2},
+                   learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE)
+    assert train(str(path))["policy_version"] == 1
+    assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "aggregation", "kl", "correction"}
+
+
 def test_bad_run_configs_are_refused_up_front(tmp_path):
     with pytest.raises(LooplineError, match="group_size: .*at least 2"):
-        load_config(_config(tmp_path, "tiny", group_size=1))
+        load_config(_config(tmp_path, "tiny", rollout={"group_size": 1}))
     with pytest.raises(LooplineError, match="colour: unknown setting"):
         load_config(_config(tmp_path, "tiny", colour="blue"))
     with pytest.raises(LooplineError, match="steps: Input should be greater than or equal to 1"):
         load_config(_config(tmp_path, "tiny", steps=0))
     with pytest.raises(LooplineError, match="max_staleness: Input should be greater than or equal to 0"):
-        load_config(_config(tmp_path, "tiny", mode="async", max_staleness=-1))
+        load_config(_config(tmp_path, "tiny", rollout={"mode": "async", "max_staleness": -1}))
     with pytest.raises(LooplineError, match="env: nowhere.yaml not found"):
         load_config(_config(tmp_path, "tiny", env="nowhere.yaml"))
 
@@ -208,7 +253,7 @@ def test_async_flow_overlaps_rollout_and_learning_within_max_staleness(prefect_s
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
-    path = _config(tmp_path, tiny_dirs["v0"], mode="async", max_staleness=1, steps=3, eval={"every": 3, "tasks": 4})
+    path = _config(tmp_path, tiny_dirs["v0"], rollout={"mode": "async", "max_staleness": 1}, steps=3, eval={"every": 3, "tasks": 4})
     result = train(str(path))
     assert result["policy_version"] == 3
     lags = _scalar_rows(db, "SELECT learner_step, max(version_lag) FROM consumption WHERE run_id = :r GROUP BY 1 ORDER BY 1", r=result["run_id"])
@@ -300,7 +345,7 @@ def test_learner_flow_fed_by_a_rollout_worker_in_another_process(engine_kind, pr
 
         servers = StandIns(tiny_dirs["v0"], 1, tmp_path)
         engine_config = {"kind": "sglang", "servers": servers.urls}
-    path = _config(tmp_path, tiny_dirs["v0"], mode="async", local_rollout=False, steps=2, eval={"every": 2, "tasks": 4}, engine=engine_config)
+    path = _config(tmp_path, tiny_dirs["v0"], rollout={"mode": "async", "local_rollout": False}, steps=2, eval={"every": 2, "tasks": 4}, engine=engine_config)
     name = load_config(path)[0].name
     result: dict = {}
     trainer = threading.Thread(target=lambda: result.update(learner(str(path))))
@@ -339,7 +384,7 @@ def test_the_run_configs_knobs_reach_the_optimizer_and_the_sampler(tiny_dirs, tm
     from loopline.trainer.learner import Learner
 
     path = _config(
-        tmp_path, tiny_dirs["v0"], steps=4, sampling={"max_new_tokens": 16, "top_p": 0.9, "top_k": 20},
+        tmp_path, tiny_dirs["v0"], steps=4, rollout={"sampling": {"max_new_tokens": 16, "top_p": 0.9, "top_k": 20}},
         learner={"lr": 1e-3, "backend": "torch", "minibatches": 2, "warmup_steps": 1, "lr_schedule": "linear", "weight_decay": 0.01},
     )
     config, _ = load_config(path)
@@ -408,7 +453,7 @@ def test_a_lora_run_checkpoints_adapters_replays_from_them_and_exports_the_merge
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
     learner = {"lr": 1e-2, "backend": "deepspeed", "checkpoint_every": 1, "lora": {"rank": 4}, "loss": {"kl_coef": 0.05}}
-    path = _config(tmp_path, STARTER, learner=learner, eval={"every": 2, "tasks": 4}, groups_per_step=4, sampling={"max_new_tokens": 48})
+    path = _config(tmp_path, STARTER, learner=learner, eval={"every": 2, "tasks": 4}, rollout={"groups_per_step": 4, "sampling": {"max_new_tokens": 48}})
     done = train(str(path))
     run_id, name = done["run_id"], done["run"]
     assert done["policy_version"] == 2 and check_run(db, run_id).ok and not undescribed_metrics(db, run_id)

@@ -2,7 +2,7 @@
 
 A real Prefect server on PostgreSQL; `loopline deploy --pool` registers the deployments on a process work
 pool; two `prefect worker start --pool` processes (two "machines") run what the pool is given; `loopline
-train` on an async run with `local_rollout: false, rollout_workers: 2` submits two rollout_worker flow
+train` on an async run with `rollout: {local_rollout: false, workers: 2}` submits two rollout_worker flow
 runs through the deployment. Mid-run one machine is lost (its Prefect worker and the flow run it started,
 SIGKILLed): its leased slots come back, the run completes, and `check` finds nothing trained twice.
 """
@@ -88,7 +88,7 @@ def prefect_on_postgres(tmp_path):
 
 
 class Pool:
-    """A run config for `rollout_workers: 2`, the deployments on the test pool, and the processes started
+    """A run config for `rollout.workers: 2`, the deployments on the test pool, and the processes started
     (each in its own session, all killed at the end): `machine(...)` a Prefect worker, `train()` the trainer."""
 
     def __init__(self, prefect: dict, tiny_dirs, database_url: str, tmp_path: Path):
@@ -96,9 +96,9 @@ class Pool:
         self.config = tmp_path / "run.yaml"
         self.config.write_text(yaml.safe_dump({
             "name": self.name, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": str(tiny_dirs["v0"]),
-            "mode": "async", "local_rollout": False, "rollout_workers": 2, "max_staleness": 1,
-            "steps": 6, "groups_per_step": 4, "group_size": 4, "concurrency": 4, "lease_seconds": 5,
-            "sampling": {"max_new_tokens": 16}, "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 6, "tasks": 4},
+            "steps": 6, "rollout": {"mode": "async", "local_rollout": False, "workers": 2, "max_staleness": 1, "groups_per_step": 4,
+                                    "group_size": 4, "concurrency": 4, "lease_seconds": 5, "sampling": {"max_new_tokens": 16}},
+            "learner": {"lr": 1e-3, "backend": "torch"}, "eval": {"every": 6, "tasks": 4},
         }))
         self.api = prefect["api"]
         self.env = {

@@ -509,7 +509,7 @@ def test_a_step_whose_groups_are_all_stale_or_whose_worker_stopped_says_what_to_
     from loopline.store.db import session as new_session
     from loopline.pipeline import stages
 
-    ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, max_attempts=3)
+    ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, rollout=types.SimpleNamespace(max_attempts=3))
     _complete_step(db, run, step=15, tasks=("old",), version=0)
     for k in (1, 2):
         _complete_step(db, run, step=10 + k, tasks=(f"x{k}",), version=k - 1)

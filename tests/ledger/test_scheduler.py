@@ -75,11 +75,12 @@ def test_infra_failures_are_retried_then_the_group_dropped(tiny_dirs, binding, e
     # the learner step then has nothing to train on, and says why in one line (the last infra failure) and what to do
     from loopline.errors import LooplineError
     from loopline.pipeline.learner_side import LearnerSide
+    from loopline.config import RolloutSettings
     from loopline.pipeline.stages import LoopContext, learn
 
     ctx = LoopContext(
-        run_id=run.id, session_factory=lambda: new_session(engine), engine=None, binding=broken, concurrency=2, max_attempts=2,
-        learning=LearnerSide(learner=None, workdir=tmp_path), groups_per_step=1, group_size=2,
+        run_id=run.id, session_factory=lambda: new_session(engine), engine=None, binding=broken,
+        rollout=RolloutSettings(concurrency=2, max_attempts=2, groups_per_step=1, group_size=2), learning=LearnerSide(learner=None, workdir=tmp_path),
     )
     expected = (
         "learner step 1: no group to train on: each was dropped after 2 infrastructure failures of a sample; the last: InfraFailure: "

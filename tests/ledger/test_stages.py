@@ -17,6 +17,7 @@ from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.tasks import loop as tasks
 from loopline.pipeline.learner_side import LearnerSide
+from loopline.config import LearnerSettings, RolloutSettings
 from loopline.pipeline.stages import LoopContext
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import SamplingParams
@@ -43,9 +44,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), {t.id: t for t in train}),
         learning=LearnerSide(learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"), workdir=tmp_path),
-        groups_per_step=3,
-        group_size=4,
-        concurrency=16,
+        rollout=RolloutSettings(groups_per_step=3, group_size=4, concurrency=16),
     )
 
     def sync_step(step: int) -> dict:  # the train flow's sync loop, step by step
@@ -136,7 +135,7 @@ def test_the_run_configs_max_attempts_reaches_the_plan(tiny_dirs, engine, db, tm
     ctx = LoopContext(
         run_id=run.id, session_factory=lambda: new_session(engine), engine=None,
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams()), {t.id: t for t in train}),
-        learning=LearnerSide(learner=None, workdir=tmp_path), groups_per_step=2, group_size=2, max_attempts=7, concurrency=16,
+        learning=LearnerSide(learner=None, workdir=tmp_path), rollout=RolloutSettings(groups_per_step=2, group_size=2, max_attempts=7, concurrency=16),
     )
     tasks.plan_step.fn(ctx, 1)
     attempts = db.execute(sa.text("SELECT DISTINCT max_attempts FROM rollout_group WHERE run_id = :r"), {"r": run.id}).scalars().all()
@@ -151,8 +150,8 @@ def test_prune_keeps_the_newest_checkpoints_and_exports_and_the_ones_still_neede
         (tmp_path / "weights" / f"v{v:06d}").mkdir(parents=True)
     # the newest commit still names step 2's checkpoint (steps 3-5 were written by a process that lost the run, say)
     side = LearnerSide(
-        learner=None, workdir=tmp_path, keep_checkpoints=2, checkpoint_uri=str(tmp_path / "checkpoints" / "step-000002"),
-        keep_exports=3, keep_version=lambda v: v == 2,
+        learner=None, workdir=tmp_path, settings=LearnerSettings(keep_checkpoints=2, keep_exports=3),
+        checkpoint_uri=str(tmp_path / "checkpoints" / "step-000002"), keep_version=lambda v: v == 2,
     )
     side.prune()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000005"]
@@ -196,8 +195,9 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
         binding=Binding(EpisodeSetup(spec, 1, ChatFormat.for_policy(tiny_dirs["v0"]), SamplingParams(max_new_tokens=16)), {t.id: t for t in train}),
         learning=LearnerSide(
             learner=Learner(tiny_dirs["v0"], config, backend="torch"), workdir=tmp_path, export_version=lambda v: False, restore=restore,
+            settings=LearnerSettings(checkpoint_every=1),
         ),
-        groups_per_step=2, group_size=4, concurrency=16,
+        rollout=RolloutSettings(groups_per_step=2, group_size=4, concurrency=16),
     )
     commit = ledger.commit_learner_step
 

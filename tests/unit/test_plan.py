@@ -103,7 +103,7 @@ def test_a_step_of_trajectories_the_learner_cannot_hold_is_refused_with_what_to_
     shape, host = ModelShape.from_config(SMOLLM2), Hardware("cpu", 24 * GiB)
     rows = {r.part: r.bytes for r in estimate(shape, Workload(step_tokens=10_000), host).learner}
     assert rows["step batch"] == 10_000 * 80
-    config = RunConfig(name="r", env="e.yaml", groups_per_step=8, group_size=1_000_000_000)
+    config = RunConfig(name="r", env="e.yaml", rollout={"groups_per_step": 8, "group_size": 1_000_000_000})
     huge = estimate(shape, workload(config, Budgets(), 512, host), host)
     assert not huge.fits and "a smaller group_size" in huge.verdict
 

@@ -25,10 +25,10 @@ def test_an_in_process_engine_gets_exports_only_at_checkpoints_evaluations_and_t
 
 def test_every_version_is_exported_when_another_process_loads_it():
     servers = {"kind": "sglang", "servers": ["http://127.0.0.1:30000"]}
-    for config in (_config(engine=servers), _config(mode="async", local_rollout=False)):
+    for config in (_config(engine=servers), _config(rollout={"mode": "async", "local_rollout": False})):
         assert config.versions_loaded_elsewhere and config.exports_every == 1
         assert all(config.exports(v) for v in range(11))
-    assert _config(mode="async").exports_every == 4  # local rollout: the learner's process serves it
+    assert _config(rollout={"mode": "async"}).exports_every == 4  # local rollout: the learner's process serves it
 
 
 def test_a_sparse_export_for_a_run_that_other_processes_serve_is_refused():
@@ -38,11 +38,11 @@ def test_a_sparse_export_for_a_run_that_other_processes_serve_is_refused():
 
 
 def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
-    with pytest.raises(LooplineError, match="rollout_workers: deployed workers feed an async learner"):
-        _config(rollout_workers=2)
-    with pytest.raises(LooplineError, match="rollout_workers"):
-        _config(mode="async", rollout_workers=2)  # local_rollout defaults to true
-    assert _config(mode="async", local_rollout=False, rollout_workers=2).exports_every == 1
+    with pytest.raises(LooplineError, match="rollout: workers: deployed workers feed an async learner"):
+        _config(rollout={"workers": 2})
+    with pytest.raises(LooplineError, match="workers: deployed workers"):
+        _config(rollout={"mode": "async", "workers": 2})  # local_rollout defaults to true
+    assert _config(rollout={"mode": "async", "local_rollout": False, "workers": 2}).exports_every == 1
 
 
 def test_mixed_precision_is_deepspeeds_and_fp16_runs_under_zero():
@@ -76,11 +76,11 @@ def test_the_run_configs_demonstration_turns_replace_the_policys_own(tiny_dirs, 
         return chat.few_shot, chat.decode(chat.initial_ids("", "What is 2 + 2?"))
 
     assert shown()[0] == tuple(calc)
-    few_shot, prompt = shown(few_shot=code)
+    few_shot, prompt = shown(rollout={"few_shot": code})
     assert few_shot == tuple(code) and "<write_file>" in prompt and "<calc>" not in prompt
-    assert shown(few_shot=[])[0] == ()
-    with pytest.raises(LooplineError, match="few_shot"):
-        _config(few_shot=[{"role": "robot", "content": "x"}])
+    assert shown(rollout={"few_shot": []})[0] == ()
+    with pytest.raises(LooplineError, match="rollout.few_shot.0.role"):
+        _config(rollout={"few_shot": [{"role": "robot", "content": "x"}]})
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -177,12 +177,12 @@ def test_a_bad_run_config_is_refused_before_torch_or_prefect_load(tmp_path):
     env.pop("LOOPLINE_DATABASE_URL", None)
     arithmetic = f"env: {ROOT / 'examples' / 'arithmetic_env.yaml'}\n"
     cases = [
-        ("env: e.yaml\ngroup_size: 1\n", "group_size"),
+        ("env: e.yaml\nrollout: {group_size: 1}\n", "rollout.group_size"),
         ("env: nosuch@3\n", "no environment named 'nosuch'"),
         (arithmetic + "policy: nobody/no-such-model\n", "policy 'nobody/no-such-model': not in the Hugging Face cache"),
         (arithmetic + f"policy: {tmp_path / 'nowhere'}\n", "not 'tiny', 'smollm2-135m', a model directory with config.json"),
-        (arithmetic + "groups_per_step: 5000\n", "groups_per_step: 5000 is more than the 2000 train tasks"),
-        (arithmetic + "group_size: 100000\n", "would run out of memory"),
+        (arithmetic + "rollout: {groups_per_step: 5000}\n", "rollout.groups_per_step: 5000 is more than the 2000 train tasks"),
+        (arithmetic + "rollout: {group_size: 100000}\n", "would run out of memory"),
         (arithmetic + "engine: {kind: sglang, servers: ['http://127.0.0.1:9']}\n", "the SGLang server http://127.0.0.1:9 does not answer"),
     ]
     if not plan.nvidia_device_present():
@@ -276,7 +276,10 @@ def test_train_takes_a_config_as_a_dict_or_a_runconfig_from_python(tmp_path, mon
 # the config's YAML text -> what the one-line refusal must contain (its file:line, the field, what is wrong)
 BAD_CONFIGS = {
     "lr_infinite": ("learner: {lr: .inf}\n", "run.yaml:3: learner.lr: Input should be a finite number"),
-    "temperature_infinite": ("sampling: {temperature: .inf}\n", "run.yaml:3: sampling.temperature: Input should be a finite number"),
+    "temperature_infinite": ("rollout:\n  sampling: {temperature: .inf}\n", "run.yaml:4: rollout.sampling.temperature: Input should be a finite number"),
+    "old_layout_line": ("steps: 3\nsampling: {temperature: .inf}\n", "run.yaml:4: rollout.sampling.temperature: Input should be a finite number"),
+    "old_layout_twice": ("group_size: 4\nrollout: {group_size: 8}\n", "group_size is set twice: at the top level (the layout before sections) and as rollout.group_size"),
+    "misspelt_rollout_setting": ("rollout: {grup_size: 4}\n", "rollout.grup_size: unknown setting; did you mean group_size?"),
     "clip_low_nan": ("learner: {loss: {clip_low: .nan}}\n", "learner.loss.clip_low: Input should be a finite number"),
     "negative_kl_coef": ("learner: {loss: {kl_coef: -0.1}}\n", "kl_coef must be >= 0"),
     "negative_clip_high": ("learner: {loss: {clip_high: -5}}\n", "clip_high must be >= 0"),
@@ -322,7 +325,7 @@ def test_loopline_schema_prints_the_run_configs_json_schema_that_validates_the_e
 
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "schema"], capture_output=True, text=True, timeout=120)
     schema = json.loads(done.stdout)
-    assert {"steps", "learner", "sampling", "eval"} <= set(schema["properties"])
+    assert {"steps", "rollout", "learner", "eval"} <= set(schema["properties"])
     for example in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*quickstart*.yaml")):
         jsonschema.validate(yaml.safe_load(example.read_text()), schema)  # an editor would accept each example
     with pytest.raises(jsonschema.ValidationError):
