@@ -7,12 +7,13 @@ import difflib
 import logging
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
+from loopline.registry import RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engine import InFlightPolicy
 from loopline.rollout.engines import ENGINES  # (no torch either)
@@ -82,7 +83,7 @@ class LearnerSettings(_Strict):
     lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
     min_lr_ratio: float = _trainer_setting("min_lr_ratio", ge=0.0, le=1.0)
     weight_decay: float = _trainer_setting("weight_decay", ge=0.0)
-    backend: BACKENDS.name_type() = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
+    backend: Annotated[str, RegistryName(BACKENDS)] = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
     zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
     micro_batch_tokens: int = _trainer_setting("micro_batch_tokens", ge=64)
     minibatches: int = _trainer_setting("minibatches", ge=1)
@@ -134,7 +135,7 @@ class LaunchSettings(_Strict):
 class EngineSettings(_Strict):
     """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
 
-    kind: ENGINES.name_type() = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (or an engine registered in rollout/engines.ENGINES)")
+    kind: Annotated[str, RegistryName(ENGINES)] = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (or an engine registered in rollout/engines.ENGINES)")
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
     timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")

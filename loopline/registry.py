@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import field
-from typing import Annotated, Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -50,11 +50,6 @@ class Registry(Generic[T]):
         missing = [n for n in self.names if n not in self._implementations]
         assert not missing, f"{self.setting}: declared but not registered: {', '.join(missing)}"
 
-    def name_type(self) -> Any:
-        """The type of a pydantic setting that names one of this registry's components (`kind: ENGINES.name_type()`):
-        validated against the names registered when a config is read, shown as the JSON Schema's enum."""
-        return Annotated[str, RegistryName(self)]
-
     def setting_field(self, default: str, description: str) -> Any:
         """A dataclass field choosing from this registry: its description, and its names as the JSON Schema's
         enum when the schema is made (so a registered component shows in an editor too)."""
@@ -63,7 +58,8 @@ class Registry(Generic[T]):
 
 
 class RegistryName:
-    """Pydantic metadata: the annotated `str` must be a name of `registry` (see `Registry.name_type`)."""
+    """A pydantic setting that names one of a registry's components, `kind: Annotated[str, RegistryName(ENGINES)]`:
+    validated against the names registered when a config is read, shown as the JSON Schema's enum."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
-from loopline.registry import Registry
+from loopline.registry import Registry, RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
@@ -157,7 +157,7 @@ class Resources(_Strict):
 
 
 class Sandbox(_Strict):
-    backend: SANDBOX_BACKENDS.name_type() = Field(
+    backend: Annotated[str, RegistryName(SANDBOX_BACKENDS)] = Field(
         description="docker: a container per episode; e2b: E2B's cloud sandbox; local: a bubblewrap-isolated directory on this host "
         "(or a backend registered in sandbox/backends.SANDBOX_BACKENDS)"
     )

@@ -171,8 +171,9 @@ RECORDED_FLAT = Path(__file__).resolve().parents[1] / "data" / "run_config_store
 
 def test_a_run_whose_config_was_stored_before_sections_resumes_as_the_same_run(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
     """A config the ledger stored before the run config had sections (rollout settings at the top level, as
-    loopline wrote it at bd0252b: recorded in tests/data) resumes from the ledger, is the same run as its
-    sectioned file, has its lease read, and is stored in sections once a newer loopline drives it."""
+    loopline wrote it at bd0252b: recorded in tests/data) has its lease read, trains from the ledger, is the same
+    run as its sectioned file, and is stored in sections once a newer loopline drives it."""
+    from loopline.envregistry import registry
     from loopline.flows.train import train
     from loopline.store.queries import list_runs, run_lease
 
@@ -180,17 +181,17 @@ def test_a_run_whose_config_was_stored_before_sections_resumes_as_the_same_run(p
     monkeypatch.setenv("LOOPLINE_HOME", str(tmp_path / "home"))
     recorded = json.loads(RECORDED_FLAT.read_text())
     assert "groups_per_step" in recorded and "rollout" not in recorded  # (the old layout)
-    path = _config(tmp_path, tiny_dirs["v0"], steps=1, rollout={"lease_seconds": 30})
-    name = train(str(path))["run"]  # one step in the new layout, then its stored config replaced by the recorded one
-    run_id, stored = _scalar_rows(db, "SELECT id, config FROM run WHERE name = :n", n=name)[0]
-    ledger.restate_config(db, run_id, {**recorded, "name": name, "env": stored["env"], "policy": stored["policy"]})
-    assert _scalar_rows(db, f"SELECT {run_lease()} FROM run WHERE id = :r", r=run_id)[0][0] == 30.0  # (the recorded value)
-    assert {r.name: r.status for r in list_runs(db)}[name] == "finished"
+    name = f"flat-{tmp_path.name}"[:60].replace("_", "-")
+    stored = {**recorded, "name": name, "env": registry.add(db, ENV).ref, "policy": str(tiny_dirs["v0"])}
+    run = ledger.create_run(db, name, stored, str(tiny_dirs["v0"]))  # (as the older loopline created it)
+    assert _scalar_rows(db, f"SELECT {run_lease()} FROM run WHERE id = :r", r=run.id)[0][0] == 30.0  # (the recorded value, not the default)
+    assert {r.name: r.status for r in list_runs(db)}[name] == "created"
 
-    resumed = train(resume=name)  # no file: the stored, flat config; it trains step 2
-    assert resumed["policy_version"] == 2 and [v for v, _ in resumed["eval"]] == [0, 1, 2]
-    assert train(str(_config(tmp_path, tiny_dirs["v0"], steps=2, rollout={"lease_seconds": 30})))["policy_version"] == 2  # the same run
-    restated = _scalar_rows(db, "SELECT config FROM run WHERE id = :r", r=run_id)[0][0]
+    resumed = train(resume=name)  # no file: the stored, flat config
+    assert resumed["policy_version"] == 2 and [v for v, _ in resumed["eval"]] == [0, 2]
+    again = _config(tmp_path, tiny_dirs["v0"], name=name, rollout={"lease_seconds": 30}, eval={"every": 2, "tasks": 4})
+    assert train(str(again))["policy_version"] == 2  # the same run in the new layout: finished, not "another config"
+    restated = _scalar_rows(db, "SELECT config FROM run WHERE id = :r", r=run.id)[0][0]
     assert restated["rollout"]["lease_seconds"] == 30.0 and "groups_per_step" not in restated
 
 

@@ -45,6 +45,33 @@ def test_deployed_rollout_workers_need_an_async_learner_without_local_rollout():
     assert _config(rollout={"mode": "async", "local_rollout": False, "workers": 2}).exports_every == 1
 
 
+def test_the_layout_before_sections_is_read_as_the_sections_and_a_file_in_it_says_where_each_setting_goes(tmp_path, caplog):
+    """Configs stored and written before the run config had sections still mean what they meant: the recorded
+    one (as loopline stored it at bd0252b) is the same config as its sectioned form, and a file in the old layout
+    loads with one warning naming where each of its settings goes now."""
+    import json
+    import logging
+
+    from loopline.config import FLAT_ROLLOUT, load_config
+
+    recorded = json.loads((Path(__file__).resolve().parents[1] / "data" / "run_config_stored_at_bd0252b.json").read_text())
+    sectioned = {k: v for k, v in recorded.items() if k not in FLAT_ROLLOUT}
+    sectioned["rollout"] = {FLAT_ROLLOUT[k]: v for k, v in recorded.items() if k in FLAT_ROLLOUT}
+    old = parse_config(recorded, "stored")
+    assert old == parse_config(sectioned, "new") and old.rollout.lease_seconds == 30.0 and old.rollout.group_size == 4
+    assert parse_config({**BASE, "mode": "async", "local_rollout": False, "rollout_workers": 2}, "old").rollout.workers == 2
+
+    (tmp_path / "e.yaml").write_text("name: e\n")
+    (tmp_path / "run.yaml").write_text("name: x\nenv: e.yaml\ngroups_per_step: 4\nsampling: {temperature: 0.5}\n")
+    with caplog.at_level(logging.WARNING, logger="loopline.config"):
+        config, _ = load_config(tmp_path / "run.yaml")
+    assert (config.rollout.groups_per_step, config.rollout.sampling.temperature) == (4, 0.5)
+    assert [r.getMessage().replace(str(tmp_path) + "/", "") for r in caplog.records] == [
+        "run.yaml: groups_per_step, sampling: the layout before sections, read as rollout.groups_per_step, "
+        "rollout.sampling; move them under rollout:"
+    ]
+
+
 def test_mixed_precision_is_deepspeeds_and_fp16_runs_under_zero():
     """The torch backend trains in fp32: a dtype there would be dropped silently, so it is refused; fp16's
     loss scaler needs ZeRO's unscaled gradient norm, so stage 0 is refused with it."""
