@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
-import sqlalchemy as sa
 from sqlmodel import Session
 
 from loopline import holder
+from loopline.store import _sql
 from loopline.types import LEASE_SECONDS
 
 
@@ -63,28 +63,20 @@ def shown_status(status: str, holder_name: str | None, silent_s: float | None, l
 
 
 def run_progress(session: Session, run_id: uuid.UUID) -> RunProgress:
-    row = session.execute(
-        sa.text(
-            "SELECT (SELECT coalesce(max(learner_step), 0) FROM policy_version WHERE run_id = :r) AS step, "
-            "(SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r) AS version, "
-            "(SELECT count(*) FROM trajectory WHERE run_id = :r AND split = 'train') AS trajectories"
-        ),
-        {"r": run_id},
-    ).one()
-    metrics = dict(
-        session.execute(
-            sa.text(
-                "SELECT name, value FROM metric WHERE run_id = :r AND step = :k "
-                "AND name IN ('reward_mean', 'version_lag_mean')"
-            ),
-            {"r": run_id, "k": row.step},
-        ).all()
+    row = _sql.one_row(
+        session,
+        "SELECT (SELECT coalesce(max(learner_step), 0) FROM policy_version WHERE run_id = :r) AS step, "
+        "(SELECT coalesce(max(version), 0) FROM policy_version WHERE run_id = :r) AS version, "
+        "(SELECT count(*) FROM trajectory WHERE run_id = :r AND split = 'train') AS trajectories",
+        r=run_id,
     )
-    last_eval = session.execute(
-        sa.text("SELECT policy_version, success_rate FROM eval_result WHERE run_id = :r ORDER BY policy_version DESC LIMIT 1"),
-        {"r": run_id},
-    ).first()
-    session.rollback()
+    metrics = dict(_sql.rows(
+        session, "SELECT name, value FROM metric WHERE run_id = :r AND step = :k AND name IN ('reward_mean', 'version_lag_mean')",
+        r=run_id, k=row.step,
+    ))
+    last_eval = _sql.first_row(
+        session, "SELECT policy_version, success_rate FROM eval_result WHERE run_id = :r ORDER BY policy_version DESC LIMIT 1", r=run_id
+    )
     return RunProgress(
         row.step, row.version, row.trajectories, metrics.get("reward_mean"), metrics.get("version_lag_mean"),
         last_eval.policy_version if last_eval else None, last_eval.success_rate if last_eval else None,
@@ -92,20 +84,18 @@ def run_progress(session: Session, run_id: uuid.UUID) -> RunProgress:
 
 
 def list_runs(session: Session) -> list[RunSummary]:
-    rows = session.execute(
-        sa.text(
-            "SELECT r.name, r.id, r.status, r.created_at, r.status_reason, r.holder, "
-            f"extract(epoch FROM now() - r.heartbeat_at) AS silent_s, {run_lease('r')} AS lease, "
-            "r.config->'forked_from'->>'run' AS parent, r.config->'forked_from'->>'policy_version' AS parent_version, "
-            "(SELECT coalesce(max(learner_step), 0) FROM policy_version p WHERE p.run_id = r.id) AS step, "
-            "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS version, "
-            "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, "
-            "(SELECT success_rate FROM eval_result e WHERE e.run_id = r.id ORDER BY policy_version LIMIT 1) AS first_eval, "
-            "(SELECT success_rate FROM eval_result e WHERE e.run_id = r.id ORDER BY policy_version DESC LIMIT 1) AS last_eval "
-            "FROM run r ORDER BY r.created_at"
-        )
-    ).all()
-    session.rollback()
+    rows = _sql.rows(
+        session,
+        "SELECT r.name, r.id, r.status, r.created_at, r.status_reason, r.holder, "
+        f"extract(epoch FROM now() - r.heartbeat_at) AS silent_s, {run_lease('r')} AS lease, "
+        "r.config->'forked_from'->>'run' AS parent, r.config->'forked_from'->>'policy_version' AS parent_version, "
+        "(SELECT coalesce(max(learner_step), 0) FROM policy_version p WHERE p.run_id = r.id) AS step, "
+        "(SELECT coalesce(max(version), 0) FROM policy_version p WHERE p.run_id = r.id) AS version, "
+        "(SELECT count(*) FROM consumption c WHERE c.run_id = r.id) AS consumed, "
+        "(SELECT success_rate FROM eval_result e WHERE e.run_id = r.id ORDER BY policy_version LIMIT 1) AS first_eval, "
+        "(SELECT success_rate FROM eval_result e WHERE e.run_id = r.id ORDER BY policy_version DESC LIMIT 1) AS last_eval "
+        "FROM run r ORDER BY r.created_at",
+    )
     out = []
     for r in rows:
         silent = float(r.silent_s) if r.silent_s is not None else None
@@ -119,14 +109,12 @@ def list_runs(session: Session) -> list[RunSummary]:
 
 def metrics_after(session: Session, run_id: uuid.UUID, after: int, upto: int | None = None) -> dict[int, dict[str, float]]:
     """Every metric of the learner steps after `after` (to `upto`), by step in order: what a tracker lacks."""
-    rows = session.execute(
-        sa.text(
-            "SELECT step, name, value FROM metric WHERE run_id = :r AND step > :a AND (CAST(:u AS integer) IS NULL OR step <= :u) "
-            "ORDER BY step, name"
-        ),
-        {"r": run_id, "a": after, "u": upto},
-    ).all()
-    session.rollback()
+    rows = _sql.rows(
+        session,
+        "SELECT step, name, value FROM metric WHERE run_id = :r AND step > :a AND (CAST(:u AS integer) IS NULL OR step <= :u) "
+        "ORDER BY step, name",
+        r=run_id, a=after, u=upto,
+    )
     steps: dict[int, dict[str, float]] = {}
     for step, name, value in rows:
         steps.setdefault(step, {})[name] = float(value)
@@ -142,10 +130,9 @@ class EvalRow(NamedTuple):
 
 def eval_results(session: Session, run_id: uuid.UUID) -> list[EvalRow]:
     """Each evaluation of the run, in version order."""
-    rows = session.execute(
-        sa.text("SELECT policy_version, n_tasks, success_rate, (details->>'seconds')::float8 FROM eval_result "
-                "WHERE run_id = :r ORDER BY policy_version"),
-        {"r": run_id},
-    ).all()
-    session.rollback()
+    rows = _sql.rows(
+        session,
+        "SELECT policy_version, n_tasks, success_rate, (details->>'seconds')::float8 FROM eval_result WHERE run_id = :r ORDER BY policy_version",
+        r=run_id,
+    )
     return [EvalRow(*r) for r in rows]
