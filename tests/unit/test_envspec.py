@@ -43,7 +43,7 @@ def test_spec_error_names_file_line_and_field(tmp_path):
     line = text.splitlines().index(next(l for l in text.splitlines() if "backend: podman" in l)) + 1
     message = _error(tmp_path, text)
     assert f"bad.yaml:{line}: sandbox.backend:" in message
-    assert "'docker', 'e2b' or 'local'" in message
+    assert "unknown sandbox backend 'podman'; one of: docker, e2b, local" in message
 
 
 def test_spec_error_inside_the_task_source_has_the_real_path(tmp_path):

@@ -105,7 +105,7 @@ def test_a_step_of_trajectories_the_learner_cannot_hold_is_refused_with_what_to_
     assert rows["step batch"] == 10_000 * 80
     config = RunConfig(name="r", env="e.yaml", rollout={"groups_per_step": 8, "group_size": 1_000_000_000})
     huge = estimate(shape, workload(config, Budgets(), 512, host), host)
-    assert not huge.fits and "a smaller group_size" in huge.verdict
+    assert not huge.fits and "a smaller rollout.group_size" in huge.verdict
 
 
 def test_learner_ranks_on_one_cpu_host_each_need_their_own_memory():
