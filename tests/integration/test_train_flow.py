@@ -208,8 +208,9 @@ def test_a_training_step_runs_on_components_registered_outside_loopline(prefect_
     env.update(name="toy-arithmetic", sandbox={"backend": toys.TOY_SANDBOX})
     (tmp_path / "toy_env.yaml").write_text(yaml.safe_dump(env))
     toys.CALLED.clear()
-    path = _config(tmp_path, tiny_dirs["v0"], env=str(tmp_path / "toy_env.yaml"), steps=1, eval={"every": 1, "tasks": 2},
-                   learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE)
+    # the shipped starter earns rewards (the estimator sees no group whose rewards are all equal)
+    path = _config(tmp_path, STARTER, env=str(tmp_path / "toy_env.yaml"), steps=1, eval={"every": 1, "tasks": 2},
+                   learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE, rollout={"groups_per_step": 4, "sampling": {"max_new_tokens": 48}})
     assert train(str(path))["policy_version"] == 1
     assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "aggregation", "kl", "correction"}
 
