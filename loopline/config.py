@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from loopline.errors import LooplineError
 from loopline.registry import RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
-from loopline.rollout.engine import InFlightPolicy
+from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, InFlightPolicy
 from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
@@ -129,7 +129,7 @@ class LaunchSettings(_Strict):
     args: list[str] = Field(default_factory=list, description="extra arguments to the server, e.g. [--mem-fraction-static, '0.6']")
     module: str = Field("sglang.launch_server", description="the server's Python module (python -m MODULE --model-path ... --port ...)")
     python: str | None = Field(None, description="the interpreter that has SGLang installed (default: this one)")
-    startup_timeout_s: float = Field(900.0, gt=0, description="how long a server may take to answer its health check after it starts")
+    startup_timeout_s: float = Field(SGLANG_STARTUP_TIMEOUT_S, gt=0, description="how long a server may take to answer its health check after it starts")
 
 
 class EngineSettings(_Strict):
@@ -138,7 +138,7 @@ class EngineSettings(_Strict):
     kind: Annotated[str, RegistryName(ENGINES)] = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (or an engine registered in rollout/engines.ENGINES)")
     servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
     launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
-    timeout_s: float = Field(600.0, gt=0, description="sglang: the longest one request may take")
+    timeout_s: float = Field(SGLANG_REQUEST_TIMEOUT_S, gt=0, description="sglang: the longest one request may take")
     lora_sync: Literal["adapter", "merged"] = Field(
         "adapter",
         description="sglang with learner.lora: each version ships as its adapter alone (the servers keep the base model; "

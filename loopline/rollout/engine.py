@@ -23,6 +23,10 @@ TRUNCATED_RENORMALISED = "log_softmax(logits/T) truncated by top_k/top_p and ren
 
 FinishReason = Literal["stop", "length", "abort"]
 InFlightPolicy = Literal["finish", "abort", "continue"]
+# SGLang's: the longest one request may take, and how long a launched server may take to start (one default each
+# for the run config's `engine:` section and the engines).
+SGLANG_REQUEST_TIMEOUT_S = 600.0
+SGLANG_STARTUP_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)

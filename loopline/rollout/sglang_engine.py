@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import httpx
 
 from loopline.rollout.engine import (
+    SGLANG_REQUEST_TIMEOUT_S,
     FULL_VOCAB_TEMPERED,
     TRUNCATED_RENORMALISED,
     ContextOverflow,
@@ -94,7 +95,7 @@ def _same_path(a: str, b: str) -> bool:
 
 class SGLangEngine:
     def __init__(
-        self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = 600.0, initial_path: str | None = None,
+        self, urls: Sequence[str], initial_version: int = 0, timeout_s: float = SGLANG_REQUEST_TIMEOUT_S, initial_path: str | None = None,
         served_layout: Layout | None = None, tag: str | None = None, adapters: bool = False,
     ):
         if not urls:

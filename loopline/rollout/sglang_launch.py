@@ -25,7 +25,7 @@ from typing import Sequence
 import httpx
 
 from loopline.holder import die_with_parent
-from loopline.rollout.engine import EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
+from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
 from loopline.rollout.sglang_engine import SGLangEngine
 from loopline.rollout.weights import read_layout
 from loopline.ports import free_port
@@ -39,7 +39,7 @@ class LaunchPlan:
     args: tuple[str, ...] = ()
     module: str = "sglang.launch_server"
     python: str | None = None
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = SGLANG_STARTUP_TIMEOUT_S
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Server:
 
 class LaunchedSGLang:
     def __init__(
-        self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = 600.0,
+        self, plan: LaunchPlan, log_dir: Path, weights: str, version: int, initial_path: str, timeout_s: float = SGLANG_REQUEST_TIMEOUT_S,
         tag: str | None = None, adapters: bool = False,
     ):
         self.plan = plan
