@@ -26,6 +26,7 @@ from typing import Callable
 
 import pexpect
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "small"
@@ -320,7 +321,10 @@ def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_
 
     name = f"worker-{tmp_path.name[-8:]}".replace("_", "-")
     config = _small_run(tmp_path, steps=1000)
-    config.write_text(config.read_text().replace(f"name: {NAME}", f"name: {name}").replace("mode: sync", "mode: async\nlocal_rollout: false"))
+    data = yaml.safe_load(config.read_text())
+    data["name"] = name
+    data["rollout"].update(mode="async", local_rollout=False)
+    config.write_text(yaml.safe_dump(data))
     env = {**_home_env(tmp_path / "home"), "LOOPLINE_DATABASE_URL": database_url}
 
     def rows(sql: str, **params) -> list:
