@@ -514,7 +514,7 @@ def test_a_step_whose_groups_are_all_stale_or_whose_worker_stopped_says_what_to_
     for k in (1, 2):
         _complete_step(db, run, step=10 + k, tasks=(f"x{k}",), version=k - 1)
         ledger.commit_learner_step(db, ledger.claim_learner_batch(db, run.id, k, max_groups=1), f"w{k}", f"c{k}")
-    with pytest.raises(LooplineError, match=r"older than max_staleness .*raise max_staleness or add rollout workers, then resume"):
+    with pytest.raises(LooplineError, match=r"older than rollout.max_staleness .*raise rollout.max_staleness or add rollout workers, then resume"):
         stages.learn(ctx, 3, max_groups=10, max_staleness=1)
     ledger.plan_step(db, run.id, 30, ["open"], group_size=2)
     with pytest.raises(LooplineError, match=r"rollout worker stopped while groups of step 30 were still open .*train.log.*resume"):
