@@ -51,7 +51,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
             "the others from memory), so a worker in another process could not follow it; start the run with "
             "`rollout: {mode: async, local_rollout: false}`, or set learner.export_every: 1"
         )
-    rollout = config.rollout.model_copy(update={"concurrency": concurrency or config.rollout.concurrency})
+    rollout = config.rollout.model_copy(update={"concurrency": concurrency}) if concurrency else config.rollout
     ctx = stages.RolloutContext(
         run_id=run_id,
         session_factory=parts.session_factory(),

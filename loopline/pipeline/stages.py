@@ -167,7 +167,7 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         sequences = load_sequences(s, batch.trajectory_ids)
         episodes = ledger.rollout_metrics(s, ctx.run_id, batch.trajectory_ids, batch.policy_version)
     if batch.stale_dropped:
-        log.warning("learner step %d: dropped %d groups older than max_staleness", step, batch.stale_dropped)
+        log.warning("learner step %d: dropped %d groups older than rollout.max_staleness", step, batch.stale_dropped)
     side = ctx.learning
     learner = side.at(batch.policy_version, step)
     side.version = None  # from here until the commit lands the weights are no committed version's

@@ -5,7 +5,6 @@ elsewhere registers itself: `@SANDBOX_BACKENDS.register("name")` on an async (sp
 
 from __future__ import annotations
 
-
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.spec import SANDBOX_BACKENDS
 from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox
