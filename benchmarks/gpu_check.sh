@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU readiness, in one prepared script (under 8 minutes on one NVIDIA GPU):
 #   bash benchmarks/gpu_check.sh            (MODEL=DIR to use another model directory; default: SmolLM2-135M-Instruct;
-#                                            DTYPE=fp16 for the fp16 learner with dynamic loss scaling; default bf16)
+#                                            DTYPE=fp16 for the fp16 learner with dynamic loss scaling; default bf16;
+#                                            ENGINE=local to generate with the built-in engine (on the CPU) where
+#                                            SGLang cannot be installed; default sglang)
 # Trains SmolLM2 arithmetic for 2 steps with a launched SGLang server and the DeepSpeed learner in bf16 (or fp16), then
 # prints from the run's ledger: rollout tokens/s, weight-sync seconds, learner seconds, the learner's peak GPU
 # memory against `loopline plan`'s estimate, and the logprob gap between SGLang and the learner (invariant 3).
@@ -17,7 +19,10 @@ DTYPE="${DTYPE:-bf16}"
 [[ "$DTYPE" == bf16 || "$DTYPE" == fp16 ]] || die "DTYPE=$DTYPE: expected bf16 or fp16"
 [[ "$DTYPE" != bf16 ]] || python3 -c "import torch, sys; sys.exit(not torch.cuda.is_bf16_supported())" \
   || die "this GPU has no bf16: run DTYPE=fp16 bash benchmarks/gpu_check.sh"
-python3 -c "import sglang" 2>/dev/null || die "SGLang is not installed in $(command -v python3): pip install 'sglang==0.5.23'"
+ENGINE="${ENGINE:-sglang}"
+[[ "$ENGINE" == sglang || "$ENGINE" == local ]] || die "ENGINE=$ENGINE: expected sglang or local"
+[[ "$ENGINE" != sglang ]] || python3 -c "import sglang" 2>/dev/null \
+  || die "SGLang is not installed in $(command -v python3): pip install 'sglang==0.5.23' (or ENGINE=local)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 export LOOPLINE_HOME="${LOOPLINE_HOME:-$(mktemp -d)}"
@@ -40,15 +45,23 @@ rollout:
   sampling: {temperature: 1.0, max_new_tokens: 48}
 learner: {lr: 3.0e-6, backend: deepspeed, dtype: $DTYPE}
 eval: {every: 2, tasks: 50, temperature: 0.0}
+EOF
+if [[ "$ENGINE" == sglang ]]; then
+  cat >> "$work/run.yaml" <<EOF
 engine:
   kind: sglang
   launch: {replicas: 1, args: [--mem-fraction-static, "0.5"], startup_timeout_s: 300}
 EOF
+else
+  echo "engine: {kind: local}" >> "$work/run.yaml"
+fi
 case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)" in
   *H200*) gpu=h200 ;; *A100*) gpu=a100-80g ;; *L4*) gpu=l4 ;; *) gpu=h100 ;;
 esac
 python3 -m loopline.cli plan "$work/run.yaml" --gpu "$gpu" | tee "$work/plan.txt"
-timeout 420 python3 -m loopline.cli train "$work/run.yaml"
+# (the ledger is read whatever train's status: a run that trained and then failed to exit still has its numbers)
+train_rc=0
+timeout -s "${TRAIN_TIMEOUT_SIGNAL:-TERM}" -k 20 "${TRAIN_TIMEOUT_S:-420}" python3 -m loopline.cli train "$work/run.yaml" || train_rc=$?
 python3 - "$name" "$work/plan.txt" <<'EOF'
 import re, sys
 from loopline.store import views
@@ -68,6 +81,7 @@ for t in timings:
     print(f"step {t['step']}: rollout {t['tokens']} tokens in {t['rollout_s']:.1f} s = {rate:.0f} tokens/s, "
           f"weight sync {t.get('sync_s') or 0:.2f} s, learner {t.get('learner_s') or 0:.2f} s, "
           f"peak GPU {m.get('peak_gpu_gb', float('nan')):.2f} GB (plan: {learner_total.group(1) if learner_total else '?'} learner), "
-          f"|SGLang - learner| logprob {m.get('logprob_abs_diff', float('nan')):.2e} mean over {m.get('logprob_gap_tokens', 0):.0f} tokens"
+          f"|engine - learner| logprob {m.get('logprob_abs_diff', float('nan')):.2e} mean over {m.get('logprob_gap_tokens', 0):.0f} tokens"
           + (f", fp16 overflow-skipped optimizer steps {m['fp16_skipped_steps']:.0f}" if "fp16_skipped_steps" in m else ""))
 EOF
+[[ $train_rc == 0 ]] || die "loopline train exited with status $train_rc (124: still running after TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-420} s)"

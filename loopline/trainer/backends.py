@@ -111,6 +111,16 @@ def init_distributed(backend: str) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     failpoint("deepspeed_start")
     deepspeed.init_distributed(backend)
+    # On an H200 a finished `loopline train` never exited while its NCCL group was left to the interpreter's
+    # teardown (torch 2.11); taken down at exit (before the rendezvous is removed: atexit runs last-in first-out),
+    # it exits. Every rank does it, launched or not.
+    atexit.unregister(_destroy_process_group)  # (once, however many learners this process builds)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 
