@@ -125,7 +125,7 @@ def test_the_example_run_configs_load(name):
 def test_how_a_run_ended_is_told_in_its_status_and_one_line():
     from prefect.exceptions import TerminationSignal
 
-    from loopline.flows.lifecycle import how_it_ended
+    from loopline.pipeline.lifecycle import how_it_ended
 
     assert how_it_ended(None, False) == ("completed", None)
     assert how_it_ended(KeyboardInterrupt(), False)[0] == "interrupted"
@@ -335,7 +335,7 @@ def test_a_bad_run_config_is_one_line_naming_the_file_line_and_field(case, tmp_p
 def test_a_hang_up_is_told_in_the_runs_status():
     import signal
 
-    from loopline.flows.lifecycle import how_it_ended
+    from loopline.pipeline.lifecycle import how_it_ended
 
     assert how_it_ended(SystemExit(128 + signal.SIGHUP), False) == (
         "interrupted", "hung up (SIGHUP: its terminal closed); resume with loopline train --resume RUN"

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from loopline import stop_signals
-from loopline.flows.lifecycle import how_it_ended
+from loopline.pipeline.lifecycle import how_it_ended
 from loopline.tasks.loop import transient, waiting_out_outages
 
 

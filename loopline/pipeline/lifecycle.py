@@ -21,7 +21,6 @@ import threading
 import uuid
 from typing import Callable, Iterator
 
-from prefect.exceptions import TerminationSignal
 from sqlmodel import Session
 
 from loopline import holder, stop_signals
@@ -41,7 +40,8 @@ def how_it_ended(exc: BaseException | None, cancelled: bool) -> tuple[str, str |
     # (a stop signal whose exception was replaced on its way up, by a cleanup that failed, is still a stop)
     if isinstance(exc, KeyboardInterrupt) or stop_signals.received() == signal.SIGINT:
         return "interrupted", "interrupted (Ctrl-C); resume with loopline train --resume RUN"
-    if isinstance(exc, TerminationSignal) or stop_signals.received() == signal.SIGTERM:
+    # (Prefect raises its TerminationSignal, which carries the signal, in a flow that gets SIGTERM)
+    if getattr(exc, "signal", None) == signal.SIGTERM or stop_signals.received() == signal.SIGTERM:
         return "interrupted", "terminated (SIGTERM); resume with loopline train --resume RUN"
     if stop_signals.received() == signal.SIGHUP or (isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGHUP):
         return "interrupted", "hung up (SIGHUP: its terminal closed); resume with loopline train --resume RUN"
