@@ -13,12 +13,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loopline.errors import LooplineError
-from loopline.registry import RegistryName
+from loopline.registry import Registry, RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, InFlightPolicy
 from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+
+TRACKERS: Registry = Registry("tracker", "tracking", ("tensorboard", "mlflow", "wandb", "trackio"))  # (pipeline/tracking.py)
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +228,7 @@ class RunConfig(_Strict):
     learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
     engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
-    tracking: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+    tracking: list[Annotated[str, RegistryName(TRACKERS)]] = Field(
         default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
         "trainer.logger); not part of the run's identity: a resume may change them",
     )

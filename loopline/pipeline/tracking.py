@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from sqlmodel import Session
 
+from loopline.config import TRACKERS
 from loopline.store import queries
 
 log = logging.getLogger(__name__)
@@ -157,9 +158,11 @@ class Trackio:
         self.trackio.finish()
 
 
-TRACKERS: dict[str, Callable[[str, uuid.UUID, Path, dict[str, Any]], Tracker]] = {
-    "tensorboard": TensorBoard, "mlflow": MLflow, "wandb": Wandb, "trackio": Trackio,
-}
+# a tracker is a class (or function) (run name, run id, run directory, config) -> Tracker, registered by name
+# in whatever module defines it; `tracking:` in a run config names it
+for _name, _tracker in {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": Wandb, "trackio": Trackio}.items():
+    TRACKERS.register(_name)(_tracker)
+TRACKERS.check_implemented()
 
 
 STUCK_S = 5.0  # a tracker's call this long at the end of a run is taken as stuck (a server gone): the rest waits

@@ -1,13 +1,14 @@
 """A component registered from outside loopline (this module, as a user's plugin would) is a valid name in a run
 config or env spec, shows in its JSON Schema, and is what runs: a toy advantage estimator, loss aggregation, KL
-estimator and off-policy correction (a learner step here), and a toy engine, sandbox backend and learner backend
-(with the others, a whole training step of the train flow: test_train_flow.py), each touching nothing but its own
-registration."""
+estimator and off-policy correction (a learner step here), and a toy engine, sandbox backend, learner backend and
+tracker (with the others, a whole training step of the train flow: test_train_flow.py), each touching nothing but its
+own registration."""
 
 from __future__ import annotations
 
 import torch
 
+from loopline.config import TRACKERS
 from loopline.envregistry.sandbox.local import LocalSandbox
 from loopline.envregistry.spec import SANDBOX_BACKENDS
 from loopline.rollout.engine_thread import EngineThread
@@ -68,23 +69,40 @@ def _toy_backend(model, optimizer, scheduler, config, device) -> TorchBackend:
     return TorchBackend(model, optimizer, scheduler, config.grad_clip, device)
 
 
+@TRACKERS.register("toy_list")
+class _ToyTracker:
+    def __init__(self, name, run_id, workdir, config):
+        pass
+
+    def log(self, step, metrics):
+        CALLED.add("tracker")
+
+    def artifact(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
 # The run config and env spec a training step of them all takes (test_train_flow.py runs it).
 TOY_LEARNER = {"backend": "toy_torch", "lr": 1e-3, "advantage": {"estimator": "toy_sign"},
                "loss": {"aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
 TOY_ENGINE = {"kind": "toy_local"}
 TOY_SANDBOX = "toy_dir"
+TOY_TRACKING = ["toy_list"]
 
 
 def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step(tiny_dirs):
     from loopline.config import RunConfig, parse_config
 
-    config = parse_config({"name": "toys", "env": "env.yaml", "learner": TOY_LEARNER, "engine": TOY_ENGINE}, "run.yaml")
+    config = parse_config({"name": "toys", "env": "env.yaml", "learner": TOY_LEARNER, "engine": TOY_ENGINE, "tracking": TOY_TRACKING}, "run.yaml")
     assert (config.learner.advantage.estimator, config.learner.loss.correction) == ("toy_sign", "toy_unit")
     schema = RunConfig.model_json_schema()["$defs"]
     assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
     assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
     assert "toy_local" in schema["EngineSettings"]["properties"]["kind"]["enum"] and config.engine.in_process
     assert "toy_torch" in schema["LearnerSettings"]["properties"]["backend"]["enum"]
+    assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["enum"]
 
     learner_config = LearnerConfig(lr=1e-3, micro_batch_tokens=64, advantage=config.learner.advantage, loss=config.learner.loss)
     learner = Learner(tiny_dirs["v0"], learner_config, backend="torch")

@@ -68,8 +68,8 @@ class Hanging(Recording):
 def fakes(monkeypatch):
     Recording.sent = []
     Hanging.release.clear()
-    monkeypatch.setitem(tracking.TRACKERS, "recording", Recording)
-    monkeypatch.setitem(tracking.TRACKERS, "hanging", Hanging)
+    tracking.TRACKERS.register("recording")(Recording)  # as a user's own tracker registers itself
+    tracking.TRACKERS.register("hanging")(Hanging)
     yield
     Hanging.release.set()
 

@@ -196,7 +196,7 @@ def test_a_run_whose_config_was_stored_before_sections_resumes_as_the_same_run(p
 
 
 def test_a_training_step_runs_on_components_registered_outside_loopline(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
-    """Issue 51: an engine, a sandbox backend, a learner backend and the learner's four components, each registered
+    """Issue 51: an engine, a sandbox backend, a learner backend, a tracker and the learner's four components, each registered
     by a test module as a plugin would be (test_toy_components.py), are chosen by the run config and env spec
     and are what a step of `train` runs."""
     from loopline.flows.train import train
@@ -210,9 +210,9 @@ def test_a_training_step_runs_on_components_registered_outside_loopline(prefect_
     toys.CALLED.clear()
     # the shipped starter earns rewards (the estimator sees no group whose rewards are all equal)
     path = _config(tmp_path, STARTER, env=str(tmp_path / "toy_env.yaml"), steps=1, eval={"every": 1, "tasks": 2},
-                   learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE, rollout={"groups_per_step": 4, "sampling": {"max_new_tokens": 48}})
+                   learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE, tracking=toys.TOY_TRACKING, rollout={"groups_per_step": 4, "sampling": {"max_new_tokens": 48}})
     assert train(str(path))["policy_version"] == 1
-    assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "aggregation", "kl", "correction"}
+    assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "aggregation", "kl", "correction", "tracker"}
 
 
 def test_bad_run_configs_are_refused_up_front(tmp_path):
