@@ -17,6 +17,8 @@ import threading
 from types import FrameType
 from typing import Callable, Iterator
 
+from loopline.errors import LooplineError
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a supervisor's stop, the terminal closing
 NAMES = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: its terminal closed)"}
 CLEANUP_S = 10.0  # what a second stop signal leaves the exit handlers (the embedded PostgreSQL's stop) before exiting
@@ -52,6 +54,13 @@ def noted() -> Iterator[None]:
         signal.signal(sig, noting)
     try:
         yield
+    except BaseException as exc:
+        if _received and not _is_the_stop(exc):
+            # what leaves is the stop that was asked, not the error a cleanup raised over it (measured: a SIGTERM
+            # inside SQLAlchemy's pre-ping left the connection busy, the ping's own cleanup raised ProgrammingError,
+            # and Prefect logged that as the flow's failure, with a traceback)
+            raise_if_received()
+        raise
     finally:
         for sig, handler in previous.items():
             if handler is not None:
@@ -72,6 +81,12 @@ def forget() -> None:
 def received() -> int | None:
     """The first stop signal this process got while noting, if any."""
     return _received[0][0] if _received else None
+
+
+def _is_the_stop(exc: BaseException) -> bool:
+    """The stop's own exception (KeyboardInterrupt, Prefect's TerminationSignal, the CLI's SystemExit), or one of
+    loopline's own errors, raised on purpose to say more (another process drives the run now)."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit, LooplineError)) or getattr(exc, "signal", None) is not None
 
 
 def raise_if_received() -> None:

@@ -42,6 +42,11 @@ def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float |
 @flow(name="rollout_worker", **tasks.RESULT)
 def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float | None = None) -> dict:
     """Claim and play `run`'s slots until the run ends; returns what this worker committed."""
+    with stop_signals.noted():  # (from the start: a stop during setup leaves as that stop; no retry once told to stop)
+        return _rollout_worker(run, concurrency, max_seconds)
+
+
+def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None) -> dict:
     log = get_run_logger()
     parts = assembly.open_named_run(run)
     config, run_id = parts.config, parts.run_id
@@ -68,8 +73,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
     log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
         staleness = config.rollout.max_staleness if config.rollout.mode == "async" else 0
-        with stop_signals.noted():  # (no retry once told to stop)
-            stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
+        stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
     finally:
         stop.set()
         follower.join(timeout=10)

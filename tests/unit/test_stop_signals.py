@@ -189,3 +189,23 @@ def test_what_a_stop_leaves_half_built_says_nothing_above_the_one_line(name):
     said = {"INT": "interrupted (Ctrl-C)", "TERM": "terminated (SIGTERM)"}[name]
     assert done.stderr.strip().startswith(said) and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.returncode == 128 + getattr(signal, f"SIG{name}")
+
+
+def test_what_leaves_a_noted_block_after_a_stop_is_the_stop_not_the_error_a_cleanup_raised_over_it(prefect_like_sigterm):
+    """Seen in CI: a SIGTERM inside SQLAlchemy's pre-ping left the connection busy, the ping's cleanup raised
+    ProgrammingError over Prefect's TerminationSignal, and the worker flow failed with that, logged with a traceback."""
+    with pytest.raises(Bridge):
+        with stop_signals.noted():
+            raise _signal_lost_in_a_cleanup(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with stop_signals.noted():
+            raise _signal_lost_in_a_cleanup(signal.SIGINT)
+
+
+def test_loopline_errors_raised_on_purpose_after_a_stop_still_leave_as_they_are(prefect_like_sigterm):
+    from loopline.store.errors import LostTheRun
+
+    with pytest.raises(LostTheRun):  # (the heartbeat's Ctrl-C when another process took the run over, said as that)
+        with stop_signals.noted():
+            _signal_lost_in_a_cleanup(signal.SIGINT)
+            raise LostTheRun("another process drives run r now")
