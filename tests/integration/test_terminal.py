@@ -252,6 +252,20 @@ def _containers() -> list[str]:
 AGAIN = "nothing committed is lost; run the command again"
 
 
+@pytest.fixture(scope="module")
+def prefect_home(trained, tmp_path_factory):
+    """Deployments need a Prefect server that stays up (set in a Prefect profile: these tests' own), started from a
+    terminal that then closes: it must outlive it (it died with it) and not hold it open. One for the deploy cases."""
+    from loopline.ports import free_port
+
+    env = {**_home_env(trained), "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect"))}
+    output, code = pexpect.run(f"{sys.executable} -m loopline.cli server start --port {free_port()}", cwd=str(ROOT), env=env,
+                               encoding="utf-8", timeout=180, withexitstatus=True)
+    assert code == 0, output
+    yield env["PREFECT_HOME"]
+    pexpect.run(f"{sys.executable} -m loopline.cli server stop", cwd=str(ROOT), env=env, timeout=120)
+
+
 @pytest.mark.parametrize(
     "command, at, stop, says",
     [
@@ -274,16 +288,12 @@ AGAIN = "nothing committed is lost; run the command again"
         "envreg-test", "envreg-test-sigterm", "deploy", "deploy-sigterm", "deploy-terminal-closed",
     ],
 )
-def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(trained, tmp_path, command, at, stop, says):
+def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(trained, tmp_path, request, command, at, stop, says):
     from loopline.ports import free_port
 
     env = _home_env(trained)
-    if command.startswith("deploy"):  # deployments need a Prefect server that stays up (set in a Prefect profile: this
-        # test's own), started from a terminal that then closes: it must outlive it (it died with it) and not hold it open
-        env["PREFECT_HOME"] = str(tmp_path / "prefect")
-        output, code = pexpect.run(f"{sys.executable} -m loopline.cli server start --port {free_port()}", cwd=str(ROOT), env=env,
-                                   encoding="utf-8", timeout=180, withexitstatus=True)
-        assert code == 0, output
+    if command.startswith("deploy"):
+        env["PREFECT_HOME"] = request.getfixturevalue("prefect_home")
     containers_before = set(_containers())
     module = "envreg" if command.startswith("envreg ") else "cli"  # (each CLI as its console script runs it)
     port = free_port()
@@ -301,8 +311,6 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
         if child.ptyproc.isalive():
             child.ptyproc.kill(signal.SIGKILL)
         child.logfile_read.close()
-        if command.startswith("deploy"):
-            pexpect.run(f"{sys.executable} -m loopline.cli server stop", cwd=str(ROOT), env=env, timeout=120)
     assert _processes(f"{trained}/pgdata") == [] and _processes(f"--server.port {port}") == []
     assert set(_containers()) <= containers_before  # (the sandbox being created as Ctrl-C came: removed too)
     assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
