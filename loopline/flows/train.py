@@ -45,6 +45,7 @@ from loopline.trainer.checkpoint import clean_partial_writes, clean_unnamed_writ
 
 log = logging.getLogger(__name__)
 
+
 class Evaluations:
     """A training run's held-out evaluations: every version the config schedules, once, including those a crash
     between a learner commit and its evaluation left owed."""
