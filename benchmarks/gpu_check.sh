@@ -3,10 +3,11 @@
 #   bash benchmarks/gpu_check.sh            (MODEL=DIR to use another model directory; default: SmolLM2-135M-Instruct;
 #                                            DTYPE=fp16 for the fp16 learner with dynamic loss scaling; default bf16;
 #                                            ENGINE=local to generate with the built-in engine (on the CPU) where
-#                                            SGLang cannot be installed; default sglang)
+#                                            SGLang cannot be installed; default sglang; TRAIN_TIMEOUT_S=N bounds
+#                                            the training run, default 420)
 # Trains SmolLM2 arithmetic for 2 steps with a launched SGLang server and the DeepSpeed learner in bf16 (or fp16), then
 # prints from the run's ledger: rollout tokens/s, weight-sync seconds, learner seconds, the learner's peak GPU
-# memory against `loopline plan`'s estimate, and the logprob gap between SGLang and the learner (invariant 3).
+# memory against `loopline plan`'s estimate, and the logprob gap between the engine and the learner (invariant 3).
 # What it needs is checked first; on a machine without it (a CPU machine) it stops with one line saying what.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ esac
 python3 -m loopline.cli plan "$work/run.yaml" --gpu "$gpu" | tee "$work/plan.txt"
 # (the ledger is read whatever train's status: a run that trained and then failed to exit still has its numbers)
 train_rc=0
-timeout -s "${TRAIN_TIMEOUT_SIGNAL:-TERM}" -k 20 "${TRAIN_TIMEOUT_S:-420}" python3 -m loopline.cli train "$work/run.yaml" || train_rc=$?
+timeout -k 20 "${TRAIN_TIMEOUT_S:-420}" python3 -m loopline.cli train "$work/run.yaml" || train_rc=$?
 python3 - "$name" "$work/plan.txt" <<'EOF'
 import re, sys
 from loopline.store import views
