@@ -201,15 +201,22 @@ def export(
 ) -> None:
     """Write a policy version of RUN as a plain Hugging Face model directory (safetensors and tokenizer),
     checked against the sha256 its commit recorded."""
+    from loopline.pipeline.assembly import weight_store
+    from loopline.rollout.weight_store import WeightsUnavailable
     from loopline.store import ledger
     from loopline.trainer.checkpoint import weights_sha256
 
-    with store_db.session(migrate.open_ledger()) as s:
+    database = migrate.open_ledger()
+    with store_db.session(database) as s:
         found = ledger.get_run(s, run)
         name, run_id = found.name, found.id  # (the reads below end their transactions)
         weights = ledger.version_weights(s, run_id, version)
         on_disk = ledger.exported_versions(s, run_id)
-    if weights.uri is None or not Path(weights.uri).is_dir():
+    try:
+        source = weight_store(name, database).local(weights.uri) if weights.uri is not None else None
+    except WeightsUnavailable:
+        source = None
+    if source is None:
         raise LooplineError(
             f"run {name} v{weights.version} was never written to disk or was pruned (learner.export_every, keep_exports); "
             f"versions on disk: {', '.join(f'v{v}' for v in on_disk) or 'none'}"
@@ -219,7 +226,7 @@ def export(
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        shutil.copytree(weights.uri, staging)
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".complete"))
     except OSError as exc:  # (under a regular file, in /proc, a full or read-only disk: was a traceback)
         shutil.rmtree(staging, ignore_errors=True)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:200]

@@ -176,6 +176,27 @@ class ChatTurn(_Strict):
     content: str = Field(description="what is said, as the chat template renders it")
 
 
+class WeightsSettings(_Strict):
+    """How each version's weights reach the hosts that load them (rollout workers, the hosts of SGLang servers).
+    Not part of the run's identity: a resume may change it (versions published before keep their URIs)."""
+
+    store: str = Field(
+        "trainer", description="trainer: the trainer's host serves them over HTTP (its address and a per-run token are in the "
+        "ledger); file:///DIR: a filesystem every host mounts at DIR; s3://BUCKET/PREFIX or another fsspec URL: an object store",
+    )
+    advertise: str | None = Field(None, description="the address other hosts reach the trainer's weight server at; default: this host's address on its route to the ledger")
+    port: int = Field(0, ge=0, le=65535, description="the trainer's weight server's port; 0: a free one (the ledger records it)")
+
+    @field_validator("store")
+    @classmethod
+    def _a_store(cls, value: str) -> str:
+        if value != "trainer" and "://" not in value:
+            raise ValueError(f"{value!r}: use trainer, file:///A/SHARED/DIR, or an object store URL such as s3://BUCKET/PREFIX")
+        if value.startswith("file://") and not value.removeprefix("file://").startswith("/"):
+            raise ValueError(f"{value!r}: a file:// store needs an absolute path (file:///mnt/shared/loopline)")
+        return value
+
+
 class RolloutSettings(_Strict):
     """How the learner's batches are generated: their size, the loop's shape, what a failed episode costs."""
 
@@ -228,6 +249,7 @@ class RunConfig(_Strict):
     learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
     engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
+    weights: WeightsSettings = Field(WeightsSettings(), description="how each version's weights reach other hosts")
     tracking: list[Annotated[str, RegistryName(TRACKERS)]] = Field(
         default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
         "trainer.logger); not part of the run's identity: a resume may change them",

@@ -36,6 +36,7 @@ from loopline.store import ledger, migrate, queries
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.store.errors import LedgerConflict
+from loopline.store.uris import path_on_publisher
 from loopline.tasks import loop as tasks
 from loopline.pipeline import stages
 from loopline.pipeline.learner_side import LearnerSide
@@ -154,15 +155,16 @@ def _same_config(stored: dict, config: RunConfig) -> bool:
         stored_config = parse_config({k: v for k, v in stored.items() if k != FORKED_FROM}, "stored")
     except LooplineError:  # a field it has that this loopline no longer knows: another config
         return False
-    return stored_config.model_copy(update={"tracking": config.tracking}) == config  # (trackers are not the run's identity)
+    # (trackers and the way weights travel are not the run's identity)
+    return stored_config.model_copy(update={"tracking": config.tracking, "weights": config.weights}) == config
 
 
-def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None):
+def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None, database):
     """Create or continue the run; a changed config is refused unless `fork` names a new run. Returns the run,
     its config and the stored config to write once this process drives it (None: as stored): a trainer refused
-    because another drives the run must not have rewritten it."""
+    because another drives the run must not have rewritten it. A new run's version 0 is `policy`, published."""
     try:
-        return ledger.create_run(s, config.name, pinned, str(policy)), config, None
+        return ledger.create_run(s, config.name, pinned, assembly.weight_store(config.name, database, config.weights.store).publish(policy)), config, None
     except LedgerConflict:
         run = ledger.get_run(s, config.name)
         if _same_config(run.config, config):  # stored by an older loopline (without the fields added since), or a fork's
@@ -176,7 +178,8 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
     start = ledger.version_weights(s, parent, ledger.exported_versions(s, parent)[-1])  # the newest version on disk
     forked = config.model_copy(update={"name": fork})
     stored = {**pinned, "name": fork, FORKED_FROM: {"run": config.name, "policy_version": start.version}}
-    return ledger.create_run(s, fork, stored, start.uri), forked, None
+    start_here = assembly.weight_store(config.name, database).local(start.uri)
+    return ledger.create_run(s, fork, stored, assembly.weight_store(fork, database, config.weights.store).publish(start_here)), forked, None
 
 
 def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork: str | None = None) -> PreparedRun:
@@ -199,19 +202,22 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
     with store_db.session(database) as s:
-        run, config, restated = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork)
+        run, config, restated = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork, database)
         run_id = run.id
     lifecycle.enter_context(lifecycle_.driving(lambda: store_db.session(database), run_id))  # (refuses a second live trainer)
     with store_db.session(database) as s:
         if restated is not None:
             ledger.restate_config(s, run_id, restated)
         ledger.set_run_plan(s, run_id, memory.as_dict())
-    parts = assembly.open_run(config, run_id, database)
+    store = assembly.weight_store(config.name, database, config.weights.store)
+    if config.weights.store == "trainer":
+        lifecycle.enter_context(assembly.serving_weights(config, run_id, database, store))
+    parts = assembly.open_run(config, run_id, database, store)
     workdir = parts.workdir()
     for path in clean_partial_writes(workdir):
         get_run_logger().info("removed %s, half-written by a process that is gone", path)
     with store_db.session(database) as s:
-        named = ledger.named_files(s, run_id)
+        named = {path_on_publisher(uri) for uri in ledger.named_files(s, run_id)}
     for path in clean_unnamed_writes(workdir, named):
         get_run_logger().info("removed %s, written by a process that is gone and named by no commit", path)
     lifecycle.callback(_remove_own_unnamed_writes, database, run_id, workdir)  # (runs before `driving` records the end)
@@ -228,9 +234,10 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
         binding=assembly.build_binding(parts),
         learning=LearnerSide.for_run(
             config, learner, workdir, state.policy_version, state.last_checkpoint.uri if state.last_checkpoint else "",
-            restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step),
+            restore=lambda checkpoint, step: assembly.resume_learner(parts, checkpoint or None, step), publish=store.publish,
         ),
         driver=holder.this_process(),  # as `lifecycle.driving` recorded it
+        weights=store,
     )
     return PreparedRun(parts, ctx, state.next_learner_step)
 
@@ -241,7 +248,7 @@ def _remove_own_unnamed_writes(database, run_id, workdir: Path) -> None:
     the next start, which removes a gone writer's."""
     try:
         with store_db.session(database) as s:
-            named = ledger.named_files(s, run_id)
+            named = {path_on_publisher(uri) for uri in ledger.named_files(s, run_id)}
     except Exception as exc:
         log.warning("could not read which files run %s's commits name (%s); the next start removes this process's others", run_id, exc)
         return
@@ -312,7 +319,7 @@ def _summary(ctx: LoopContext, config: RunConfig, trackers: Trackers) -> dict:
     if trackers.active:  # the newest model on disk, for the trackers that keep artifacts
         with ctx.session_factory() as s:
             newest = ledger.version_weights(s, ctx.run_id, ledger.exported_versions(s, ctx.run_id)[-1])
-        trackers.artifact(Path(newest.uri))
+        trackers.artifact(ctx.weights.local(newest.uri))
     return {"run": config.name, "run_id": str(ctx.run_id), "policy_version": ctx.engine.version(), "eval": history}
 
 

@@ -64,6 +64,7 @@ def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None
         binding=assembly.build_binding(parts),
         rollout=rollout,
         adapters=config.syncs_adapters,
+        weights=parts.weights,
     )
     stop = threading.Event()
     deadline = time.monotonic() + max_seconds if max_seconds else None

@@ -8,17 +8,19 @@ initial policy, the sampling settings and the engine the config names.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from sqlalchemy.engine import Engine as Database
 from sqlmodel import Session
 
+from loopline import holder
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
@@ -32,9 +34,12 @@ from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineRequest
 from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import Binding
+from loopline.rollout.weight_server import WeightServer, address_toward
+from loopline.rollout.weight_store import WeightStore
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
+from loopline.store.uris import TRAINER, WeightsURI
 from loopline.pipeline import stages
 from loopline.trainer import ranks
 from loopline.trainer.config import LoraConfig
@@ -90,8 +95,9 @@ class RunParts:
     env_version: int
     spec: EnvSpec
     tasks: list[Task]
-    initial: Path  # version 0's weights: the tokenizer and the served model's tensor layout come from here
+    initial: Path  # version 0's weights on this host: the tokenizer and the served model's tensor layout come from here
     state: ResumeState
+    weights: WeightStore  # every version's URI to a directory on this host (fetched from the trainer when it must be)
 
     def session(self) -> Session:
         """A session on the run's ledger (use as `with parts.session() as s`)."""
@@ -115,15 +121,52 @@ class RunParts:
         return store_db.loopline_home() / "runs" / self.config.name
 
 
-def open_run(config: RunConfig, run_id: uuid.UUID, database: Database | None = None) -> RunParts:
-    """The parts of a run that exists in the ledger (its environment is the registered version it pinned)."""
+def weight_store(run: str, database: Database, store: str = TRAINER) -> WeightStore:
+    """This process's way to run `run`'s weights: published to `store` (the config's `weights.store`), fetched into
+    this host's cache (LOOPLINE_HOME/cache/weights) from wherever each URI says."""
+
+    def lookup(run: str) -> tuple[str, str] | None:
+        with store_db.session(database) as s:
+            return ledger.weight_server(s, run)
+
+    return WeightStore(run, store_db.loopline_home() / "cache" / "weights", lookup, store=store)
+
+
+@contextlib.contextmanager
+def serving_weights(config: RunConfig, run_id: uuid.UUID, database: Database, weights: WeightStore) -> Iterator[WeightServer]:
+    """The run's weight server, for as long as this process drives the run: the directories the run's versions
+    name (and every one `weights` publishes from now on), to holders of the token recorded in the ledger."""
+
+    def published() -> list[Path]:
+        with store_db.session(database) as s:
+            uris = ledger.published_uris(s, run_id) + [ledger.initial_weights(s, run_id)]
+        return [Path(u.path) for u in map(WeightsURI.parse, uris) if u.scheme == TRAINER and u.run == config.name]
+
+    host = config.weights.advertise or address_toward(database.url.host or "127.0.0.1")
+    server = WeightServer(host, config.weights.port, published).start()
+    weights.serve = server.allow
+    try:
+        with store_db.session(database) as s:
+            ledger.record_weight_server(s, run_id, server.url, server.token, holder.this_process())
+        log.info("run %s: serving its weights to other hosts at %s", config.name, server.url)
+        yield server
+    finally:
+        weights.serve = None
+        server.stop()
+
+
+def open_run(config: RunConfig, run_id: uuid.UUID, database: Database | None = None, weights: WeightStore | None = None) -> RunParts:
+    """The parts of a run that exists in the ledger (its environment is the registered version it pinned); its
+    version 0 is fetched to this host if it is not here."""
     database = database or migrate.open_ledger()
     with store_db.session(database) as s:
         row = registry.get(s, config.env)
         env = (row.name, row.version, registry.spec_of(row), registry.tasks_of(row))  # before a rollback expires the row
         state = ledger.resume_state(s, run_id)
-        initial = Path(ledger.initial_weights(s, run_id))
-    return RunParts(config, database, run_id, *env, initial, state)
+        initial_uri = ledger.initial_weights(s, run_id)
+    weights = weights or weight_store(config.name, database, config.weights.store)
+    weights.pinned.add(initial_uri)
+    return RunParts(config, database, run_id, *env, weights.local(initial_uri), state, weights)
 
 
 def open_named_run(run: str) -> RunParts:
@@ -167,10 +210,10 @@ def build_engine(
 
 
 def build_run_engine(parts: RunParts, weights: str, version: int, concurrency: int | None = None, adapters: bool = False) -> EngineThread:
-    """The run's engine serving `version` from `weights`; `adapters` (a LoRA run's rollouts on SGLang, not an
+    """The run's engine serving `version` from `weights` (its URI); `adapters` (a LoRA run's rollouts on SGLang, not an
     evaluation of an exported version): the servers keep the base and load adapters from the ledger."""
     return build_engine(
-        parts.config.engine, weights, version, parts.initial, concurrency or parts.config.rollout.concurrency, parts.workdir() / "sglang",
+        parts.config.engine, str(parts.weights.local(weights)), version, parts.initial, concurrency or parts.config.rollout.concurrency, parts.workdir() / "sglang",
         tag=parts.run_id.hex[:8], lora=parts.config.learner.lora if adapters and parts.config.syncs_adapters else None,
     )
 
@@ -179,9 +222,10 @@ def export_restored(parts: RunParts, learner: Learner, version: int) -> str:
     """Export `version`, which its commit did not write to disk, from the learner restored to it (checkpoint
     plus replay; `resume_learner` checked and recorded its digest), and record where it is."""
     target = learner.export_weights(parts.workdir() / "weights" / f"v{version:06d}.{os.getpid()}")  # (its own: see stages.learn)
+    uri = parts.weights.publish(target)
     with parts.session() as s:
-        ledger.record_export(s, parts.run_id, version, str(target))
-    return str(target)
+        ledger.record_export(s, parts.run_id, version, uri)
+    return uri
 
 
 def build_learner(parts: RunParts) -> Learner | None:

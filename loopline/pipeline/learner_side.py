@@ -64,18 +64,21 @@ class LearnerSide:
     export_version: Callable[[int], bool] = field(default=lambda version: True)
     sync_from_memory: bool = False
     adapters: bool = False  # write each version's adapter (LoRA on SGLang)
+    # A directory this learner wrote -> the URI its commit names (`weights.store`: the trainer serves it, or a
+    # shared filesystem or object store holds a copy); a bare path where nothing else loads the run's weights.
+    publish: Callable[[Path], str] = str
 
     @classmethod
     def for_run(
         cls, config: RunConfig, learner: Learner | None, workdir: Path, version: int, checkpoint_uri: str,
-        restore: Callable[[str, int], Learner],
+        restore: Callable[[str, int], Learner], publish: Callable[[Path], str],
     ) -> "LearnerSide":
         """The learner side of a run: what to keep, write and sync as its config says, around the live state."""
         return cls(
             learner=learner, workdir=workdir, version=version, restore=restore, checkpoint_uri=checkpoint_uri,
             settings=config.learner, last_step=config.steps,
             keep_version=config.evaluates, export_version=config.exports,
-            sync_from_memory=config.engine.in_process, adapters=config.syncs_adapters,
+            sync_from_memory=config.engine.in_process, adapters=config.syncs_adapters, publish=publish,
         )
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:

@@ -36,6 +36,7 @@ from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineClosed, EngineError, SamplingParams
 from loopline.rollout.harness import EpisodeSetup, run_episode
 from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
+from loopline.rollout.weight_store import WeightStore
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit
@@ -60,6 +61,8 @@ class RolloutContext:
     adapters: bool = False
     # Set while an evaluation runs on this context's engine: the rollout worker starts no new episode meanwhile.
     evaluating: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # The ledger's weight URIs to directories on this host (fetched from the trainer, or an object store, when not here).
+    weights: WeightStore = dataclasses.field(default_factory=WeightStore.plain)
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
         """`version`'s weights when this process holds them in memory; None: the engine loads them from disk."""
@@ -79,12 +82,12 @@ class LoopContext(RolloutContext):
     @classmethod
     def for_run(
         cls, config: RunConfig, run_id: uuid.UUID, session_factory: Callable[[], Session], engine: Engine, binding: Binding,
-        learning: LearnerSide, driver: str | None,
+        learning: LearnerSide, driver: str | None, weights: WeightStore,
     ) -> "LoopContext":
         """A run's loop: its sizes and policies as its config says, around the live handles."""
         return cls(
             run_id=run_id, session_factory=session_factory, engine=engine, binding=binding, learning=learning, driver=driver,
-            rollout=config.rollout, seed=config.seed, adapters=config.syncs_adapters,
+            rollout=config.rollout, seed=config.seed, adapters=config.syncs_adapters, weights=weights,
         )
 
     def held_weights(self, version: int) -> Mapping[str, torch.Tensor] | None:
@@ -191,11 +194,11 @@ def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | Non
         **result.metrics, "learner_s": learner_s, **batch_metrics(sequences, learner_s), **episodes, **written.timings, **peak,
         "groups_stale_dropped": batch.stale_dropped,
     }
-    uri = lambda path: str(path) if path else None  # noqa: E731
+    uri = lambda path: side.publish(path) if path else None  # noqa: E731
     try:
         with ctx.session_factory() as s:
             committed = ledger.commit_learner_step(
-                s, batch, uri(written.weights), uri(written.checkpoint), written.sha256, metrics=metrics, samples=result.samples,
+                s, batch, uri(written.weights), str(written.checkpoint) if written.checkpoint else None, written.sha256, metrics=metrics, samples=result.samples,
                 driver=ctx.driver, adapter_uri=uri(written.adapter),
             )
     except LostTheRun:  # (only a commit that lands names what the step wrote)
@@ -232,26 +235,28 @@ async def sync_weights(ctx: RolloutContext) -> int:
     timings = None
     if ctx.engine.version() < newest.version:
         started = time.monotonic()
-        if ctx.adapters:
-            weights = newest.adapter_uri
-            if weights is None:
-                raise LooplineError(
-                    f"v{newest.version} was committed without its LoRA adapter (by a loopline before adapter sync, or with "
-                    "engine.lora_sync: merged); resume with the config the run was started with"
-                )
-        else:
-            weights = ctx.held_weights(newest.version) or newest.uri
-        if weights is None:
+        uri = newest.adapter_uri if ctx.adapters else newest.uri
+        if ctx.adapters and uri is None:
+            raise LooplineError(
+                f"v{newest.version} was committed without its LoRA adapter (by a loopline before adapter sync, or with "
+                "engine.lora_sync: merged); resume with the config the run was started with"
+            )
+        held = None if ctx.adapters else ctx.held_weights(newest.version)
+        if held is None and uri is None:
             raise LooplineError(
                 f"v{newest.version} was committed without an export and this process does not hold it; "
                 "a process other than the learner needs learner.export_every: 1"
             )
+        # (a URI is fetched to this host when its directory is not here, and checked against its digest)
+        weights: Mapping[str, torch.Tensor] | str = held if held is not None else str(ctx.weights.local(uri or ""))
         timings = dict(await ctx.engine.update_weights(newest.version, weights, ctx.rollout.in_flight) or {})
         timings["total_s"] = time.monotonic() - started
         failpoint("weight_sync")
     with ctx.session_factory() as s:
         ledger.mark_published(s, ctx.run_id, newest.version, timings)
     _record_servers(ctx)
+    if timings is not None:  # (the versions before it are of no use to this host's engine any more)
+        ctx.weights.evict({u for u in (newest.uri, newest.adapter_uri) if u})
     return newest.version
 
 

@@ -40,14 +40,17 @@ from loopline.store.versions import (
     mark_published,
     named_files,
     owed_evaluations,
+    published_uris,
     rebuilt_digests,
     record_eval_result,
     record_export,
     record_rebuild,
     record_served,
+    record_weight_server,
     release_servers,
     serving_servers,
     version_weights,
+    weight_server,
 )
 from loopline.store.resume import consumed_trajectory_ids, resume_state
 from loopline.store.slots import (
@@ -106,6 +109,9 @@ __all__ = [
     "expire_leases",
     "exported_versions",
     "named_files",
+    "published_uris",
+    "record_weight_server",
+    "weight_server",
     "fail_attempt",
     "get_run",
     "group_id_for",

@@ -165,6 +165,21 @@ class EngineServer(SQLModel, table=True):
     released_at: datetime | None = _timestamp()
 
 
+class WeightServer(SQLModel, table=True):
+    """Where the run's trainer serves the weights it publishes as `trainer://` URIs, and the token a host presents
+    to fetch them (rollout/weight_server.py). Replaced by each trainer process that drives the run."""
+
+    __tablename__ = "weight_server"
+
+    run_id: uuid.UUID = Field(
+        sa_column=Column(UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    )
+    url: str = Field(sa_column=Column(Text, nullable=False))
+    token: str = Field(sa_column=Column(Text, nullable=False))
+    holder: str = Field(sa_column=Column(Text, nullable=False))  # host:pid:start of the trainer serving
+    started_at: datetime | None = _created_at()
+
+
 class WeightRebuild(SQLModel, table=True):
     """A version's weights rebuilt (last checkpoint + the recorded batches replayed) that did not match the
     sha256 its commit recorded. The run continues from the rebuilt weights: later versions descend from

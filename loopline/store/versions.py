@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from psycopg.types.json import Jsonb
@@ -14,6 +13,7 @@ from sqlmodel import Session
 from loopline.errors import LooplineError
 from loopline.store._sql import first_row, q, rows, scalar, transaction
 from loopline.store.commits import write_eval_episodes
+from loopline.store.uris import TRAINER, WeightsURI
 from loopline.types import TrajectoryRecord
 
 
@@ -79,10 +79,10 @@ def named_files(session: Session, run_id: uuid.UUID) -> set[str]:
 
 
 def exported_versions(session: Session, run_id: uuid.UUID) -> list[int]:
-    """The versions whose weights are on disk (what a process other than the learner can load): written, and not
-    deleted since by the learner's pruning (`learner.keep_exports`)."""
+    """The versions whose weights can be had (what a process other than the learner can load): written, and not
+    deleted since by the learner's pruning (`learner.keep_exports`); a trainer's own are checked on this host."""
     rows = q(session, "SELECT version, weights_uri FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL ORDER BY version", r=run_id)
-    versions = [version for version, uri in rows if "://" in uri or Path(uri).is_dir()]
+    versions = [version for version, uri in rows if (u := WeightsURI.parse(uri)).on_this_host() or u.scheme not in ("", TRAINER, "file")]
     session.rollback()
     return versions
 
@@ -159,6 +159,34 @@ def mark_published(session: Session, run_id: uuid.UUID, version: int, timings: d
             v=version,
             t=Jsonb(timings or {}),
         )
+
+
+def record_weight_server(session: Session, run_id: uuid.UUID, url: str, token: str, holder: str) -> None:
+    """The trainer `holder` serves the run's `trainer://` weights at `url` to holders of `token` (from now on)."""
+    with transaction(session):
+        q(
+            session,
+            "INSERT INTO weight_server (run_id, url, token, holder) VALUES (:r, :u, :t, :h) "
+            "ON CONFLICT (run_id) DO UPDATE SET url = :u, token = :t, holder = :h, started_at = now()",
+            r=run_id, u=url, t=token, h=holder,
+        )
+
+
+def weight_server(session: Session, run: str) -> tuple[str, str] | None:
+    """(url, token) of the weight server of the run named `run`, as its newest trainer recorded it."""
+    row = first_row(session, "SELECT w.url, w.token FROM weight_server w JOIN run ON run.id = w.run_id WHERE run.name = :n", n=run)
+    return (row.url, row.token) if row else None
+
+
+def published_uris(session: Session, run_id: uuid.UUID) -> list[str]:
+    """Every weights and adapter URI the run's versions name (what its weight server may hand out)."""
+    found = rows(
+        session,
+        "SELECT weights_uri FROM policy_version WHERE run_id = :r AND weights_uri IS NOT NULL "
+        "UNION SELECT adapter_uri FROM policy_version WHERE run_id = :r AND adapter_uri IS NOT NULL",
+        r=run_id,
+    )
+    return [row[0] for row in found]
 
 
 def record_served(session: Session, run_id: uuid.UUID, holder: str, urls: list[str], version: int) -> None:

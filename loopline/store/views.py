@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from loopline.store.commits import StoredPromptBroken, whole_prompts
 from loopline.store.nul import restored
 from loopline.store.queries import run_lease, shown_status
+from loopline.store.uris import path_on_publisher
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,9 @@ def engine_servers(conn: sa.Connection, run: uuid.UUID) -> Table:
 
 
 def initial_weights(conn: sa.Connection, run: uuid.UUID) -> str | None:
+    """Where version 0 is on the trainer's host (its tokenizer decodes the run's tokens)."""
     row = _one(conn, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run)
-    return row["weights_uri"] if row else None
+    return path_on_publisher(row["weights_uri"]) if row else None
 
 
 def run_config(conn: sa.Connection, run: uuid.UUID) -> dict:
