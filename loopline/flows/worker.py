@@ -9,6 +9,7 @@ interrupted run may be resumed, so its workers go on with the slots it planned.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -22,21 +23,48 @@ from loopline import aio, holder, stop_signals
 from loopline.errors import LooplineError
 from loopline.pipeline import assembly
 from loopline.store import ledger
+from loopline.store.errors import is_outage
 from loopline.tasks import loop as tasks
 from loopline.pipeline import stages
 
+log = logging.getLogger(__name__)
 DEPLOYMENT = "rollout_worker/loopline-rollout-worker"  # `loopline deploy` registers it under this name
 
 
-def _follow(ctx: stages.RolloutContext, stop: threading.Event, deadline: float | None, poll_s: float = 1.0) -> None:
-    """Serve each new version the learner commits; raise `stop` when the run has ended."""
-    while not stop.wait(poll_s):
-        with ctx.session_factory() as s:
-            status = ledger.get_run(s, ctx.run_id).status
-        if status in ("completed", "failed", "cancelled") or (deadline is not None and time.monotonic() > deadline):
-            stop.set()
-            return
-        aio.run(stages.sync_weights(ctx))
+class Follower(threading.Thread):
+    """Serves each new version the learner commits, and sets `stop` when the worker must end: the run ended or was
+    asked to cancel, `deadline` passed, or a version cannot be had (`failure` says why; the worker never goes on
+    generating with a version the run can no longer use). A ledger outage is ridden out as long as the worker's
+    tasks ride one out (LOOPLINE_RETRY_S); past that it is a failure too."""
+
+    def __init__(self, ctx: stages.RolloutContext, stop: threading.Event, deadline: float | None, poll_s: float = 1.0):
+        super().__init__(name="loopline-follow", daemon=True)
+        self.ctx, self.stop, self.deadline, self.poll_s = ctx, stop, deadline, poll_s
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        outage_since: float | None = None
+        while not self.stop.wait(self.poll_s):
+            try:
+                if self._run_is_over():
+                    break
+                aio.run(stages.sync_weights(self.ctx))
+                outage_since = None
+            except Exception as exc:
+                if is_outage(exc) and time.monotonic() - (outage_since or time.monotonic()) < sum(tasks.RETRY_DELAYS):
+                    if outage_since is None:
+                        log.warning("the ledger is unreachable (%s); the worker keeps its version until it is back", type(exc).__name__)
+                    outage_since = outage_since or time.monotonic()
+                    continue
+                self.failure = exc
+                break
+        self.stop.set()
+
+    def _run_is_over(self) -> bool:
+        with self.ctx.session_factory() as s:
+            run = ledger.get_run(s, self.ctx.run_id)
+        over = run.status in ("completed", "failed", "cancelled") or run.cancel_requested_at is not None
+        return over or (self.deadline is not None and time.monotonic() > self.deadline)
 
 
 @flow(name="rollout_worker", **tasks.RESULT)
@@ -47,7 +75,7 @@ def rollout_worker(run: str, concurrency: int | None = None, max_seconds: float 
 
 
 def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None) -> dict:
-    log = get_run_logger()
+    logger = get_run_logger()
     parts = assembly.open_named_run(run)
     config, run_id = parts.config, parts.run_id
     if config.exports_every != 1:
@@ -67,11 +95,10 @@ def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None
         weights=parts.weights,
     )
     stop = threading.Event()
-    deadline = time.monotonic() + max_seconds if max_seconds else None
-    follower = threading.Thread(target=_follow, args=(ctx, stop, deadline), name="loopline-follow", daemon=True)
+    follower = Follower(ctx, stop, time.monotonic() + max_seconds if max_seconds else None)
     follower.start()
     name = holder.this_process()
-    log.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
+    logger.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
         staleness = config.rollout.max_staleness if config.rollout.mode == "async" else 0
         stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
@@ -80,7 +107,11 @@ def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None
         follower.join(timeout=10)
         ctx.engine.shutdown()
         stages.release_servers(ctx)
-    log.info("worker %s: %d trajectories committed, %d infra failures", name, stats["committed"], stats["infra_failed"])
+    if follower.failure is not None:
+        failure = follower.failure
+        reason = str(failure).splitlines()[0] if str(failure) else type(failure).__name__
+        raise LooplineError(f"worker {name} stopped following run {config.name}: {reason}") from failure
+    logger.info("worker %s: %d trajectories committed, %d infra failures", name, stats["committed"], stats["infra_failed"])
     return stats
 
 
@@ -141,9 +172,10 @@ class DeployedWorkers:
         for i, state in enumerate(states):
             if state is None or not state.is_final():
                 continue
+            why = f"{state.name}: {state.message.splitlines()[0]}" if state.message else state.name
             if self.resubmits >= self.max_resubmits:
-                raise LooplineError(f"run {self.run}: rollout worker flow runs ended {self.resubmits + 1} times ({state.name}); giving up")
-            get_run_logger().warning("rollout worker flow run %s ended (%s) while run %s trains; submitting another", self.flow_runs[i], state.name, self.run)
+                raise LooplineError(f"run {self.run}: rollout worker flow runs ended {self.resubmits + 1} times (the last {why}); giving up")
+            get_run_logger().warning("rollout worker flow run %s ended (%s) while run %s trains; submitting another", self.flow_runs[i], why, self.run)
             self.flow_runs[i] = self._submit()
             self.resubmits += 1
         return True

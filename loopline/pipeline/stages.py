@@ -127,23 +127,51 @@ async def rollout_continuous(
     return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop, paused=ctx.evaluating.is_set)
 
 
-def wait_for_groups(ctx: LoopContext, step: int, producing: Callable[[], bool] | None = None, poll_s: float = 0.2) -> float:
+STALL_REPORT_S = 120.0  # a learner waiting this long without a group completing says why, and again as long again
+
+
+def wait_for_groups(
+    ctx: LoopContext, step: int, producing: Callable[[], bool] | None = None, poll_s: float = 0.2, stall_report_s: float = STALL_REPORT_S,
+) -> float:
     """Block until no train group of steps <= `step` is still open; returns the seconds waited.
 
-    `producing` says whether a rollout worker is still alive; without one (workers on other
-    machines) the wait is unbounded.
+    `producing` says whether a rollout worker is still alive; without one (workers on other machines) the wait
+    is unbounded, but not silent: every `stall_report_s` without a group completing it names the engines and the
+    versions they serve against the version the step's slots need.
     """
-    started = time.monotonic()
+    started = changed = reported = time.monotonic()
+    before = None
     while True:
         with ctx.session_factory() as s:
-            if ledger.open_groups_through(s, ctx.run_id, step) == 0:
-                return time.monotonic() - started
+            still_open = ledger.open_groups_through(s, ctx.run_id, step)
+        now = time.monotonic()
+        if still_open == 0:
+            return now - started
+        if still_open != before:
+            before, changed = still_open, now
+        elif now - changed >= stall_report_s and now - reported >= stall_report_s:
+            reported = now
+            log.warning(_stalled(ctx, step, still_open, now - changed))
         if producing is not None and not producing():
             raise LooplineError(
                 f"the local rollout worker stopped while groups of step {step} were still open (why is in the run's "
                 "train.log); fix that, then resume (loopline train --resume RUN)"
             )
         time.sleep(poll_s)
+
+
+def _stalled(ctx: LoopContext, step: int, still_open: int, for_s: float) -> str:
+    """Why the learner waits: which engine serves which version, against what the step's slots need."""
+    needs = step - 1 - ctx.rollout.max_staleness
+    servers = read(ctx, ledger.serving_servers)
+    engines = [f"{syncer} serves v{served} (seen {age:.0f} s ago)" for _, syncer, served, age in servers]
+    behind = [engine for engine, (_, _, served, _) in zip(engines, servers) if served < needs]
+    return (
+        f"learner step {step} waits for {still_open} groups, none completed for {for_s:.0f} s; its slots start only on v{max(needs, 0)} or "
+        f"newer (rollout.max_staleness {ctx.rollout.max_staleness}). Rollout engines: {', '.join(engines) or 'none has reported'}"
+        + (f"; behind: {', '.join(behind)} (a worker that cannot get a version stops and its log says why)" if behind else "")
+        + ("" if engines else " (start `loopline worker RUN`, or check the work pool's workers)")
+    )
 
 
 def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> LearnerCommit | None:
@@ -264,12 +292,20 @@ _recorded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> 
 SERVERS_SEEN_EVERY_S = 30.0
 
 
+IN_PROCESS = "in-process"  # the engine_server row of an engine that generates inside its process (the CPU engine)
+
+
+def _engine_urls(ctx: RolloutContext) -> list[str]:
+    return ctx.engine.server_urls() or [IN_PROCESS]
+
+
 def _record_servers(ctx: RolloutContext) -> None:
-    """Which version this process's inference servers serve, in the ledger: at each change, and every
-    SERVERS_SEEN_EVERY_S as a sign of life (a worker on another machine polls every second)."""
-    urls, version = ctx.engine.server_urls(), ctx.engine.version()
+    """Which version this process's engine serves (each of its inference servers, or the engine in this process),
+    in the ledger: at each change, and every SERVERS_SEEN_EVERY_S as a sign of life (a worker on another machine
+    polls every second). The learner names them when it waits for groups no engine can fill."""
+    urls, version = _engine_urls(ctx), ctx.engine.version()
     last = _recorded.get(ctx.engine)
-    if not urls or (last and last[0] == version and time.monotonic() - last[1] < SERVERS_SEEN_EVERY_S):
+    if last and last[0] == version and time.monotonic() - last[1] < SERVERS_SEEN_EVERY_S:
         return
     with ctx.session_factory() as s:
         ledger.record_served(s, ctx.run_id, holder.this_process(), urls, version)
@@ -285,7 +321,7 @@ def read(ctx: RolloutContext, query, *args):
 def report_lagging_servers(ctx: RolloutContext, version: int, max_staleness: int, reported: set) -> None:
     """A server another process syncs (a rollout worker's, on any machine) that fell behind what its worker
     should have loaded by now: said once (`reported` remembers), since its process may be gone or stuck."""
-    for url, syncer, served in read(ctx, ledger.serving_servers):
+    for url, syncer, served, _ in read(ctx, ledger.serving_servers):
         if served < version - max_staleness - 1 and (url, syncer) not in reported:
             reported.add((url, syncer))
             log.warning("server %s (synced by %s) serves v%d while the run is at v%d: is that process gone?", url, syncer, served, version)
@@ -295,8 +331,6 @@ def release_servers(ctx: RolloutContext) -> None:
     """This process no longer generates on its servers (its engine was shut down). Called on the way out,
     from a `finally`: a ledger out of reach then is logged, never raised over the reason the flow stops
     (the rows keep their last sign of life, and the train flow reports servers that fall behind)."""
-    if not ctx.engine.server_urls():
-        return
     try:
         with ctx.session_factory() as s:
             ledger.release_servers(s, ctx.run_id, holder.this_process())

@@ -210,14 +210,16 @@ def release_servers(session: Session, run_id: uuid.UUID, holder: str) -> None:
         )
 
 
-def serving_servers(session: Session, run_id: uuid.UUID) -> list[tuple[str, str, int]]:
-    """(url, holder, served version) of the servers some process still generates on (not released)."""
+def serving_servers(session: Session, run_id: uuid.UUID) -> list[tuple[str, str, int, float]]:
+    """(url, holder, served version, seconds since its last sign of life) of the servers some process still
+    generates on (not released)."""
     found = rows(
         session,
-        "SELECT url, holder, served_version FROM engine_server WHERE run_id = :r AND released_at IS NULL ORDER BY url, holder",
+        "SELECT url, holder, served_version, extract(epoch FROM now() - seen_at) FROM engine_server "
+        "WHERE run_id = :r AND released_at IS NULL ORDER BY url, holder",
         r=run_id,
     )
-    return [tuple(row) for row in found]
+    return [(row[0], row[1], row[2], float(row[3])) for row in found]
 
 
 # --------------------------------------------------------------------------- resume
