@@ -41,6 +41,7 @@ class Cluster:
         self.name = f"loopline-hosts-{uuid.uuid4().hex[:8]}"
         self.network = self.client.networks.create(self.name, driver="bridge")
         self.hosts: dict = {}
+        self.envs: dict[str, dict[str, str]] = {}
 
     def env(self, **extra: str) -> dict[str, str]:
         path = ":".join([*(f"{root}/bin" for root in PYTHON_ROOTS), *(str(p) for p in POSTGRES_BIN), "/usr/local/bin:/usr/bin:/bin"])
@@ -50,11 +51,13 @@ class Cluster:
         }
 
     def start(self, name: str, command: str, env: dict[str, str] | None = None, user: str | None = None, ports: dict | None = None, volumes: dict | None = None):
-        """A host named `name` (its hostname on the network) running `command` under sh."""
+        """A host named `name` (its hostname on the network) running `command` under sh, with `env` besides the
+        installation's (`run` on the host gets the same)."""
+        self.envs[name] = self.env(**(env or {}))
         container = self.client.containers.run(
             self.image, ["/bin/sh", "-c", f"mkdir -p {HOME} && cd {HOME} && {command}"], name=f"{self.name}-{name}", hostname=name,
-            detach=True, network=self.name, environment=self.env(**(env or {})), user=user, ports=ports or {},
-            volumes={**_mounts(), **(volumes or {})}, working_dir="/tmp", tmpfs={},
+            detach=True, network=self.name, environment=self.envs[name], user=user, ports=ports or {},
+            volumes={**_mounts(), **(volumes or {})}, working_dir="/tmp",
         )
         self.network.reload()
         self.hosts[name] = container
@@ -62,7 +65,7 @@ class Cluster:
 
     def run(self, name: str, command: str, timeout: int = 600) -> tuple[int, str]:
         """`command` on host `name` (running), to its end: exit status and output."""
-        result = self.hosts[name].exec_run(["timeout", "-s", "KILL", str(timeout), "/bin/sh", "-c", f"cd {HOME} && {command}"], environment=self.env())
+        result = self.hosts[name].exec_run(["timeout", "-s", "KILL", str(timeout), "/bin/sh", "-c", f"cd {HOME} && {command}"], environment=self.envs[name])
         return result.exit_code, result.output.decode(errors="replace")
 
     def logs(self, name: str) -> str:

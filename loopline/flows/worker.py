@@ -51,6 +51,8 @@ class Follower(threading.Thread):
                 aio.run(stages.sync_weights(self.ctx))
                 outage_since = None
             except Exception as exc:
+                if self._ended_meanwhile():  # (a version the run no longer serves: the run is over, nothing failed)
+                    break
                 if is_outage(exc) and time.monotonic() - (outage_since or time.monotonic()) < sum(tasks.RETRY_DELAYS):
                     if outage_since is None:
                         log.warning("the ledger is unreachable (%s); the worker keeps its version until it is back", type(exc).__name__)
@@ -59,6 +61,12 @@ class Follower(threading.Thread):
                 self.failure = exc
                 break
         self.stop.set()
+
+    def _ended_meanwhile(self) -> bool:
+        try:
+            return self._run_is_over()
+        except Exception:
+            return False
 
     def _run_is_over(self) -> bool:
         with self.ctx.session_factory() as s:

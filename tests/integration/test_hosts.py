@@ -1,7 +1,8 @@
 """Many machines for real: hosts that share nothing but the network (containers with filesystems of their own).
 
-Host `ledger` runs PostgreSQL and the Prefect server; host `trainer` runs `loopline train` (no rollouts of its
-own); hosts `worker-b` and `worker-c` run `loopline worker RUN`. The workers have never seen the trainer's disk:
+The hosts, their commands and their environment are deploy/compose/compose.yaml's, running
+examples/arithmetic_hosts.yaml: host `ledger` runs PostgreSQL, `prefect` the Prefect server, `trainer`
+`loopline train` (no rollouts of its own), `worker-b` and `worker-c` `loopline worker RUN`. The workers have never seen the trainer's disk:
 version 0 and every version after it reach them through the trainer's weight server, by the URI and token the
 ledger holds, checked against the digest the ledger recorded. While the run trains: a worker paused for 90 s, a
 worker cut from the network for 30 s, a worker killed with episodes in flight (its host then boots again), the
@@ -19,25 +20,20 @@ import sqlalchemy as sa
 import yaml
 
 from loopline.store.db import make_engine
-from tests.hosts import HOME, ROOT, Cluster, wait_until
+from tests.hosts import ROOT, Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
-RUN = "multihost"
-STEPS = 24
-PER_STEP = 8 * 4  # groups_per_step x group_size
+COMPOSE = yaml.safe_load((ROOT / "deploy" / "compose" / "compose.yaml").read_text())
+CONFIG = yaml.safe_load((ROOT / "examples" / "arithmetic_hosts.yaml").read_text())
+RUN, STEPS = CONFIG["name"], CONFIG["steps"]
+PER_STEP = CONFIG["rollout"]["groups_per_step"] * CONFIG["rollout"]["group_size"]
+ENV = COMPOSE["x-loopline"]["environment"]
+HOME = ENV["LOOPLINE_HOME"]
 
 
-def _config() -> dict:
-    return {
-        "name": RUN, "env": str(ROOT / "examples" / "arithmetic_env.yaml"), "policy": "tiny", "steps": STEPS,
-        "rollout": {
-            "mode": "async", "local_rollout": False, "max_staleness": 1, "groups_per_step": 8, "group_size": 4,
-            "concurrency": 8, "lease_seconds": 15, "sampling": {"temperature": 1.0, "max_new_tokens": 48},
-        },
-        "learner": {"lr": 3.0e-4, "backend": "deepspeed", "checkpoint_every": 4},
-        "eval": {"every": 100, "tasks": 20, "temperature": 0.0},
-    }
+def _command(service: str) -> str:
+    return COMPOSE["services"][service]["command"].replace("/config/", f"{ROOT}/examples/")
 
 
 @pytest.fixture
@@ -70,32 +66,36 @@ def _episodes_in_flight(database, worker_host: str) -> int:
     )
 
 
-def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_through_faults(cluster, tmp_path):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config()))
-    db_url = "postgresql+psycopg://postgres@ledger:5432/postgres"
-    services = {"LOOPLINE_DATABASE_URL": db_url, "PREFECT_API_URL": "http://ledger:4200/api"}
+def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_through_faults(cluster):
     cluster.start(
-        "ledger",
+        "ledger",  # (compose's postgres:16 image cannot be pulled here: the same server from this machine's packages)
         "mkdir -p /tmp/pg && chown 1000:1000 /tmp/pg && setpriv --reuid=1000 --regid=1000 --clear-groups sh -c \"initdb -D /tmp/pg "
-        "-U postgres --auth=trust -E UTF8 --locale=C >/dev/null && echo 'host all all 0.0.0.0/0 trust' >> /tmp/pg/pg_hba.conf && exec postgres -D /tmp/pg "
-        "-c listen_addresses='*' -k /tmp\" & prefect server start --host 0.0.0.0 --port 4200",
-        env={"PREFECT_UI_ENABLED": "false"}, ports={"5432/tcp": ("127.0.0.1", None)},
+        "-U postgres --auth=trust -E UTF8 --locale=C >/dev/null && echo 'host all all 0.0.0.0/0 trust' >> /tmp/pg/pg_hba.conf && "
+        "exec postgres -D /tmp/pg -c listen_addresses='*' -k /tmp\"",
+        ports={"5432/tcp": ("127.0.0.1", None)},
     )
+    cluster.start("prefect", _command("prefect"), env={"PREFECT_UI_ENABLED": "false"})
     database = wait_until(lambda: _try(lambda: _ledger(cluster)), 60, "PostgreSQL on host ledger")
-    wait_until(lambda: cluster.run("ledger", "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:4200/api/health')\"")[0] == 0, 90,
-               "the Prefect server on host ledger")
-    cluster.start("trainer", "loopline train /config/run.yaml", env=services, volumes={str(tmp_path): {"bind": "/config", "mode": "ro"}})
+    wait_until(lambda: cluster.run("prefect", "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:4200/api/health')\"")[0] == 0, 90,
+               "the Prefect server on host prefect")
+    cluster.start("trainer", _command("trainer"), env=ENV)
     wait_until(lambda: _try(lambda: _newest(database) >= 0 and _scalar(database, "SELECT count(*) FROM weight_server") > 0), 240,
                "the trainer to create the run and serve its weights")
     v0 = _scalar(database, "SELECT weights_uri FROM policy_version WHERE version = 0")
     assert v0.startswith(f"trainer://{RUN}{HOME}/") and "#sha256=" in v0  # (a path on the trainer's disk, by URI)
-    for worker in ("worker-b", "worker-c"):
-        cluster.start(worker, f"loopline worker {RUN}", env=services)
+    for worker in ("worker-b", "worker-c"):  # (its host stays up after its worker ends: the checks below run there)
+        cluster.start(worker, f"{_command('worker')}; echo worker exited $?; exec sleep 3600", env=ENV)
     assert cluster.run("worker-b", f"test -e {HOME}/models")[0] != 0  # (the worker host has no model of its own)
 
+    # Each fault must land while the run trains (`_training`): on a machine so fast that the run ends first, raise STEPS.
+    # The trainer killed after its first step and started again on its disk: it resumes from the ledger, serving on a
+    # new port with a new token, and the workers (which kept their version meanwhile) find it through the ledger.
+    wait_until(lambda: _newest(database) >= 1, 300, "v1 with both workers")
+    cluster.kill("trainer")
+    cluster.restart("trainer")
+    wait_until(lambda: _newest(database) >= 3, 300, "the restarted trainer's steps")
     # A worker paused for 90 s (its leases expire and its slots are played again); 30 s into the pause the other is
     # cut from the network for 30 s, so for that while no worker reaches the ledger or the trainer.
-    wait_until(lambda: _newest(database) >= 1, 300, "v1 with both workers")
     cluster.pause("worker-b")
     time.sleep(30)
     cluster.cut("worker-c")
@@ -103,19 +103,19 @@ def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_
     cluster.reconnect("worker-c")
     time.sleep(30)
     cluster.unpause("worker-b")
+    _training(database, "a worker's 90 s pause and the other's 30 s cut")
     # A worker killed with episodes in flight; its host boots again and its worker joins again.
     wait_until(lambda: _episodes_in_flight(database, "worker-b") > 0, 120, "worker-b with episodes in flight", every=0.2)
     cluster.kill("worker-b")
     cluster.restart("worker-b")
-    # The trainer killed mid-run and started again: it resumes from the ledger, on the same disk.
-    at = wait_until(lambda: (n := _newest(database)) >= 1 and n < STEPS - 2 and n, 300, "the trainer mid-run")
-    cluster.kill("trainer")
-    cluster.restart("trainer")
+    _training(database, "the kill of worker-b")
     assert cluster.exit_code("trainer", timeout=900) == 0, cluster.logs("trainer")[-3000:]
-    assert _newest(database) == STEPS and at < STEPS
+    assert _newest(database) == STEPS
 
     for worker in ("worker-b", "worker-c"):  # (a worker ends when its run does)
-        assert cluster.exit_code(worker, timeout=120) == 0, cluster.logs(worker)[-3000:]
+        wait_until(lambda: "worker exited" in cluster.logs(worker), 120, f"{worker}'s worker to end with the run")
+        said = cluster.logs(worker)
+        assert "worker exited 0" in said and not re.search(r"^error: ", said, re.M), said[-3000:]  # (no worker of the host failed)
         assert _fetched(cluster, worker)  # (its versions came into its own cache)
     consumed, distinct = _scalar(database, "SELECT count(*) FROM consumption"), _scalar(database, "SELECT count(DISTINCT trajectory_id) FROM consumption")
     assert consumed == distinct == STEPS * PER_STEP
@@ -125,6 +125,10 @@ def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_
     assert code == 0, out
     replayed = re.findall(r"step (\d+) from .*?: sha256 \S+ vs recorded \S+ (\w+)", out)
     assert [int(step) for step, _ in replayed] == list(range(1, STEPS + 1)) and {verdict for _, verdict in replayed} == {"reproduced"}, out
+
+
+def _training(database, fault: str) -> None:
+    assert _newest(database) < STEPS - 2, f"the run was nearly over by the end of {fault}: raise STEPS so that every fault lands mid-run"
 
 
 def _fetched(cluster: Cluster, worker: str) -> bool:
