@@ -146,6 +146,27 @@ def test_logprobs_become_float4_and_back_exactly(scratch_url):
     engine.dispose()
 
 
+def test_a_runs_weight_server_is_one_row_each_trainer_replaces_and_the_downgrade_drops(scratch_url):
+    """c4e8a1f7d263: weight_server, read by run name (what a host fetching a `trainer://` URI asks)."""
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+
+    engine = make_engine(scratch_url)
+    upgrade(engine)
+    with new_session(engine) as s:
+        run = ledger.create_run(s, "r", {}, "trainer://r/w#sha256=" + "0" * 64)
+        assert ledger.weight_server(s, "r") is None
+        ledger.record_weight_server(s, run.id, "http://10.0.0.5:41234", "first", "gpu-a:7:1")
+        ledger.record_weight_server(s, run.id, "http://10.0.0.6:40000", "second", "gpu-b:9:1")  # (a resumed trainer, elsewhere)
+        assert ledger.weight_server(s, "r") == ("http://10.0.0.6:40000", "second")
+        assert ledger.published_uris(s, run.id) == ["trainer://r/w#sha256=" + "0" * 64]
+    _downgrade(engine, "b3d7f0a2c915")
+    assert "weight_server" not in _tables(engine)
+    upgrade(engine)
+    assert "weight_server" in _tables(engine)
+    engine.dispose()
+
+
 def test_failed_upgrade_applies_nothing(scratch_url):
     engine = make_engine(scratch_url)
     with engine.begin() as conn:  # a clash late in the migration: tables before it get created first

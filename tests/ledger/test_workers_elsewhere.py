@@ -1,7 +1,8 @@
-"""A rollout worker's follower (flows/worker.Follower): it ends its worker when the run ends or is asked to cancel,
-when a version cannot be had (saying why), never over a version the run no longer needs, and it rides out a
-ledger outage shorter than the tasks' retry budget. On the real ledger; the engine is a stand-in that only
-records what it is told to load (nothing here generates)."""
+"""Rollout workers on other hosts, on the real ledger. A worker's follower (flows/worker.Follower) ends its worker
+when the run ends or is asked to cancel, or when a version cannot be had (saying why), never over a version the
+run no longer needs, and rides out a ledger outage shorter than the tasks' retry budget; a learner that waits for
+groups no engine can fill says which engine serves what. The engine is a stand-in that only records what it is
+told to load (nothing here generates)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,27 @@ def test_a_ledger_outage_shorter_than_the_retry_budget_is_ridden_out(engine, db,
     assert follower.is_alive() and follower.failure is None and ctx.engine.loaded == [(1, str(version))]
     follower.stop.set()
     follower.join(timeout=5)
+
+
+def test_a_learner_waiting_for_groups_no_engine_can_fill_says_which_engine_serves_what(engine, db, run, caplog):
+    """Step 3 with max_staleness 1 needs v1 or newer; worker-b's engine still serves v0 (its follower died, say):
+    the learner names it instead of waiting silently."""
+    from loopline.config import RolloutSettings
+    from loopline.errors import LooplineError
+    from loopline.pipeline import stages
+
+    ledger.plan_step(db, run.id, 3, ["t0", "t1"], group_size=2)
+    ledger.record_served(db, run.id, "worker-b:12:34", [stages.IN_PROCESS], 0)
+    ledger.record_served(db, run.id, "worker-c:56:78", [stages.IN_PROCESS], 2)
+    ctx = SimpleNamespace(run_id=run.id, session_factory=lambda: new_session(engine), rollout=RolloutSettings(max_staleness=1))
+    until = time.monotonic() + 1.5
+    with caplog.at_level("WARNING"):
+        try:
+            stages.wait_for_groups(ctx, 3, producing=lambda: time.monotonic() < until, poll_s=0.05, stall_report_s=0.5)
+        except LooplineError:
+            pass  # (the stand-in for a worker giving up, so that the wait ends)
+    said = [r.getMessage() for r in caplog.records if "waits for" in r.getMessage()]
+    assert said, caplog.text
+    assert "learner step 3 waits for 2 groups" in said[0] and "start only on v1 or newer" in said[0]
+    assert "worker-b:12:34 serves v0" in said[0] and "worker-c:56:78 serves v2" in said[0]
+    assert "behind: worker-b:12:34 serves v0" in said[0] and "worker-c" not in said[0].split("behind:")[1]
