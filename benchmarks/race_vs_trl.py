@@ -179,6 +179,7 @@ def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Pat
     os.environ.pop("LOOPLINE_DATABASE_URL", None)
     from loopline.store import db as store_db
     from loopline.store import ledger, views
+    from loopline.store.uris import path_on_publisher
 
     database = store_db.make_engine()
     with database.connect() as conn:
@@ -187,7 +188,7 @@ def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Pat
         metrics = views.metrics(conn, run)
         peak_gb = max((r[metrics.columns.index("value")] for r in metrics.rows if r[metrics.columns.index("name")] == "peak_rss_gb"), default=None)
     with store_db.session(database) as s:
-        weights = {v: ledger.version_weights(s, run, v).uri for v in ledger.exported_versions(s, run) if v > 0}
+        weights = {v: path_on_publisher(ledger.version_weights(s, run, v).uri) for v in ledger.exported_versions(s, run) if v > 0}
     database.dispose()
     # every version is exported here only so that each mark can be evaluated (a run normally exports every 4th)
     saved, trained = 0.0, {}

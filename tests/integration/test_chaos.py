@@ -21,6 +21,8 @@ import sqlalchemy as sa
 import torch
 import yaml
 
+from loopline.store.uris import path_on_publisher
+
 ROOT = Path(__file__).resolve().parents[2]
 # (episode_start:6: the second round of a step's slots is leased, none committed; rollout_commit:3 just after a
 # commit, which takes the episodes that finished together: no lease left behind)
@@ -111,7 +113,7 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
     # v1 (no checkpoint, no evaluation) was committed without an export; the process killed at its weight sync
     # had served it from memory, and the resume exported it from the learner it rebuilt (replaying step 1)
     uri, sha = _rows(db, "SELECT weights_uri, sha256 FROM policy_version WHERE run_id = :r AND version = 1", r=run_id)[0]
-    assert uri is not None and weights_sha256(uri) == sha
+    assert uri is not None and weights_sha256(path_on_publisher(uri)) == sha
     consumed, distinct, in_consumed_groups = _rows(
         db,
         "SELECT (SELECT count(*) FROM consumption WHERE run_id = :r), "
@@ -134,8 +136,8 @@ def test_sigkill_at_every_stage_then_resume_trains_everything_exactly_once(mode,
         )]
         learner.rl_step(load_sequences(db, ids))
     uri, sha = _rows(db, "SELECT weights_uri, sha256 FROM policy_version WHERE run_id = :r AND version = 3", r=run_id)[0]
-    assert weights_sha256(uri) == sha
-    final = Learner(uri, settings.learner_config(), backend="torch")
+    assert weights_sha256(path_on_publisher(uri)) == sha
+    final = Learner(path_on_publisher(uri), settings.learner_config(), backend="torch")
     assert torch.allclose(learner.parameters_vector(), final.parameters_vector(), atol=1e-6)
 
 

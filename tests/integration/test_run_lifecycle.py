@@ -16,6 +16,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from loopline.store.uris import path_on_publisher
+
 from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
 
 
@@ -185,14 +187,14 @@ def test_a_trainer_frozen_while_another_took_the_run_over_commits_nothing(tiny_d
     # what the first wrote for the step it could not commit is gone with it (was kept: gigabytes with a real model)
     from loopline.store.ledger import named_files
 
-    named = {Path(uri).name for uri in named_files(db, run_id)}
+    named = {Path(path_on_publisher(uri)).name for uri in named_files(db, run_id)}
     db.rollback()
     left = sorted(str(p) for p in (tmp_path / "home" / "runs" / name).glob(f"*/*.{first.pid}") if p.name not in named)
     assert left == [], left
     rows = _rows(db, "SELECT version, weights_uri, sha256 FROM policy_version WHERE run_id = :r ORDER BY 1", r=run_id)
     assert [v for v, _, _ in rows] == list(range(last + 4))
     exported = [(v, uri, sha) for v, uri, sha in rows if uri is not None and v > 0]
-    assert exported and all(weights_sha256(uri) == sha for _, uri, sha in exported), exported
+    assert exported and all(weights_sha256(path_on_publisher(uri)) == sha for _, uri, sha in exported), exported
     assert _status(db, name) == ("completed", None)
 
 
@@ -226,8 +228,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_once_there_
         run_id = _checked_run(db, name)
         rows = _rows(db, "SELECT version, weights_uri, sha256 FROM policy_version WHERE run_id = :r ORDER BY 1", r=run_id)
         assert [v for v, _, _ in rows] == [0, 1, 2, 3, 4]
-        on_disk = [(uri, sha) for v, uri, sha in rows if uri is not None and v > 0 and os.path.isdir(uri)]  # (older ones pruned)
-        assert rows[-1][1] in dict(on_disk) and all(weights_sha256(uri) == sha for uri, sha in on_disk), on_disk
+        on_disk = [(path_on_publisher(uri), sha) for v, uri, sha in rows if uri is not None and v > 0 and os.path.isdir(path_on_publisher(uri))]  # (older ones pruned)
+        assert path_on_publisher(rows[-1][1]) in dict(on_disk) and all(weights_sha256(uri) == sha for uri, sha in on_disk), on_disk
         assert _status(db, name) == ("completed", None)
     finally:
         subprocess.run(["umount", "--lazy", str(workdir)], check=False)

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from loopline.store.uris import path_on_publisher
+
 from tests.integration.test_chaos import _checked_run, _kill_at_each_then_resume, _rows, _small_run, _train
 from loopline.ports import free_port
 
@@ -193,7 +195,8 @@ def test_a_lora_run_ships_each_version_as_its_adapter_to_launched_servers_and_re
     run_id = _checked_run(db, name)
     rows = _rows(db, "SELECT version, adapter_uri FROM policy_version WHERE run_id = :r ORDER BY version", r=run_id)
     assert [v for v, _ in rows] == [0, 1, 2, 3] and rows[0][1] is None
-    for version, adapter in rows[1:]:
+    for version, uri in rows[1:]:
+        adapter = path_on_publisher(uri)
         assert Path(adapter, "adapter_config.json").is_file() and Path(adapter).stat().st_size > 0, (version, adapter)
         assert f"v{version:06d}" in adapter
     replica_logs = (tmp_path / "home" / "runs" / name / "sglang").glob("sglang-*.log")

@@ -13,6 +13,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from loopline.store.uris import WeightsURI, path_on_publisher
+
 from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
@@ -303,7 +305,8 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
         "WHERE (r.name = :a AND p.version = 2) OR (r.name = :b AND p.version = 0) ORDER BY r.name",
         a=name, b=f"{name}-b",
     )
-    assert parent_v2 == fork_v0  # the fork starts from the parent's newest policy
+    parent_v2, fork_v0 = WeightsURI.parse(parent_v2), WeightsURI.parse(fork_v0)  # the fork starts from the parent's newest policy,
+    assert (fork_v0.path, fork_v0.digest, fork_v0.run) == (parent_v2.path, parent_v2.digest, f"{name}-b")  # served by its own trainer
     from loopline.store.queries import list_runs
 
     listed = {r.name: r for r in list_runs(db)}
@@ -318,7 +321,7 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
     assert _scalar_rows(db, "SELECT count(*) FROM eval_result e JOIN run r ON r.id = e.run_id WHERE r.name = :a", a=f"{name}-b")[0][0] == 4
     # a version the run's pruning deleted (here: by hand), its evaluation not recorded: gone for good, said so
     pruned = _scalar_rows(db, "SELECT p.weights_uri FROM policy_version p JOIN run r ON r.id = p.run_id WHERE r.name = :b AND p.version = 2", b=f"{name}-b")[0][0]
-    shutil.rmtree(pruned)
+    shutil.rmtree(path_on_publisher(pruned))
     db.execute(sa.text("DELETE FROM eval_result e USING run r WHERE r.id = e.run_id AND r.name = :b AND e.policy_version = 2"), {"b": f"{name}-b"})
     db.commit()
     with pytest.raises(LooplineError, match=r"v2 had its files deleted by the run's pruning .* gone for good; versions on disk: 0, 1, 3"):
@@ -475,4 +478,4 @@ def test_a_lora_run_checkpoints_adapters_replays_from_them_and_exports_the_merge
     assert replayed["reproduced"] and replayed["from_step"] == 1, replayed
     uri = db.execute(sa.text("SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 2"), {"r": run_id}).scalar()
     db.rollback()
-    assert weights_sha256(uri) == digests[2]
+    assert weights_sha256(path_on_publisher(uri)) == digests[2]
