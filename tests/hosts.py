@@ -46,7 +46,7 @@ class Cluster:
     def env(self, **extra: str) -> dict[str, str]:
         path = ":".join([*(f"{root}/bin" for root in PYTHON_ROOTS), *(str(p) for p in POSTGRES_BIN), "/usr/local/bin:/usr/bin:/bin"])
         return {
-            "PATH": path, "HOME": HOME, "LOOPLINE_HOME": HOME, "PREFECT_HOME": f"{HOME}/.prefect", "PYTHONDONTWRITEBYTECODE": "1",
+            "PATH": path, "HOME": HOME, "LOOPLINE_HOME": HOME, "PYTHONPATH": str(ROOT), "PREFECT_HOME": f"{HOME}/.prefect", "PYTHONDONTWRITEBYTECODE": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", **extra,
         }
 

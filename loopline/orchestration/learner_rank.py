@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from loopline.pipeline import learner_launch
@@ -23,7 +24,14 @@ def main(argv: list[str] | None = None) -> None:
     learner_launch.watch(args.parent)
     from loopline.trainer import ranks  # (after the watch: importing torch takes seconds)
 
-    if ranks.join() != 0:
+    rank = ranks.join()
+    scratch = Path(args.result).parent
+    if missing := ranks.ranks_missing(scratch):
+        said = learner_launch.unshared_home(missing, scratch)
+        if rank == 0 and scratch.is_dir():
+            Path(args.result).write_text(json.dumps({"error": said}))
+        sys.exit(f"error: {said}")
+    if rank != 0:
         ranks.follow()
         return
     from loopline.flows.train import train  # (rank 0 only: the followers need no Prefect)

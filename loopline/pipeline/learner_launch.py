@@ -78,10 +78,22 @@ def run(settings: RankLaunch, config_path: str | None, resume: str | None, fork:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if outcome is None:
-        raise LooplineError(f"the learner's ranks exited with status {code} before rank 0 reported (their output is in the run's train.log, or above with -v)")
+        shared = (f"; on {settings.nodes} hosts, each needs LOOPLINE_HOME ({store_db.loopline_home()}) on a filesystem they all mount at "
+                  "the same path" if settings.nodes > 1 else "")
+        raise LooplineError(f"the learner's ranks exited with status {code} before rank 0 reported (their output is in the run's train.log, or above with -v){shared}")
     if "error" in outcome:
         raise LooplineError(f"rank 0 of the learner failed: {outcome['error']}")
     return outcome["summary"]
+
+
+def unshared_home(missing: list[tuple[int, str]], scratch: Path) -> str:
+    """Why a launched learner refused to start: some ranks' hosts do not see the launching host's LOOPLINE_HOME."""
+    who = ", ".join(f"rank {rank} on {host}" for rank, host in missing)
+    return (
+        f"learner.launch: {who} cannot see {scratch}, which the launching host wrote under its LOOPLINE_HOME: learner ranks on "
+        "several hosts share checkpoints and results there, so put LOOPLINE_HOME on a filesystem every learner host mounts at the "
+        "same path (and set it there), then start the run again"
+    )
 
 
 def _accelerator() -> str:

@@ -11,6 +11,7 @@ rollout takes, longer than the training collectives' timeout should allow.
 from __future__ import annotations
 
 import logging
+import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +35,15 @@ def join() -> int:
     init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     _channel = torch.distributed.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return torch.distributed.get_rank()
+
+
+def ranks_missing(directory: Path) -> list[tuple[int, str]]:
+    """Every rank says whether it sees `directory` (the launching host wrote it under LOOPLINE_HOME); returns
+    (rank, host) of those that do not: ranks on several hosts share checkpoints and rank 0's result through
+    LOOPLINE_HOME, so a host that mounts another one would train and then fail at the first checkpoint."""
+    seen: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(seen, (socket.gethostname(), directory.is_dir()), group=_channel)
+    return [(rank, host) for rank, (host, sees) in enumerate(seen) if not sees]
 
 
 def _announce(*command) -> None:
