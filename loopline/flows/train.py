@@ -164,7 +164,11 @@ def _open_run(s, config: RunConfig, pinned: dict, policy: Path, fork: str | None
     its config and the stored config to write once this process drives it (None: as stored): a trainer refused
     because another drives the run must not have rewritten it. A new run's version 0 is `policy`, published."""
     try:
-        return ledger.create_run(s, config.name, pinned, assembly.weight_store(config.name, database, config.weights.store).publish(policy)), config, None
+        initial = ledger.initial_weights(s, ledger.get_run(s, config.name).id)  # (a resume: its version 0 is published)
+    except LooplineError:  # a new run: its version 0 published now (hashing a 7B model's files takes seconds)
+        initial = assembly.weight_store(config.name, database, config.weights.store).publish(policy)
+    try:
+        return ledger.create_run(s, config.name, pinned, initial), config, None
     except LedgerConflict:
         run = ledger.get_run(s, config.name)
         if _same_config(run.config, config):  # stored by an older loopline (without the fields added since), or a fork's

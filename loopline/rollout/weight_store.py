@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -52,17 +53,25 @@ class WeightsUnavailable(LooplineError):
 
 def manifest(directory: Path) -> bytes:
     """The directory's content, canonically: each regular file (links followed, hidden files skipped) by its
-    path, size and sha256. Its sha256 is the digest a URI carries."""
-    files = []
-    for path in sorted(p for p in directory.rglob("*") if not any(part.startswith(".") for part in p.relative_to(directory).parts)):
-        if not path.is_file():
-            continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(_CHUNK):
-                digest.update(block)
-        files.append({"name": path.relative_to(directory).as_posix(), "size": path.stat().st_size, "sha256": digest.hexdigest()})
-    return json.dumps({"files": files}, sort_keys=True, separators=(",", ":")).encode()
+    path, size and sha256. Its sha256 is the digest a URI carries. The files are hashed on several threads
+    (hashlib releases the GIL): a sharded 7B export is ~15 GB."""
+    files = sorted(
+        p for p in directory.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_file_sha256, files))
+    listed = [
+        {"name": path.relative_to(directory).as_posix(), "size": path.stat().st_size, "sha256": digest} for path, digest in zip(files, digests)
+    ]
+    return json.dumps({"files": listed}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def digest_of(directory: Path) -> str:
@@ -194,11 +203,13 @@ class WeightStore:
 
     def _download(self, u: WeightsURI, partial: Path) -> None:
         """Every file of the trainer-served directory into `partial`, resuming each from the bytes already there.
-        Transient failures (the trainer restarting, a network cut) are retried until the deadline; the server is
-        looked up in the ledger again before each try (a restarted trainer serves on a new address and token)."""
+        Transient failures (the trainer restarting, a network cut) are retried until `fetch_deadline_s` has passed
+        without a byte coming in; the server is looked up in the ledger again before each try (a restarted
+        trainer serves on a new address and token)."""
         deadline = time.monotonic() + self.fetch_deadline_s
         why = "no try yet"
         while True:
+            had = _bytes_in(partial)
             server = self.lookup(u.run) if self.lookup else None
             if server is None:
                 why = f"run {u.run} has no weight server in the ledger (its trainer has not started one)"
@@ -213,6 +224,8 @@ class WeightStore:
                     return
                 except (httpx.TransportError, _Retry) as exc:
                     why = f"the trainer's weight server at {url}: {type(exc).__name__}: {exc}"
+            if _bytes_in(partial) > had:  # (a cut after progress: the deadline counts from here)
+                deadline = time.monotonic() + self.fetch_deadline_s
             if time.monotonic() > deadline:
                 raise WeightsUnavailable(f"{u}: {why}; tried for {self.fetch_deadline_s:.0f} s (is the run's trainer running and reachable from this host?)")
             time.sleep(1.0)
@@ -269,6 +282,10 @@ def _download_file(client: httpx.Client, directory: str, item: dict, target: Pat
         with open(target, mode) as f:
             for block in response.iter_bytes(_CHUNK):
                 f.write(block)
+
+
+def _bytes_in(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def _copy_complete(source: Path, target: Path) -> None:
