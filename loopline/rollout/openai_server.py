@@ -9,21 +9,19 @@ so that the SDK raises it in the agent.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import secrets
 import socket
-import threading
-import time
-from typing import Any
+from typing import Any, Callable
 
 from loopline.rollout.engine import EngineClosed, EngineError
 from loopline.store.nul import unicode
 from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
 from loopline.rollout import openai_responses
+from loopline.rollout.threaded_server import serve_on_thread
 
 
 MAX_BODY_BYTES = 16 << 20  # a request's body (a long agent conversation is ~1 MB of JSON)
@@ -126,8 +124,7 @@ class OpenAIServer:
             os.chmod(unix_path, 0o777)  # (an agent runs as another uid when loopline runs as root)
             unix.listen(128)
             self._sockets.append(unix)
-        self._server: Any = None  # a uvicorn.Server once started
-        self._thread: threading.Thread | None = None
+        self._stop: Callable[[], None] | None = None  # once started
 
     @property
     def url(self) -> str:
@@ -242,28 +239,16 @@ class OpenAIServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "OpenAIServer":
-        import uvicorn
-
-        # (log_config None: uvicorn's own dictConfig would install handlers on the process's logging, bound
-        # to the stream of the moment; its records go where the process sends warnings)
-        config = uvicorn.Config(
-            self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False, http=_protocol(), timeout_keep_alive=int(IDLE_S),
+        self._stop = serve_on_thread(
+            self.app(), self._sockets, "loopline-openai", f"the OpenAI-compatible endpoint on {self.url}",
+            http=_protocol(), timeout_keep_alive=int(IDLE_S),
         )
-        server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=self._sockets)), name="loopline-openai", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenAI-compatible endpoint did not start on {self.url}")
-            time.sleep(0.01)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
         for sock in self._sockets:
             sock.close()
         if self.unix_path is not None:

@@ -17,11 +17,10 @@ import json
 import logging
 import secrets
 import socket
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
+from loopline.rollout.threaded_server import serve_on_thread
 from loopline.rollout.weight_store import manifest
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,7 @@ class WeightServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((bind, port))
         self.port = self._socket.getsockname()[1]
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._stop: Callable[[], None] | None = None  # once started
 
     @property
     def url(self) -> str:
@@ -113,22 +111,12 @@ class WeightServer:
         return Starlette(routes=[Route("/manifest", manifest_of), Route("/file", file_of)])
 
     def start(self) -> "WeightServer":
-        import uvicorn
-
-        config = uvicorn.Config(self.app(), log_level="warning", log_config=None, lifespan="off", access_log=False)
-        server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[self._socket])), name="loopline-weights", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the weight server did not start on {self.url}")
-            time.sleep(0.01)
+        self._socket.listen(128)
+        self._stop = serve_on_thread(self.app(), [self._socket], "loopline-weights", f"the weight server on {self.url}")
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
         self._socket.close()

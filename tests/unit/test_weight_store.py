@@ -45,6 +45,15 @@ def _elsewhere(tmp_path: Path, lookup, deadline_s: float = 45.0) -> WeightStore:
     return store
 
 
+def _partly_fetched(tmp_path: Path, uri: str, first_bytes: bytes) -> Path:
+    """Host B's unfinished download of `uri`: its weights file holds `first_bytes`."""
+    u = WeightsURI.parse(uri)
+    partial = tmp_path / "host-b-cache" / "run-a" / f".{u.name}-{u.digest[:16]}.partial"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(first_bytes)
+    return partial
+
+
 def _same_files(a: Path, b: Path) -> bool:
     return all((a / name).read_bytes() == (b / name).read_bytes() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
@@ -91,11 +100,7 @@ def test_a_cut_download_resumes_from_the_bytes_already_there(tmp_path, server):
     model = _model(tmp_path / "trainer" / "v000002.1")
     uri = _trainer(tmp_path, server).publish(model)
     host = _elsewhere(tmp_path, lambda run: (server.url, server.token))
-    u = WeightsURI.parse(uri)
-    partial = tmp_path / "host-b-cache" / "run-a" / f".{u.name}-{u.digest[:16]}.partial"
-    partial.mkdir(parents=True)
-    half = (model / "model.safetensors").read_bytes()[:1_500_000]
-    (partial / "model.safetensors").write_bytes(half)  # what a cut connection left
+    _partly_fetched(tmp_path, uri, (model / "model.safetensors").read_bytes()[:1_500_000])  # what a cut connection left
     assert _same_files(model, host.local(uri))
 
 
@@ -103,10 +108,7 @@ def test_bytes_that_differ_from_the_ledgers_digest_are_refused_and_not_kept(tmp_
     model = _model(tmp_path / "trainer" / "v000003.1")
     uri = _trainer(tmp_path, server).publish(model)
     host = _elsewhere(tmp_path, lambda run: (server.url, server.token))
-    u = WeightsURI.parse(uri)
-    partial = tmp_path / "host-b-cache" / "run-a" / f".{u.name}-{u.digest[:16]}.partial"
-    partial.mkdir(parents=True)
-    (partial / "model.safetensors").write_bytes(os.urandom(1_500_000))  # a corrupt partial file is resumed as it is
+    partial = _partly_fetched(tmp_path, uri, os.urandom(1_500_000))  # a corrupt partial file is resumed as it is
     with pytest.raises(WeightsUnavailable, match=r"trainer://run-a/.*the ledger recorded .*refused"):
         host.local(uri)
     assert not partial.exists()
