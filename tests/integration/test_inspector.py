@@ -118,7 +118,10 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     assert {"weights", "optimizer states", "activations", "KV cache"} <= set(memory["part"]) and (memory["bytes"] > 0).all()
     assert any("planned" in c.value and "measured peak RSS" in c.value for c in at.caption)
     servers = next(d.value for d in at.dataframe if "served_version" in d.value)
-    assert servers[["url", "synced_by", "served_version"]].values.tolist() == [["http://gpu-1:30000", "gpu-1:4242:77", 2]]
+    from loopline import holder
+
+    assert servers[["url", "synced_by", "served_version"]].values.tolist() == [
+        ["http://gpu-1:30000", "gpu-1:4242:77", 2], ["in-process", holder.this_process(), 2]]  # (this test's CPU engine, synced to v2)
     assert len(at.get("vega_lite_chart")) >= 6  # reward, throughput, step timings, degenerate rate, lags, failures, gap
     assert "Optimisation, per learner step" in titles
     captions = [c.value for c in at.caption]
