@@ -242,7 +242,7 @@ def run_charts(db: LedgerView, name: str, run_id: uuid.UUID) -> None:
             st.line_chart(metrics, x="step", y="logprob_abs_diff")
         servers = db.engine_servers(run_id)
         if not servers.empty:
-            st.subheader("Inference servers (SGLang), as each process that syncs one registered it")
+            st.subheader("Rollout engines and the version each serves (SGLang servers by URL; a process's own CPU engine as in-process)")
             st.dataframe(servers, hide_index=True)
         st.subheader("Memory: planned vs measured")
         memory = db.run_plan(run_id)

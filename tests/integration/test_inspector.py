@@ -117,6 +117,7 @@ def test_runs_page_lists_the_run_with_its_curves(app, seeded):
     memory = next(d.value for d in at.dataframe if "part" in d.value)
     assert {"weights", "optimizer states", "activations", "KV cache"} <= set(memory["part"]) and (memory["bytes"] > 0).all()
     assert any("planned" in c.value and "measured peak RSS" in c.value for c in at.caption)
+    assert "Rollout engines and the version each serves (SGLang servers by URL; a process's own CPU engine as in-process)" in titles
     servers = next(d.value for d in at.dataframe if "served_version" in d.value)
     from loopline import holder
 
