@@ -66,6 +66,7 @@ def _episodes_in_flight(database, worker_host: str) -> int:
     )
 
 
+@pytest.mark.timeout(15 * 60)  # (~4 min alone; CI's other tests load the machine)
 def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_through_faults(cluster):
     cluster.start(
         "ledger",  # (compose's postgres:16 image cannot be pulled here: the same server from this machine's packages)
@@ -88,22 +89,22 @@ def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_
     assert cluster.run("worker-b", f"test -e {HOME}/models")[0] != 0  # (the worker host has no model of its own)
 
     # Each fault must land while the run trains (`_training`): on a machine so fast that the run ends first, raise STEPS.
-    # The trainer killed after its first step and started again on its disk: it resumes from the ledger, serving on a
-    # new port with a new token, and the workers (which kept their version meanwhile) find it through the ledger.
+    # A worker paused for 90 s (its leases expire and its slots are played again). 30 s into the pause the other is cut
+    # from the network for 30 s (no worker reaches the ledger or the trainer); once it is back, the trainer is killed
+    # and started again on its disk: it resumes from the ledger, serving on a new port with a new token, and the
+    # workers (which kept their version meanwhile) find it through the ledger.
     wait_until(lambda: _newest(database) >= 1, 300, "v1 with both workers")
-    cluster.kill("trainer")
-    cluster.restart("trainer")
-    wait_until(lambda: _newest(database) >= 3, 300, "the restarted trainer's steps")
-    # A worker paused for 90 s (its leases expire and its slots are played again); 30 s into the pause the other is
-    # cut from the network for 30 s, so for that while no worker reaches the ledger or the trainer.
+    paused = time.monotonic()
     cluster.pause("worker-b")
     time.sleep(30)
     cluster.cut("worker-c")
     time.sleep(30)
     cluster.reconnect("worker-c")
-    time.sleep(30)
+    cluster.kill("trainer")
+    cluster.restart("trainer")
+    time.sleep(max(0.0, paused + 90 - time.monotonic()))
     cluster.unpause("worker-b")
-    _training(database, "a worker's 90 s pause and the other's 30 s cut")
+    _training(database, "a worker's 90 s pause, the other's 30 s cut and the trainer's restart")
     # A worker killed with episodes in flight; its host boots again and its worker joins again.
     wait_until(lambda: _episodes_in_flight(database, "worker-b") > 0, 120, "worker-b with episodes in flight", every=0.2)
     cluster.kill("worker-b")
