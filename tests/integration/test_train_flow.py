@@ -305,7 +305,7 @@ def test_changed_config_is_refused_unless_forked_and_eval_reads_back(prefect_ser
         "WHERE (r.name = :a AND p.version = 2) OR (r.name = :b AND p.version = 0) ORDER BY r.name",
         a=name, b=f"{name}-b",
     )
-    parent_v2, fork_v0 = WeightsURI.parse(parent_v2), WeightsURI.parse(fork_v0)  # the fork starts from the parent's newest policy,
+    parent_v2, fork_v0 = WeightsURI.parse(parent_v2[0]), WeightsURI.parse(fork_v0[0])  # the fork starts from the parent's newest policy,
     assert (fork_v0.path, fork_v0.digest, fork_v0.run) == (parent_v2.path, parent_v2.digest, f"{name}-b")  # served by its own trainer
     from loopline.store.queries import list_runs
 
