@@ -86,6 +86,11 @@ def digest_of(directory: Path) -> str:
 _checked: dict[Path, str] = {}
 _checked_lock = threading.Lock()
 
+def _remember(path: Path, digest: str) -> None:
+    with _checked_lock:
+        _checked[path] = digest
+
+
 ServerLookup = Callable[[str], "tuple[str, str] | None"]  # run name -> (url, token) of its weight server, from the ledger
 
 
@@ -119,13 +124,13 @@ class WeightStore:
             if self.serve is not None:
                 self.serve(directory)
             uri = WeightsURI(TRAINER, self.run, str(directory), digest)
-            _checked[directory] = digest
+            _remember(directory, digest)
         elif self.store.startswith("file://"):
             target = Path(WeightsURI.parse(self.store).path) / self.run / f"{directory.name}-{digest[:16]}"
             if not target.is_dir():
                 _copy_complete(directory, target)
             uri = WeightsURI("file", "", str(target), digest)
-            _checked[target] = digest
+            _remember(target, digest)
         else:
             remote = f"{self.store.rstrip('/')}/{self.run}/{directory.name}-{digest[:16]}"
             fs, root = _fsspec(remote)
@@ -166,8 +171,7 @@ class WeightStore:
             return False
         same = digest is None or digest_of(path) == digest
         if same and digest is not None:
-            with _checked_lock:
-                _checked[path] = digest
+            _remember(path, digest)
         return same
 
     def _fetch(self, u: WeightsURI, entry: Path) -> Path:
