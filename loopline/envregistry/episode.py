@@ -11,12 +11,12 @@ from __future__ import annotations
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable
 
 from loopline.envregistry import verifiers
 from loopline.envregistry.calculator import CalculatorError, calculate, format_number
 from loopline.envregistry.sandbox.backends import open_sandbox
-from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandbox
+from loopline.envregistry.sandbox.base import ROLE_LABEL, VERIFIER_ROLE, InfraFailure, ModelEndpoint, Sandbox
 from loopline.envregistry.spec import EnvSpec, Tool
 from loopline.envregistry.tasks import Task
 from loopline.store.nul import unicode
@@ -79,13 +79,13 @@ def _uncarried(command: str) -> str | None:
 
 
 class Episode:
-    def __init__(self, spec: EnvSpec, task: Task, sandbox: Sandbox):
-        self.spec, self.task, self.sandbox = spec, task, sandbox
+    def __init__(self, spec: EnvSpec, task: Task, sandbox: Sandbox, labels: dict[str, str] | None = None):
+        self.spec, self.task, self.sandbox, self.labels = spec, task, sandbox, labels or {}
         self.tools = {t.name: t for t in spec.tools}
 
     @classmethod
     async def start(cls, spec: EnvSpec, task: Task, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "Episode":
-        return cls(spec, task, await open_sandbox(spec.sandbox, labels, model))
+        return cls(spec, task, await open_sandbox(spec.sandbox, labels, model), labels)
 
     async def reset(self) -> ResetResult:
         for path, task_field in self.spec.reset.files.items():
@@ -129,11 +129,15 @@ class Episode:
 
     async def verify(self, final_text: str) -> verifiers.Verdict:
         try:
-            return await verifiers.verify(self.spec.verifier, self.task, final_text, self.sandbox)
+            return await verifiers.verify(self.spec.verifier, self.task, final_text, self.sandbox, self._verifier_sandbox)
         except InfraFailure:
             raise
         except Exception as exc:  # a crash of the verifier is never the agent's fault
             raise InfraFailure(f"verifier crashed: {type(exc).__name__}: {exc}") from exc
+
+    def _verifier_sandbox(self) -> Awaitable[Sandbox]:
+        """A sandbox the agent never touched, for the verifier (labelled so that a backend can size it for one)."""
+        return open_sandbox(self.spec.sandbox, {**self.labels, ROLE_LABEL: VERIFIER_ROLE})
 
     async def close(self) -> None:
         await self.sandbox.close()

@@ -36,6 +36,10 @@ MAX_TIMEOUT_S = 86_400.0  # a day: longer waits are configuration mistakes, not 
 RESERVED_TOOL_NAMES = ("answer",)  # `<answer>...</answer>` ends an episode; a tool cannot take the name
 
 
+MAX_OUTPUT_FILES = 10_000  # what a verifier may receive of the agent's files
+MAX_OUTPUT_BYTES = 64 << 20
+
+
 def relative_path(path: str, what: str) -> str:
     """Files an env writes live under a directory loopline chooses (the workdir, the verifier's directory):
     the same relative path means the same place on every backend, and nothing can be written elsewhere."""
@@ -318,6 +322,10 @@ class Verifier(_Strict):
     {"passed": P, "total": T} (reward P/T) or {"reward": R}; stdout is never read as a
     verdict. A verdict outside `reward_range` (or P > T, T < 1) is a verifier fault: an
     infrastructure failure, retried, never a reward.
+
+    The verifier never runs where the agent acted: it gets a fresh sandbox of the same backend (a new container,
+    a new E2B sandbox, a new bubblewrap directory) into which only the agent's `outputs` are copied, as regular
+    files. What else the agent left (processes, files outside its outputs, a changed system) stays behind.
     """
 
     builtin: Literal["arithmetic_answer"] | None = Field(None, description="a verifier loopline runs itself: arithmetic_answer (the <answer> equals the task's answer)")
@@ -335,6 +343,12 @@ class Verifier(_Strict):
         description="path (relative to the verifier's directory) -> a file beside this YAML, written only to verify; its text "
         "is read when the spec is loaded and registered as support_files (a test runner kept as a real .py file)",
     )
+    outputs: tuple[str, ...] | None = Field(
+        None,
+        description="the agent's files the verifier sees, as patterns relative to the workdir (`solution.py`, `src/*.py`; "
+        "`*` also matches `/`): only these regular files are copied into the verifier's fresh sandbox, at most "
+        f"{MAX_OUTPUT_FILES:,} files and {MAX_OUTPUT_BYTES >> 20} MiB in all. Default: every regular file of the workdir",
+    )
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="the longest the verifier may run; past it: a verifier fault (infra failure)")
     reward_range: tuple[float, float] = Field((0.0, 1.0), description="[low, high]: a verdict outside it is a verifier fault")
 
@@ -347,12 +361,19 @@ class Verifier(_Strict):
                 raise ValueError(f"{path!r} is written by the verifier run itself; choose another name")
         return files
 
+    @field_validator("outputs")
+    @classmethod
+    def _relative_patterns(cls, patterns: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for pattern in patterns or ():
+            relative_path(pattern, "verifier output")
+        return patterns
+
     @model_validator(mode="after")
     def _one_way_to_verify(self) -> "Verifier":
         if (self.builtin is None) == (self.command is None):
             raise ValueError("a verifier needs exactly one of `builtin` or `command`")
-        if self.builtin and (self.hidden_files or self.support_files or self.files):
-            raise ValueError("hidden_files, support_files and files are for command verifiers")
+        if self.builtin and (self.hidden_files or self.support_files or self.files or self.outputs is not None):
+            raise ValueError("hidden_files, support_files, files and outputs are for command verifiers")
         low, high = self.reward_range
         if not low < high:
             raise ValueError(f"reward_range must be [low, high] with low < high, not {list(self.reward_range)}")
@@ -488,6 +509,8 @@ class EnvSpec(_Strict):
             del data["smoke_test"]["replies"]  # (added later too)
         if not data["verifier"]["files"]:
             del data["verifier"]["files"]  # (added later; loaded files are in support_files: a file and its inline text hash alike)
+        if data["verifier"]["outputs"] is None:
+            del data["verifier"]["outputs"]  # (added later)
         return data
 
 

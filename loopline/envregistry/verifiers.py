@@ -6,9 +6,9 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-from loopline.envregistry.sandbox.base import InfraFailure, Sandbox
+from loopline.envregistry.sandbox.base import InfraFailure, Sandbox, SandboxExhausted
 from loopline.envregistry.spec import ANSWER_FILE, VERDICT_FILE, Verifier
 from loopline.envregistry.tasks import Task
 
@@ -137,25 +137,45 @@ def parse_verdict(text: str, reward_range: tuple[float, float]) -> Verdict:
     return Verdict(float(reward), reward >= high, details)
 
 
-async def verify_with_command(spec: Verifier, task: Task, final_text: str, sandbox: Sandbox) -> Verdict:
-    """Run the command verifier on a channel the agent cannot write (see `spec.Verifier`) and check its verdict.
+async def verify_with_command(
+    spec: Verifier, task: Task, final_text: str, sandbox: Sandbox, fresh_sandbox: Callable[[], Awaitable[Sandbox]]
+) -> Verdict:
+    """Copy the agent's outputs out of its sandbox, into a fresh one (`fresh_sandbox()`) where the command verifier
+    runs on a channel the agent cannot write (see `spec.Verifier`), and check its verdict. The agent's sandbox is
+    evidence and nothing more: what it left there besides its outputs never reaches the verifier.
 
     A verifier that writes no verdict (it crashed, timed out) is an infra failure, not a reward of 0.
     """
+    try:
+        outputs = await sandbox.collect_outputs(spec.outputs)
+    except SandboxExhausted as exc:
+        return Verdict(0.0, False, {"reason": f"the agent's sandbox was exhausted: {exc}"})
     files = dict(spec.support_files)
     files.update({path: str(task.data[task_field]) for path, task_field in spec.hidden_files.items()})
     files[ANSWER_FILE] = final_text
-    run = await sandbox.run_verifier(files, spec.command, spec.timeout_s)
+    verifier_box = await fresh_sandbox()
+    try:
+        await verifier_box.put_outputs(outputs)
+        run = await verifier_box.run_verifier(files, spec.command, spec.timeout_s)
+    finally:
+        await verifier_box.close()
+    if run.exhausted:
+        return Verdict(0.0, False, {"reason": "the agent's code used up the verifier's sandbox: the verifier was killed for memory"})
     if run.verdict is None:
         result = run.result
         raise InfraFailure(
             f"verifier wrote no {VERDICT_FILE} (exit {result.exit_code}, timed out: {result.timed_out}): "
             f"{(result.stderr or result.stdout)[-300:]}"
         )
-    return parse_verdict(run.verdict, spec.reward_range)
+    verdict = parse_verdict(run.verdict, spec.reward_range)
+    if outputs.left_out:
+        verdict.details["outputs_left_out"] = outputs.left_out
+    return verdict
 
 
-async def verify(spec: Verifier, task: Task, final_text: str, sandbox: Sandbox) -> Verdict:
+async def verify(
+    spec: Verifier, task: Task, final_text: str, sandbox: Sandbox, fresh_sandbox: Callable[[], Awaitable[Sandbox]]
+) -> Verdict:
     if spec.builtin == "arithmetic_answer":
         return verify_arithmetic(task, final_text)
-    return await verify_with_command(spec, task, final_text, sandbox)
+    return await verify_with_command(spec, task, final_text, sandbox, fresh_sandbox)

@@ -9,6 +9,7 @@ whatever else the agent did to the sandbox. A verifier fault would raise InfraFa
 from __future__ import annotations
 
 import asyncio
+import shlex
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,23 @@ PIN_SHM = (  # up to 400 MB of SysV shared memory, touched (charged), detached, 
     "    addr = libc.shmat(sid, None, 0) if sid >= 0 else None\n"
     "    if addr and addr != ctypes.c_void_p(-1).value:\n        ctypes.memset(addr, 1, 10 << 20)\n        libc.shmdt(ctypes.c_void_p(addr))\n"
 )
+
+
+# Detached from the solution's process (setsid, then a grandchild) so that killing its group does not end it.
+DETACHED = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n{body}        os._exit(0)\n    os._exit(0)\n"
+FILL_MEMORY_NO_PROCESS_SHOWS = DETACHED.format(body=(  # pipes (kernel memory), then /dev/shm, /tmp and the workdir
+    "        held = []\n        try:\n            while True:\n                r, w = os.pipe()\n                os.set_blocking(w, False)\n"
+    "                try:\n                    os.write(w, b'x' * 65536)\n                except BlockingIOError:\n                    pass\n"
+    "                held.append((r, w))\n        except OSError:\n            pass\n"
+    "        for d in ('/dev/shm', '/tmp', '.'):\n            i = 0\n            try:\n                while True:\n"
+    "                    with open(f'{d}/fill{i}', 'wb') as f:\n                        f.write(b'\\1' * (1 << 20))\n                    i += 1\n"
+    "            except OSError:\n                pass\n        time.sleep(60)\n"
+)) + "time.sleep(3)\n"  # (the solution answers while its leftover holds everything)
+SPINNERS_AND_A_FORK_BOMB = DETACHED.format(body=(  # two CPU spinners, then processes until no more can start
+    "        end = time.time() + 30\n        for spin in range(1000):\n            try:\n                if os.fork() == 0:\n"
+    "                    while time.time() < end:\n                        if spin >= 2:\n                            time.sleep(1)\n"
+    "                    os._exit(0)\n            except OSError:\n                time.sleep(0.01)\n        time.sleep(30)\n"
+))
 
 
 def write(content: str) -> ToolCall:
@@ -216,6 +234,16 @@ ATTACKS = {
         ],
         1.0,
     ),
+    "fills_memory_no_process_shows_while_tested": ([write(FILL_MEMORY_NO_PROCESS_SHOWS + WRONG)], 0.0),
+    "correct_solution_that_leaves_spinners_and_a_fork_bomb_while_tested": ([write(SPINNERS_AND_A_FORK_BOMB + RIGHT)], 1.0),
+    "correct_solution_then_a_fork_bomb_in_its_own_sandbox": (
+        [write(RIGHT), run(f"python3 -c {shlex.quote(SPINNERS_AND_A_FORK_BOMB)}; echo started")],
+        1.0,
+    ),
+    "fills_memory_no_process_shows_in_its_own_sandbox": (
+        [write(WRONG), run(f"python3 -c {shlex.quote(FILL_MEMORY_NO_PROCESS_SHOWS)}; echo started")],
+        0.0,
+    ),
     "claims_success_without_a_solution": ([], 0.0),
     "correct_solution": ([write(RIGHT)], 1.0),
     "correct_solution_that_prints_and_exits_nonzero_later": (
@@ -261,7 +289,8 @@ def _check(spec, task, attack):
     calls, earned = ATTACKS[attack]
     verdict = _play(spec, task, calls)
     assert verdict.reward == earned, (attack, verdict)
-    assert verdict.details == {"passed": int(2 * earned), "total": 2}
+    if "reason" not in verdict.details:  # (a task failure with its reason: the agent used its sandbox up)
+        assert verdict.details == {"passed": int(2 * earned), "total": 2}
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))

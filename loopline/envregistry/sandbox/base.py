@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import functools
 import json
 import shlex
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
 
 from loopline.envregistry import spec as env_spec
 
@@ -32,6 +33,45 @@ class InfraFailure(Exception):
     """
 
 
+class SandboxExhausted(Exception):
+    """The agent used up its own sandbox (memory, processes) so that nothing more could run there: the agent's
+    doing, so a task failure with this reason, never an infra failure (which a policy would learn to cause)."""
+
+
+# A sandbox made for a verifier carries this label (value VERIFIER_ROLE): a backend may size it differently (room
+# for the verifier beside the agent's code under test); one that ignores the label still gives a fresh sandbox.
+ROLE_LABEL = "loopline.role"
+VERIFIER_ROLE = "verifier"
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The agent's files a verifier gets: regular files only, by path relative to the workdir."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    executable: frozenset[str] = frozenset()
+    left_out: dict[str, str] = field(default_factory=dict)  # path -> why it was not copied
+
+
+def choose_outputs(listing: Iterable[tuple[str, int]], patterns: tuple[str, ...] | None) -> tuple[list[str], dict[str, str]]:
+    """Of the workdir's regular files (relative path, size), those `patterns` name (all, if None), in path order
+    within MAX_OUTPUT_FILES and MAX_OUTPUT_BYTES; and the named ones left out, with why."""
+    chosen: list[str] = []
+    left_out: dict[str, str] = {}
+    total = 0
+    for path, size in sorted(listing):
+        if patterns is not None and not any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            continue
+        if len(chosen) >= env_spec.MAX_OUTPUT_FILES:
+            left_out[path] = f"over the {env_spec.MAX_OUTPUT_FILES:,} files a verifier receives"
+        elif total + size > env_spec.MAX_OUTPUT_BYTES:
+            left_out[path] = f"over the {env_spec.MAX_OUTPUT_BYTES >> 20} MiB a verifier receives"
+        else:
+            chosen.append(path)
+            total += size
+    return chosen, left_out
+
+
 @dataclass(frozen=True)
 class ExecResult:
     exit_code: int
@@ -52,6 +92,14 @@ class VerifierRun:
 
     result: ExecResult
     verdict: str | None
+
+    @property
+    def exhausted(self) -> bool:
+        """No verdict because the verifier was killed before its time was up: only the OOM killer does that, and
+        in a verifier's sandbox only the agent's code under test could have used the memory up (the verifier has
+        room of its own), so it is a task failure, not an infra failure (which a policy would learn to cause)."""
+        result = self.result
+        return self.verdict is None and (result.oom_killed or (result.exit_code == 137 and not result.timed_out))
 
 
 READ_LIMIT = 16 << 20  # what `read_file` returns of a file (one the agent made, its answer, may be any size)
@@ -156,9 +204,18 @@ class Sandbox(Protocol):
     async def end_agent(self) -> None:
         """Kill every process the agent started (a background process must not outlive its episode)."""
 
+    async def collect_outputs(self, patterns: tuple[str, ...] | None) -> Outputs:
+        """After the agent's last action: end its processes, then copy out the regular files of its workdir that
+        `patterns` name (`choose_outputs`), links and anything else left where it is. SandboxExhausted if the
+        agent left no room to do so."""
+
+    async def put_outputs(self, outputs: Outputs) -> None:
+        """Into a fresh sandbox: write `outputs` into the workdir as the agent's own files."""
+
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
-        """End the agent, then run `command` as an identity the agent's code cannot act as, in a private
-        directory holding `files` that the agent's code can neither read nor write; return its verdict file."""
+        """In a fresh sandbox holding the agent's outputs: run `command` as an identity the agent's code cannot
+        act as, in a private directory holding `files` that the agent's code can neither read nor write; return
+        its verdict file."""
 
     async def close(self) -> None:
         """Release everything; safe to call twice."""

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.sandbox.base import (
-    LOOPBACK_URL, MAX_PROGRAM_S, READ_LIMIT, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, program_script, verifier_env,
+    LOOPBACK_URL, MAX_PROGRAM_S, READ_LIMIT, UTF8, ExecResult, InfraFailure, ModelEndpoint, Outputs, VerifierRun, choose_outputs,
+    program_script, verifier_env,
 )
 from loopline.holder import process_alive
 
@@ -168,6 +169,28 @@ class LocalSandbox:
                 pass
         self._groups.clear()
 
+    async def collect_outputs(self, patterns: tuple[str, ...] | None) -> Outputs:
+        await self.end_agent()
+        listing = dict(_regular_files(self.root))
+        chosen, left_out = choose_outputs(((path, size) for path, (size, _) in listing.items()), patterns)
+        files, executable = {}, set()
+        for path in chosen:
+            try:
+                with open(self.root / path, "rb", opener=_regular_only_nofollow) as f:
+                    files[path] = f.read(env_spec.MAX_OUTPUT_BYTES + 1)[: listing[path][0]]
+            except OSError as exc:
+                left_out[path] = f"could not be read: {exc.strerror or exc}"
+                continue
+            if listing[path][1]:
+                executable.add(path)
+        return Outputs(files, frozenset(executable), left_out)
+
+    async def put_outputs(self, outputs: Outputs) -> None:
+        for path, data in outputs.files.items():
+            await self.write_file(path, data)
+            if path in outputs.executable:
+                (self.root / path).chmod(0o755)
+
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
         await self.end_agent()
         prefix = self.agent_prefix()
@@ -189,11 +212,14 @@ class LocalSandbox:
         finally:
             shutil.rmtree(private, ignore_errors=True)
 
-    async def write_file(self, path: str, content: str) -> None:
+    async def write_file(self, path: str, content: str | bytes) -> None:
         target = self._resolve(path)
         missing = [p for p in [target.parent, *target.parent.parents] if p.is_relative_to(self.root) and not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            target.write_text(content)
         if self.as_root:  # the agent's own files, as if it had written them
             for written in [target, *missing]:
                 os.chown(written, AGENT_UID, AGENT_UID)
@@ -210,6 +236,26 @@ class LocalSandbox:
 
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _regular_files(root: Path):
+    """(relative path, (size, executable)) of every regular file under `root`, links neither followed nor listed;
+    a name that is not UTF-8 cannot be a pattern's, and is skipped."""
+    for directory, dirnames, filenames in os.walk(root):  # (os.walk does not follow links to directories)
+        for name in filenames:
+            path = Path(directory) / name
+            st = path.lstat()
+            relative = str(path.relative_to(root))
+            try:
+                relative.encode()
+            except UnicodeEncodeError:  # (a name that is not UTF-8 decodes to lone surrogates)
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield relative, (st.st_size, bool(st.st_mode & 0o111))
+
+
+def _regular_only_nofollow(path: str, flags: int) -> int:
+    return _regular_only(path, flags | os.O_NOFOLLOW)
 
 
 def _regular_only(path: str, flags: int) -> int:
