@@ -177,19 +177,27 @@ def agent_image(docker_image):
 
 @pytest.fixture(scope="session")
 def local_envd(docker_image):
-    """E2B's in-sandbox daemon stood in by `tests/envd_over_docker.py`; the real SDK in debug mode talks to it."""
-    from tests.fakes.envd_over_docker import EnvdOverDocker
+    """E2B (its control plane and envd) stood in by `tests/fakes/envd_over_docker.py`, the real SDK pointed at it.
+    Templates: `loopline-python`, the sandbox image built as E2B builds templates plus loopline's recipe;
+    `e2b-as-provisioned`, the same without the recipe (sudo for `user`, as E2B leaves it)."""
+    from tests.fakes.envd_over_docker import E2BOverDocker, provisioned_image
 
-    previous = os.environ.get("E2B_DEBUG")
-    os.environ["E2B_DEBUG"] = "true"
-    try:
-        with EnvdOverDocker(docker_image) as envd:
-            yield envd
-    finally:
-        if previous is None:
-            os.environ.pop("E2B_DEBUG", None)
-        else:
-            os.environ["E2B_DEBUG"] = previous
+    templates = {
+        "loopline-python": provisioned_image(docker_image, harden=True),
+        "e2b-as-provisioned": provisioned_image(docker_image, harden=False),
+    }
+    saved = {name: os.environ.get(name) for name in ("E2B_DEBUG", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    with E2BOverDocker(templates) as stand_in:
+        os.environ.pop("E2B_DEBUG", None)
+        os.environ.update(stand_in.environment())
+        try:
+            yield stand_in
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -146,19 +146,19 @@ async def verify_with_command(
 
     A verifier that writes no verdict (it crashed, timed out) is an infra failure, not a reward of 0.
     """
-    try:
-        outputs = await sandbox.collect_outputs(spec.outputs)
-    except SandboxExhausted as exc:
-        return Verdict(0.0, False, {"reason": f"the agent's sandbox was exhausted: {exc}"})
     files = dict(spec.support_files)
     files.update({path: str(task.data[task_field]) for path, task_field in spec.hidden_files.items()})
     files[ANSWER_FILE] = final_text
-    verifier_box = await fresh_sandbox()
     try:
-        await verifier_box.put_outputs(outputs)
-        run = await verifier_box.run_verifier(files, spec.command, spec.timeout_s)
-    finally:
-        await verifier_box.close()
+        outputs = await sandbox.collect_outputs(spec.outputs)
+        verifier_box = await fresh_sandbox()
+        try:
+            await verifier_box.put_outputs(outputs)
+            run = await verifier_box.run_verifier(files, spec.command, spec.timeout_s)
+        finally:
+            await verifier_box.close()
+    except SandboxExhausted as exc:
+        return Verdict(0.0, False, {"reason": f"the agent used its sandbox up: {exc}"})
     if run.exhausted:
         return Verdict(0.0, False, {"reason": "the agent's code used up the verifier's sandbox: the verifier was killed for memory"})
     if run.verdict is None:

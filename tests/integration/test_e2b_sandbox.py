@@ -1,8 +1,8 @@
-"""The E2B backend: the real `e2b` SDK, driven against a local envd endpoint over a Docker container.
+"""The E2B backend: the real `e2b` SDK, driven against a local stand-in for E2B's control plane and envd.
 
-E2B's cloud cannot be reached from here, so these tests run the SDK in its
-debug mode (no control-plane calls) against `tests/envd_over_docker.py`; every
-command and file really runs in a container. The names say so.
+E2B's cloud cannot be reached from here, so these tests point the SDK at `tests/fakes/envd_over_docker.py`:
+each sandbox is a new Docker container made like an E2B VM from a template built as E2B builds them; every
+command and file really runs there. The names say so.
 """
 
 from __future__ import annotations
@@ -77,13 +77,12 @@ def test_e2b_sdk_against_local_envd_plays_the_coding_env(local_envd):
             await episode.close()
 
     assert asyncio.run(play(task.data["solution"])).reward == 1.0
-    local_envd.reset()  # what E2B's create() gives: a new sandbox per episode
     assert asyncio.run(play(None)).reward == 0.0
 
 
 def test_e2b_without_credentials_is_an_infra_failure(monkeypatch):
-    monkeypatch.delenv("E2B_DEBUG", raising=False)
-    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    for name in ("E2B_DEBUG", "E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(InfraFailure, match="could not create an E2B sandbox .*API key"):
         asyncio.run(open_sandbox(Sandbox(backend="e2b", template="anything")))
 
@@ -103,11 +102,12 @@ def public_endpoint(monkeypatch, local_envd, agent_image):
     monkeypatch.setenv(agent_program.LISTEN_VAR, f"{gateway}:{port}")
     monkeypatch.setenv(agent_program.URL_VAR, f"http://{gateway}:{port}")
     monkeypatch.setattr(agent_program, "_endpoint", None)
-    local_envd.reset(image=agent_image, network=True)
+    from tests.fakes.envd_over_docker import provisioned_image
+
+    local_envd.templates["loopline-agent"] = provisioned_image(agent_image, harden=True)
     yield f"http://{gateway}:{port}"
     if agent_program._endpoint is not None:
         agent_program._endpoint.stop()
-    local_envd.reset()
 
 
 PRINTS_ITS_BASE_URL = """

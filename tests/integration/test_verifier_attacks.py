@@ -52,6 +52,29 @@ SPINNERS_AND_A_FORK_BOMB = DETACHED.format(body=(  # two CPU spinners, then proc
 ))
 
 
+# E2B's template build leaves /usr/local writable by all (Python's own site directory there), sudo without a
+# password for `user` and root without a password (su): each of these forges the verdict where it can.
+FORGE_SH = f"for f in \"$LOOPLINE_VERDICT_FILE\" /verify/verdict.json; do printf %s {shlex.quote(FORGED)} > \"$f\"; done 2>/dev/null"
+PLANT_WHERE_ROOT_RUNS = (
+    "import glob, os, site\n"
+    f"fake = {'#!/bin/sh' + chr(10) + FORGE_SH + chr(10) + 'exit 0' + chr(10)!r}\n"
+    "for d in os.environ.get('PATH', '').split(':') + ['/usr/local/bin', '/usr/local/sbin']:\n"
+    "    for name in ('python3', 'timeout', 'sh', 'setpriv', 'choom', 'prlimit'):\n"
+    "        try:\n            open(f'{d}/{name}', 'w').write(fake)\n            os.chmod(f'{d}/{name}', 0o755)\n"
+    "        except OSError:\n            pass\n"
+    f"pth = {'import os; os.environ.get(%r) and open(os.environ[%r], %r).write(%r)' % ('LOOPLINE_VERDICT_FILE', 'LOOPLINE_VERDICT_FILE', 'w', FORGED) + chr(10)!r}\n"
+    "for d in site.getsitepackages() + glob.glob('/usr/local/lib/python3*/*-packages') + glob.glob('/usr/lib/python3*/*-packages'):\n"
+    "    try:\n        open(f'{d}/zz-forge.pth', 'w').write(pth)\n    except OSError:\n        pass\n"
+)
+_FORGE_LOOP = f"end=$(($(date +%s) + 15)); while [ $(date +%s) -lt $end ]; do {FORGE_SH}; done"
+BECOME_ROOT = (  # a root process that rewrites the verdict until well after the tests: sudo, then su to a root without a password
+    "import subprocess\n"
+    f"loop = {'setsid nohup sh -c ' + shlex.quote(_FORGE_LOOP) + ' >/dev/null 2>&1 &'!r}\n"
+    "for argv in (['sudo', '-n', 'sh', '-c', loop], ['su', 'root', '-c', loop]):\n"
+    "    try:\n        subprocess.run(argv, input=b'\\n', timeout=5, capture_output=True)\n    except (OSError, subprocess.SubprocessError):\n        pass\n"
+)
+
+
 def write(content: str) -> ToolCall:
     return ToolCall("write_file", {"path": "solution.py", "content": content})
 
@@ -244,6 +267,16 @@ ATTACKS = {
         [write(WRONG), run(f"python3 -c {shlex.quote(FILL_MEMORY_NO_PROCESS_SHOWS)}; echo started")],
         0.0,
     ),
+    "plants_programs_and_a_pth_where_root_runs_them": (
+        [ToolCall("write_file", {"path": "plant.py", "content": PLANT_WHERE_ROOT_RUNS}), run("python3 plant.py; rm plant.py"),
+         write(PLANT_WHERE_ROOT_RUNS + WRONG)],
+        0.0,
+    ),
+    "becomes_root_and_rewrites_the_verdict": (
+        [ToolCall("write_file", {"path": "root.py", "content": BECOME_ROOT}), run("python3 root.py; rm root.py"),
+         write(BECOME_ROOT + "import time\ntime.sleep(1)\n" + WRONG)],
+        0.0,
+    ),
     "claims_success_without_a_solution": ([], 0.0),
     "correct_solution": ([write(RIGHT)], 1.0),
     "correct_solution_that_prints_and_exits_nonzero_later": (
@@ -301,7 +334,6 @@ def test_attack_scores_its_true_value_in_docker(attack, coding_spec, docker_imag
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_its_true_value_in_e2b_sdk_against_local_envd(attack, coding_spec, local_envd):
     spec, task = coding_spec
-    local_envd.reset()  # E2B gives each episode a new sandbox; debug mode shares one, so renew it
     _check(spec.model_copy(update={"sandbox": Sandbox(backend="e2b", template="loopline-python")}), task, attack)
 
 
@@ -311,3 +343,27 @@ def test_attack_scores_its_true_value_in_local_bubblewrap(attack, coding_spec):
         pytest.skip("bubblewrap is not installed")
     spec, task = coding_spec
     _check(spec.model_copy(update={"sandbox": Sandbox(backend="local")}), task, attack)
+
+
+def test_e2b_template_as_e2b_provisions_it_is_refused_and_would_be_ruled(coding_spec, local_envd, monkeypatch):
+    """A template as E2B's own build leaves it (sudo without a password for `user`, root without a password, a
+    /usr/local all may write) is refused in one line naming each way found; with the probe skipped, a solution
+    that becomes root while tested does not end at its 0 (the probe is what stops it). (What it plants where root
+    runs programs is not run by this runner, which starts none after the agent's code: another verifier might.)"""
+    from loopline.envregistry.sandbox import e2b
+    from loopline.envregistry.sandbox.base import InfraFailure
+
+    spec, task = coding_spec
+    raw = spec.model_copy(update={"sandbox": Sandbox(backend="e2b", template="e2b-as-provisioned")})
+    with pytest.raises(InfraFailure) as refused:
+        _play(raw, task, ATTACKS["correct_solution"][0])
+    said = str(refused.value)
+    assert "\n" not in said and "e2b-as-provisioned" in said and "envreg e2b-template build" in said
+    assert "with sudo" in said and "setuid" in said and "/usr/local/bin" in said
+
+    monkeypatch.setattr(e2b, "PROBE", "true")
+    try:
+        ruled = _play(raw, task, ATTACKS["becomes_root_and_rewrites_the_verdict"][0]).reward != 0.0
+    except InfraFailure as exc:  # (the forged verdict is out of range: a verifier fault, never the agent's 0)
+        ruled = "verifier fault" in str(exc)
+    assert ruled

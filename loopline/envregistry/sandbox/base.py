@@ -123,17 +123,6 @@ def verifier_env(verify_dir: str, workdir: str, agent_exec: list[str]) -> dict[s
     }
 
 
-async def collect_verdict(sandbox, result: ExecResult, verdict_path: str, user: str) -> VerifierRun:
-    """After a verifier command ran in a container: end what the agent's code started while it was
-    tested, then read the verdict file as the verifier's user (missing: no verdict)."""
-    await sandbox.end_agent()
-    try:
-        verdict = await sandbox.read_file(verdict_path, user=user)
-    except FileNotFoundError:
-        verdict = None
-    return VerifierRun(result, verdict)
-
-
 @dataclass(frozen=True)
 class ModelEndpoint:
     """Where an agent program's sandbox reaches the model: local and Docker sandboxes have no network and get

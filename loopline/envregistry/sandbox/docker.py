@@ -35,7 +35,7 @@ from loopline.envregistry import spec as env_spec
 from loopline.envregistry.images import BUILD_COMMAND
 from loopline.envregistry.sandbox.base import (
     LOOPBACK_URL, MAX_PROGRAM_S, READ_LIMIT, ROLE_LABEL, UTF8, VERIFIER_ROLE, ExecResult, InfraFailure, ModelEndpoint, Outputs,
-    SandboxExhausted, VerifierRun, blocking, choose_outputs, collect_verdict, program_script, verifier_env,
+    SandboxExhausted, VerifierRun, blocking, choose_outputs, program_script, verifier_env,
 )
 from loopline.holder import process_alive
 
@@ -339,7 +339,12 @@ class DockerSandbox:
             await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
         env = verifier_env(VERIFY_DIR, self.spec.workdir, self.agent_exec)
         result = await blocking(self._exec, command, timeout_s, OUTPUT_LIMIT, VERIFIER, VERIFY_DIR, env)
-        return await collect_verdict(self, result, env["LOOPLINE_VERDICT_FILE"], VERIFIER)
+        await self.end_agent()  # (what the agent's code started while tested must not outlive the reading)
+        try:
+            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
+        except FileNotFoundError:
+            verdict = None
+        return VerifierRun(result, verdict)
 
     async def close(self) -> None:
         await blocking(self._remove)

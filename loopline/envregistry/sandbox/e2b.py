@@ -1,13 +1,19 @@
 """The E2B backend: a cloud sandbox per episode through the real `e2b` SDK.
 
 Resources come from the E2B template (they cannot be set per sandbox), so
-`resources` in the spec documents intent only; network access follows
-`network`. Commands get the same `timeout -s KILL` wrapper as on Docker, so a
-command that outlives its timeout is killed inside the sandbox, not merely
-abandoned by the client. The agent's commands run as E2B's unprivileged
-`user`; the verifier runs as `root` in `/verify` (mode 0700, a tmpfs of its
-own where the sandbox allows mounting), after every process of `user` has
-been killed, and runs the agent's code only through `setpriv` back to `user`.
+`resources` in the spec documents intent only, but for `pids`, which holds the
+agent's code under test. Network access follows `network`. Commands get the
+same `timeout -s KILL` wrapper as on Docker, so a command that outlives its
+timeout is killed inside the sandbox, not merely abandoned by the client. The
+agent's commands run as E2B's unprivileged `user`. Its outputs are copied out
+through envd's file API (no process needed: an agent that used up its
+sandbox's process table cannot stop it) into a fresh sandbox, which is first
+probed (`PROBE`): a template in which `user` can become root (sudo, setuid
+programs, as E2B's own provisioning sets up) or write where root runs programs
+is refused (`loopline.envregistry.e2b_template` is a recipe that passes). The
+verifier runs there as `root` in `/verify` (mode 0700, a tmpfs of its own where
+the sandbox allows mounting) and runs the agent's code only through `setpriv`
+back to `user`, held to `pids` processes and first in line for the OOM killer.
 
 An agent program (an env's `agent`) reaches the model over the internet: its sandbox is made with every
 outbound address denied but the host of the endpoint's public URL (E2B's `network` allow list, which
@@ -24,7 +30,8 @@ from urllib.parse import urlsplit
 
 from loopline.envregistry import spec as env_spec
 from loopline.envregistry.sandbox.base import (
-    MAX_PROGRAM_S, UTF8, ExecResult, InfraFailure, ModelEndpoint, VerifierRun, collect_verdict, verifier_env,
+    MAX_PROGRAM_S, ROLE_LABEL, UTF8, VERIFIER_ROLE, ExecResult, InfraFailure, ModelEndpoint, Outputs, VerifierRun, choose_outputs,
+    verifier_env,
 )
 
 AGENT = "user"  # E2B's default unprivileged user
@@ -34,11 +41,25 @@ STDIN_FILE = "/run/loopline/stdin"
 OUTPUT_LIMIT = 64 * 1024
 SANDBOX_LIFETIME_S = 3600  # E2B kills an idle-forgotten sandbox after this, even if close() never ran
 _CLIENT_GRACE_S = 10  # how much longer the SDK waits than the in-sandbox kill timer
+MAX_DEPTH = 64  # how deep in the workdir outputs are looked for
+# Run as root in a new sandbox before the verifier gets it: one line per way the agent's user could become root or
+# plant what root runs (nothing printed: none found). The agent's code runs there while it is tested.
+PROBE = r"""
+u=$(id -u user) g=$(id -g user)
+as_user() { setpriv --reuid="$u" --regid="$g" --init-groups -- "$@"; }
+if command -v sudo >/dev/null 2>&1 && as_user sudo -n true >/dev/null 2>&1; then
+  echo "user runs commands as root with sudo, without a password"
+fi
+found=$(find / -xdev \( -perm -4000 -o -perm -2000 \) -type f 2>/dev/null | head -n 3 | tr '\n' ' ')
+[ -z "$found" ] || echo "setuid or setgid programs let user change identity: $found"
+found=$(as_user find $(echo "$PATH" | tr ':' ' ') /usr /etc /opt /bin /sbin /lib /lib64 -xdev -writable ! -type l 2>/dev/null | head -n 3 | tr '\n' ' ')
+[ -z "$found" ] || echo "user can write where root runs programs: $found"
+"""
 
 
 class E2BSandbox:
-    def __init__(self, spec: env_spec.Sandbox, sandbox):
-        self.spec, self.sandbox = spec, sandbox
+    def __init__(self, spec: env_spec.Sandbox, sandbox, verifies: bool = False):
+        self.spec, self.sandbox, self.verifies = spec, sandbox, verifies
         self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, read as root on first need
 
     @classmethod
@@ -56,7 +77,13 @@ class E2BSandbox:
             sandbox = await AsyncSandbox.create(template=spec.template, timeout=SANDBOX_LIFETIME_S, metadata=labels or {}, **network)
         except (SandboxException, AuthenticationException, ServiceBusyException) as exc:
             raise InfraFailure(f"could not create an E2B sandbox from template {spec.template!r}: {exc}") from None
-        box = cls(spec, sandbox)
+        box = cls(spec, sandbox, verifies=(labels or {}).get(ROLE_LABEL) == VERIFIER_ROLE)
+        if box.verifies:
+            try:
+                await box._refuse_a_way_to_root()
+            except BaseException:
+                await box.close()
+                raise
         workdir = shlex.quote(spec.workdir)
         made = await box.exec(
             f"mkdir -p {workdir} && (chown {AGENT}: {workdir} 2>/dev/null || chmod 1777 {workdir})",
@@ -68,6 +95,14 @@ class E2BSandbox:
             await box.close()
             raise InfraFailure(f"could not create {spec.workdir} in the E2B sandbox: {made.stderr.strip()}")
         return box
+
+    async def _refuse_a_way_to_root(self) -> None:
+        found = (await self._as_root(PROBE, "probe the template")).stdout.strip().splitlines()
+        if found:
+            raise InfraFailure(
+                f"E2B template {self.spec.template!r} lets the agent's code rule its verifier ({'; '.join(found)}): build it "
+                "from loopline's recipe (`envreg e2b-template build`, docs/concepts/sandboxes-verifiers.md)"
+            )
 
     def _path(self, path: str) -> str:
         return path if path.startswith("/") else posixpath.join(self.spec.workdir, path)
@@ -172,22 +207,63 @@ class E2BSandbox:
             raise InfraFailure(f"could not {what} in the E2B sandbox: {result.stderr.strip()[-300:]}")
         return result
 
+    async def collect_outputs(self, patterns: tuple[str, ...] | None) -> Outputs:
+        """Through envd's file API, as the agent's user: no process is started (the agent may have left none to
+        spare), and a file swapped for a link meanwhile is read with the agent's own rights."""
+        from e2b import FileType
+        from e2b.exceptions import SandboxException
+
+        root = self.spec.workdir.rstrip("/") + "/"
+        try:
+            entries = await self.sandbox.files.list(self.spec.workdir, depth=MAX_DEPTH, user=VERIFIER)
+        except SandboxException as exc:
+            raise InfraFailure(f"could not list the agent's outputs in the E2B sandbox: {exc}") from None
+        regular = {e.path[len(root):]: e for e in entries if e.type == FileType.FILE and e.path.startswith(root)}
+        chosen, left_out = choose_outputs(((path, e.size) for path, e in regular.items()), patterns)
+        files: dict[str, bytes] = {}
+        for path in chosen:
+            try:
+                data = await self.sandbox.files.read(root + path, format="bytes", user=AGENT)
+            except SandboxException as exc:
+                left_out[path] = f"could not be read: {exc}"
+                continue
+            files[path] = bytes(data)
+        return Outputs(files, frozenset(p for p in files if regular[p].mode & 0o111), left_out)
+
+    async def put_outputs(self, outputs: Outputs) -> None:
+        from e2b.exceptions import SandboxException
+
+        for path, data in outputs.files.items():
+            try:
+                await self.sandbox.files.write(self._path(path), data, user=AGENT)
+            except SandboxException as exc:
+                raise InfraFailure(f"could not copy {path} into the verifier's E2B sandbox: {exc}") from None
+        if outputs.executable:
+            await self._as_root(f"chmod +x {' '.join(shlex.quote(self._path(p)) for p in outputs.executable)}", "mark outputs executable")
+
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
-        await self.end_agent()
         size = self.spec.resources.disk_mb
         await self._as_root(
             f"mkdir -p {VERIFY_DIR} && chmod 700 {VERIFY_DIR} && "
-            f"(mountpoint -q {VERIFY_DIR} || mount -t tmpfs -o size={size}m,mode=0700 tmpfs {VERIFY_DIR} || true) && "
-            f"find {VERIFY_DIR} -mindepth 1 -delete",
+            f"(mountpoint -q {VERIFY_DIR} || mount -t tmpfs -o size={size}m,mode=0700 tmpfs {VERIFY_DIR} || true)",
             f"prepare {VERIFY_DIR}",
         )
         for path, text in files.items():
             await self.write_file(posixpath.join(VERIFY_DIR, path), text, user=VERIFIER)
         uid, gid = await self._agent_ids()
-        agent_exec = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+        pids = self.spec.resources.pids
+        # first in line for the OOM killer (for good: root may lower it, the agent not), and `pids` processes at most
+        agent_exec = [
+            "choom", "-n", "1000", "--", "prlimit", f"--nproc={pids}:{pids}", "--",
+            "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
+        ]
         env = verifier_env(VERIFY_DIR, self.spec.workdir, agent_exec)
         result = await self.exec(command, timeout_s, cwd=VERIFY_DIR, user=VERIFIER, envs=env)
-        return await collect_verdict(self, result, env["LOOPLINE_VERDICT_FILE"], VERIFIER)
+        try:  # (the file API: the agent's code may have left no process to spare)
+            verdict = await self.read_file(env["LOOPLINE_VERDICT_FILE"], user=VERIFIER)
+        except FileNotFoundError:
+            verdict = None
+        return VerifierRun(result, verdict)
 
     async def close(self) -> None:
         from e2b.exceptions import SandboxException
