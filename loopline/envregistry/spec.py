@@ -157,7 +157,7 @@ class Resources(_Strict):
     cpus: float = Field(1.0, ge=0.01, le=64, description="at least 0.01 (Docker's smallest CPU share)")
     memory_mb: int = Field(512, ge=16, le=1_048_576, description="memory of the sandbox (local: per process, and what its /tmp and /dev/shm may hold)")
     pids: int = Field(128, ge=8, le=1_000_000, description="processes the agent may run at once")
-    disk_mb: int = Field(256, ge=1, le=1_048_576, description="disk the agent's working directory may fill (docker, e2b)")
+    disk_mb: int = Field(256, ge=1, le=1_048_576, description="disk the agent's working directory may fill (docker, local; e2b: the template's)")
 
 
 class Sandbox(_Strict):
@@ -197,11 +197,11 @@ class Sandbox(_Strict):
         if self.backend != "local" and self.unsafe_host:
             raise ValueError("`unsafe_host` is for the local backend only")
         # (compared with the defaults, not "was it written": a registered spec is stored with every field)
-        unenforced = [f for f in ("cpus", "disk_mb") if getattr(self.resources, f) != Resources.model_fields[f].default]
+        unenforced = [f for f in ("cpus",) if getattr(self.resources, f) != Resources.model_fields[f].default]
         if self.backend == "local" and unenforced:
             raise ValueError(
                 f"the local backend cannot enforce resources.{' or resources.'.join(unenforced)} (it enforces pids and "
-                "memory_mb per command): remove it, or use docker or e2b"
+                "memory_mb per command, disk_mb for its workdir): remove it, or use docker or e2b"
             )
         if self.backend == "local" and self.network and not self.unsafe_host:
             raise ValueError(

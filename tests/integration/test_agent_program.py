@@ -188,7 +188,9 @@ def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answe
     import os
 
     if backend == "docker":
-        assert seen["uid"] == 1000  # the container's agent user, as for tool commands
+        from loopline.envregistry.sandbox.docker import AGENT_UIDS
+
+        assert AGENT_UIDS[0] <= seen["uid"] < AGENT_UIDS[1]  # the container's own agent uid, as for tool commands
     elif os.geteuid() == 0:
         assert seen["uid"] == 65534  # loopline as root: the program runs as an unprivileged uid
 

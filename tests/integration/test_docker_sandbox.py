@@ -28,7 +28,7 @@ def _with_box(spec: Sandbox, body):
     return asyncio.run(go())
 
 
-def test_runs_as_non_root_with_files_in_a_tmpfs_workdir(docker_image):
+def test_runs_as_a_uid_of_its_own_with_files_in_a_tmpfs_workdir(docker_image):
     big = "x" * 150_000 + "\nend"
 
     async def body(box):
@@ -37,8 +37,11 @@ def test_runs_as_non_root_with_files_in_a_tmpfs_workdir(docker_image):
         root = await box.exec("touch /etc/owned", 10)
         return who, root, await box.read_file("pkg/big.txt")
 
+    from loopline.envregistry.sandbox.docker import AGENT_UIDS
+
     who, root, back = _with_box(_spec(docker_image), body)
-    assert who.stdout.split() == ["1000", "/workspace", str(len(big))]
+    uid, workdir, size = who.stdout.split()
+    assert AGENT_UIDS[0] <= int(uid) < AGENT_UIDS[1] and (workdir, size) == ("/workspace", str(len(big)))
     assert not root.ok and "Read-only file system" in root.stderr
     assert back == big
 

@@ -293,8 +293,6 @@ ATTACKS = {
         1.0,
     ),
 }
-# The local backend enforces no disk quota (its workdir is on the host): no disk-filling there.
-LOCAL_SKIPS = {"correct_solution_after_filling_the_disk"}
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +335,7 @@ def test_attack_scores_its_true_value_in_e2b_sdk_against_local_envd(attack, codi
     _check(spec.model_copy(update={"sandbox": Sandbox(backend="e2b", template="loopline-python")}), task, attack)
 
 
-@pytest.mark.parametrize("attack", sorted(set(ATTACKS) - LOCAL_SKIPS))
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_its_true_value_in_local_bubblewrap(attack, coding_spec):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
@@ -367,3 +365,32 @@ def test_e2b_template_as_e2b_provisions_it_is_refused_and_would_be_ruled(coding_
     except InfraFailure as exc:  # (the forged verdict is out of range: a verifier fault, never the agent's 0)
         ruled = "verifier fault" in str(exc)
     assert ruled
+
+
+def test_local_disk_filler_leaves_a_concurrent_episode_and_the_host_whole(coding_spec):
+    """The local backend's workdir is a filesystem of `disk_mb` of its own: an agent that fills it gets "no space"
+    there, while a concurrent episode on the same host writes and scores its correct solution, and the host's
+    TMPDIR, where the workdirs are mounted, does not fill."""
+    import tempfile
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    spec, task = coding_spec
+    spec = spec.model_copy(update={"sandbox": Sandbox(backend="local")})
+    free_before = shutil.disk_usage(tempfile.gettempdir()).free
+    fill = run("dd if=/dev/zero of=fill bs=1M count=400 2>&1; df -k . | tail -n 1")
+
+    async def both():
+        async def filler():
+            episode = await Episode.start(spec, task)
+            try:
+                return await episode.step(fill)
+            finally:
+                await episode.close()
+
+        return await asyncio.gather(filler(), asyncio.to_thread(_play, spec, task, ATTACKS["correct_solution"][0]))
+
+    filled, innocent = asyncio.run(both())
+    assert "No space left on device" in filled.text, filled
+    assert innocent.reward == 1.0, innocent
+    assert shutil.disk_usage(tempfile.gettempdir()).free > free_before - (100 << 20)

@@ -95,7 +95,7 @@ CASES: dict[str, tuple[str | bytes, str | bytes | None, str]] = {
     "tool_named_answer": (GEN + "tools: [{name: answer, description: d, builtin: calculator}]\n", None, "reserved"),
     "awk_braces_in_command": (CMD.replace("sh -c {cmd}", "awk '{print $1}' {cmd}"), jsonl(ROWS), "literal brace"),
     "unclosed_brace_in_command": (CMD.replace("sh -c {cmd}", "sh -c {cmd"), jsonl(ROWS), "literal brace"),
-    "disk_quota_on_local_backend": (GEN.replace("backend: local}", "backend: local, resources: {disk_mb: 64}}"), None, "cannot enforce resources.disk_mb"),
+    "cpu_quota_on_local_backend": (GEN.replace("backend: local}", "backend: local, resources: {cpus: 2}}"), None, "cannot enforce resources.cpus"),
     "network_on_local_backend": (GEN.replace("backend: local}", "backend: local, network: true}"), None, "unsafe_host"),
     "unsafe_host_on_docker": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, unsafe_host: true}"), jsonl(ROWS), "local backend only"),
     "memory_1e20": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, resources: {memory_mb: 1e20}}"), jsonl(ROWS), "sandbox.resources.memory_mb"),

@@ -27,6 +27,7 @@ from loopline.errors import LooplineError
 from tests.envfiles import JSONL_SPEC, ROWS, write_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = EXAMPLES / "arithmetic_env.yaml"
 
 
@@ -213,6 +214,40 @@ def _local(**resources) -> LocalSandbox:
     return LocalSandbox(Sandbox(backend="local", resources=resources or {}))
 
 
+AS_A_USER = """
+import asyncio, json, sys
+from loopline.envregistry.sandbox.local import LocalSandbox
+from loopline.envregistry.spec import Sandbox
+
+async def go():
+    box = LocalSandbox(Sandbox(backend="local", resources=json.loads(sys.argv[1])))
+    try:
+        result = await box.exec(sys.argv[2], timeout_s=60)
+        owner = (box.files / "mine").stat().st_uid if (box.files / "mine").exists() else None
+        print(json.dumps([result.stdout, result.stderr, owner]))
+    finally:
+        await box.close()
+
+asyncio.run(go())
+"""
+
+
+def _exec_as_a_user(command: str, uid: int = 4242, **resources) -> tuple[str, str, int | None]:
+    """`command` in a local sandbox that loopline, running as `uid` (not root), made: stdout, stderr and the owner
+    of the file `mine` in the workdir, if made. (The system python3, which CI gives the agent libraries, pydantic
+    among them: this process's may sit in a home that uid cannot enter.)"""
+    import json
+    import subprocess
+
+    ran = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", "/usr/bin/python3", "-c", AS_A_USER,
+         json.dumps(resources), command],
+        capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "TMPDIR": "/tmp"},
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    return tuple(json.loads(ran.stdout.splitlines()[-1]))
+
+
 def test_local_sandbox_timeout_kills_the_command():
     async def go():
         box = _local()
@@ -278,20 +313,17 @@ def test_local_sandbox_shows_the_agent_nothing_of_the_host(loopline_as):
     async def go():
         box = _local()
         try:
-            if loopline_as == "root":
-                result, uid = await box.exec(HOST_PROBE, timeout_s=30), AGENT_UID
-            else:
-                box.as_root = False
-                os.chown(box.root, 4242, 4242)
-                argv = ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--", *box.agent_prefix(), "/bin/sh", "-c", HOST_PROBE]
-                result, uid = await box._run(argv, box.root, 30, None, {"HOME": str(box.root)}), 4242
-            return result, uid, (box.root / "mine").stat().st_uid
+            result = await box.exec(HOST_PROBE, timeout_s=30)
+            return result.stdout, result.stderr, (box.files / "mine").stat().st_uid
         finally:
             await box.close()
 
-    result, uid, owner = asyncio.run(go())
-    assert result.stdout.endswith("probed\n") and "found" not in result.stdout, result.stdout + result.stderr
-    assert f"\n{uid}\n" in f"\n{result.stdout}" and owner == uid  # inside and on the host
+    if loopline_as == "root":
+        (stdout, stderr, owner), uid = asyncio.run(go()), AGENT_UID
+    else:
+        (stdout, stderr, owner), uid = _exec_as_a_user(HOST_PROBE), 4242
+    assert stdout.endswith("probed\n") and "found" not in stdout, stdout + stderr
+    assert f"\n{uid}\n" in f"\n{stdout}" and owner == uid  # inside and on the host
 
 
 # fills each filesystem the agent can reach but its workdir with 400 MB; prints what each held (KiB)
@@ -314,18 +346,17 @@ def test_local_sandbox_bounds_the_memory_its_filesystems_hold(loopline_as):
     async def go():
         box = _local(memory_mb=256)
         try:
-            if loopline_as == "root" or os.geteuid() != 0:
-                return await box.exec(STORE_PROBE, timeout_s=60)
-            box.as_root = False
-            os.chown(box.root, 4242, 4242)
-            argv = ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "--", *box.agent_prefix(), "/bin/sh", "-c", STORE_PROBE]
-            return await box._run(argv, box.root, 60, None, {"HOME": str(box.root)})
+            result = await box.exec(STORE_PROBE, timeout_s=60)
+            return result.stdout, result.stderr
         finally:
             await box.close()
 
-    result = asyncio.run(go())
-    held = dict(line.split(" ") if " " in line else (line, "") for line in result.stdout.splitlines()[:4])
-    assert result.stdout.endswith("probed\n") and "user namespace" not in result.stdout, result.stdout + result.stderr
+    if loopline_as == "root" or os.geteuid() != 0:
+        stdout, stderr = asyncio.run(go())
+    else:
+        stdout, stderr, _ = _exec_as_a_user(STORE_PROBE, memory_mb=256)
+    held = dict(line.split(" ") if " " in line else (line, "") for line in stdout.splitlines()[:4])
+    assert stdout.endswith("probed\n") and "user namespace" not in stdout, stdout + stderr
     assert (held["/"], held["/dev"]) == ("", "")  # read-only: nothing written
     assert 0 < int(held["/tmp"]) <= 128 * 1024 and 0 < int(held["/dev/shm"]) <= 64 * 1024, held
 

@@ -56,15 +56,73 @@ class LocalSandbox:
         if self.as_root and (problem := agent_cannot_reach(Path(tempfile.gettempdir()))):
             raise InfraFailure(problem)
         self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
-        if self.as_root:
+        self._files = self.root
+        self._holder: subprocess.Popen | None = None
+        if self.as_root and not self.isolated:
             os.chown(self.root, AGENT_UID, AGENT_UID)
         self._groups: set[int] = set()  # unsafe_host: process groups of commands, killed by end_agent
 
+    def _hold_a_workdir(self) -> None:
+        """The workdir is a tmpfs of `disk_mb` of its own, not the host's disk (an agent that filled TMPDIR's
+        filesystem failed every other episode there): mounted in a mount namespace (and, not as root, a user
+        namespace) held by a process that lives as long as this sandbox, or as this process (its stdin is ours,
+        so it ends when we do). Commands enter it; this process reaches the files through /proc/PID/root."""
+        res = self.spec.resources
+        owner = f" && chown {AGENT_UID}:{AGENT_UID} {self.root}" if self.as_root else ""
+        script = (
+            f"mount -t tmpfs -o size={res.disk_mb}m,nr_inodes={max(res.memory_mb * 32, 1024)},mode=0755 tmpfs {self.root}{owner} "
+            "&& echo ready && read _"
+        )
+        namespaces = ["--mount"] if self.as_root else ["--user", "--map-root-user", "--mount"]
+        try:
+            self._holder = subprocess.Popen(
+                ["unshare", *namespaces, "--propagation", "private", "--", "sh", "-c", script],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+        except OSError as exc:
+            raise InfraFailure(f"could not make the local sandbox's workdir: unshare: {exc}") from None
+        assert self._holder.stdout is not None and self._holder.stderr is not None
+        if self._holder.stdout.readline() != b"ready\n":
+            problem = self._holder.stderr.read().decode(errors="replace").strip()
+            self._holder.wait()
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise InfraFailure(f"could not make the local sandbox's workdir (a tmpfs of its own): {problem[-300:]}")
+        self._files = Path(f"/proc/{self._holder.pid}/root") / self.root.relative_to("/")
+
+    @property
+    def files(self) -> Path:
+        """Where this process reads and writes the workdir (made on first need: built-in tools need none)."""
+        if self.isolated and self._holder is None:
+            self._hold_a_workdir()
+        return self._files
+
     def _resolve(self, path: str) -> Path:
-        target = (self.root / path.lstrip("/")).resolve()
-        if not target.is_relative_to(self.root.resolve()):  # (a link the agent made that points out of it)
-            raise PermissionError(f"path {path!r} leaves the sandbox")
-        return target
+        """`path` in the workdir as this process reaches it, links the agent made followed as its commands would
+        see them (not Path.resolve(): through /proc/PID/root an absolute link would land on this host's files);
+        PermissionError for one that leaves the workdir."""
+        files, inside = self.files, str(self.root)
+        parts = [p for p in path.removeprefix(inside).split("/") if p not in ("", ".")]
+        done: list[str] = []
+        for _ in range(256):
+            if not parts:
+                return files.joinpath(*done)
+            part = parts.pop(0)
+            if part == "..":
+                if not done:
+                    raise PermissionError(f"path {path!r} leaves the sandbox")
+                done.pop()
+                continue
+            here = files.joinpath(*done, part)
+            if not here.is_symlink():
+                done.append(part)
+                continue
+            target = os.readlink(here)
+            if target.startswith("/"):
+                if target != inside and not target.startswith(inside + "/"):
+                    raise PermissionError(f"path {path!r} leaves the sandbox")
+                done, target = [], target[len(inside) :]
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+        raise PermissionError(f"path {path!r}: too many links")
 
     def agent_prefix(self) -> list[str]:
         """argv that runs a command as the agent: unprivileged, in bwrap, seeing /usr, /etc and its workdir."""
@@ -76,13 +134,20 @@ class LocalSandbox:
                 )
             return []
         limits = self.spec.resources
-        prefix = ["setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"] if self.as_root else []
+        self.files  # noqa: B018 (the workdir exists before a command enters it)
+        assert self._holder is not None
+        enter = ["nsenter", f"--target={self._holder.pid}", "--mount"]
+        if self.as_root:
+            prefix = [*enter, "--", "setpriv", f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups", "--"]
+        else:  # (in the holder's user namespace this process is root: bwrap maps the agent back to our uid)
+            prefix = [*enter, "--user", "--preserve-credentials", "--"]
         memory = limits.memory_mb * 1024 * 1024
         # Every filesystem the agent writes but its workdir is memory: a tmpfs of half the host's RAM by default,
         # which RLIMIT_AS does not bound (one call with memory_mb 512 stored 3 GB). /tmp and /dev/shm get sizes
         # from memory_mb, the rest is read-only, and no user namespace can be made inside to mount another.
         prefix += [
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "bwrap", *([] if self.as_root else ["--uid", str(os.getuid()), "--gid", str(os.getgid())]),
+            "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             *_minimal_system(), "--dev", "/dev", "--proc", "/proc",
             "--size", str(memory // 2), "--tmpfs", "/tmp", "--size", str(memory // 4), "--tmpfs", "/dev/shm",
         ]
@@ -171,12 +236,12 @@ class LocalSandbox:
 
     async def collect_outputs(self, patterns: tuple[str, ...] | None) -> Outputs:
         await self.end_agent()
-        listing = dict(_regular_files(self.root))
+        listing = dict(_regular_files(self.files))
         chosen, left_out = choose_outputs(((path, size) for path, (size, _) in listing.items()), patterns)
         files, executable = {}, set()
         for path in chosen:
             try:
-                with open(self.root / path, "rb", opener=_regular_only_nofollow) as f:
+                with open(self.files / path, "rb", opener=_regular_only_nofollow) as f:
                     files[path] = f.read(env_spec.MAX_OUTPUT_BYTES + 1)[: listing[path][0]]
             except OSError as exc:
                 left_out[path] = f"could not be read: {exc.strerror or exc}"
@@ -189,7 +254,7 @@ class LocalSandbox:
         for path, data in outputs.files.items():
             await self.write_file(path, data)
             if path in outputs.executable:
-                (self.root / path).chmod(0o755)
+                (self.files / path).chmod(0o755)
 
     async def run_verifier(self, files: dict[str, str], command: str, timeout_s: float) -> VerifierRun:
         await self.end_agent()
@@ -203,7 +268,7 @@ class LocalSandbox:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text)
             # (none of the agent's limits: what the agent's processes use cannot starve the verifier)
-            env = verifier_env(str(private), str(self.root), prefix)
+            env = verifier_env(str(private), str(self.files), prefix)
             result = await self._run(["/bin/sh", "-c", command], private, timeout_s, None, env)
             await self.end_agent()
             verdict_file = Path(env["LOOPLINE_VERDICT_FILE"])
@@ -214,7 +279,7 @@ class LocalSandbox:
 
     async def write_file(self, path: str, content: str | bytes) -> None:
         target = self._resolve(path)
-        missing = [p for p in [target.parent, *target.parent.parents] if p.is_relative_to(self.root) and not p.exists()]
+        missing = [p for p in [target.parent, *target.parent.parents] if p.is_relative_to(self.files) and not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):
             target.write_bytes(content)
@@ -235,6 +300,9 @@ class LocalSandbox:
             raise FileNotFoundError(f"{path}: {exc.strerror or exc}") from None
 
     async def close(self) -> None:
+        if self._holder is not None and self._holder.poll() is None:
+            self._holder.kill()  # (its mount namespace, and the workdir's memory, go with it)
+            self._holder.wait()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
