@@ -17,7 +17,7 @@ from rich.text import Text
 
 from loopline import aio
 from loopline.cli_support import console, friendly_errors, run_cli, stop_on_signals
-from loopline.envregistry import images, registry
+from loopline.envregistry import e2b_template, images, registry
 from loopline.envregistry.smoke import run_smoke
 from loopline.envregistry.spec import json_schema
 from loopline.store.db import session
@@ -30,8 +30,10 @@ app = typer.Typer(help="Register, inspect and test environments.", no_args_is_he
 app.callback()(stop_on_signals)  # (SIGTERM and a closed terminal stop a command as loopline's do)
 image_app = typer.Typer(help="Sandbox images, built without any image registry.", no_args_is_help=True)
 sandbox_app = typer.Typer(help="Running sandboxes.", no_args_is_help=True)
+e2b_app = typer.Typer(help="E2B templates a verifier can trust.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(e2b_app, name="e2b-template")
 
 
 @image_app.command("build")
@@ -55,6 +57,21 @@ def image_build(
             stage = bar.add_task(f"building {tag}", total=None)
             images.add_pip_packages(base, tag, tuple(pip), progress=lambda line: bar.update(stage, description=f"building {tag}: {line}"))
     console.print(f"built {tag}")
+
+
+@e2b_app.command("build")
+@friendly_errors
+def e2b_template_build(
+    name: str = typer.Argument(..., help="The template's name, for `sandbox.template` in an env spec."),
+    base: str = typer.Option(e2b_template.DEFAULT_BASE, "--from", help="The image to start from (needs python3 and util-linux)."),
+) -> None:
+    """Build loopline's E2B template recipe on E2B (needs E2B_API_KEY): `--from` image, then, as root after E2B's own
+    provisioning, no sudo for `user`, no setuid programs, system directories root's alone. E2B's default
+    provisioning lets the agent's code become root; loopline refuses such a template for verification."""
+    if not os.environ.get("E2B_API_KEY"):
+        raise LooplineError("building an E2B template needs E2B_API_KEY (your key from e2b.dev)")
+    built = e2b_template.build(name, base, on_log=lambda entry: console.print(str(entry), highlight=False))
+    console.print(f"built E2B template {name} ({getattr(built, 'template_id', built)}): use `sandbox: {{backend: e2b, template: {name}}}`")
 
 
 @sandbox_app.command("gc")

@@ -277,6 +277,13 @@ ATTACKS = {
          write(BECOME_ROOT + "import time\ntime.sleep(1)\n" + WRONG)],
         0.0,
     ),
+    "outputs_a_link_a_fifo_or_a_directory": (
+        # only regular files reach the verifier: a link (here to a correct solution outside the workdir), a FIFO
+        # that would block its reader and a directory are not copied; the one regular file named is
+        [run(f"printf '{RIGHT.strip()}\\n' > /tmp/real.py; ln -s /tmp/real.py solution.py; mkfifo helper.py; mkdir -p solution"),
+         ToolCall("write_file", {"path": "solution/__init__.py", "content": RIGHT})],
+        0.0,
+    ),
     "claims_success_without_a_solution": ([], 0.0),
     "correct_solution": ([write(RIGHT)], 1.0),
     "correct_solution_that_prints_and_exits_nonzero_later": (

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from loopline.envregistry.calculator import CalculatorError, calculate
 from loopline.envregistry.registry import prepare
@@ -651,3 +652,40 @@ def test_an_optional_argument_left_out_is_empty_and_bytes_no_sandbox_can_carry_a
     assert surrogate.error and "not valid Unicode" in surrogate.text
     assert huge.error and "bytes, over the 131,072 one command may hold" in huge.text
     assert (both.text, both.error) == ("[ada|dr]", False)
+
+
+def test_outputs_a_verifier_receives_are_the_named_regular_files_within_the_limits(monkeypatch):
+    """Patterns match the whole relative path (`*` also across `/`); in path order, files past the count or
+    byte limit are left out with the reason, and a spec without `outputs` takes every file."""
+    from loopline.envregistry import spec as env_spec
+    from loopline.envregistry.sandbox.base import choose_outputs
+
+    listing = [("b/deep/x.py", 5), ("solution.py", 10), ("notes.txt", 3), ("a.py", 7)]
+    assert choose_outputs(listing, ("*.py",)) == (["a.py", "b/deep/x.py", "solution.py"], {})
+    assert choose_outputs(listing, ("solution.py", "b/*")) == (["b/deep/x.py", "solution.py"], {})
+    assert choose_outputs(listing, None)[0] == ["a.py", "b/deep/x.py", "notes.txt", "solution.py"]
+    monkeypatch.setattr(env_spec, "MAX_OUTPUT_BYTES", 12)
+    monkeypatch.setattr(env_spec, "MAX_OUTPUT_FILES", 2)
+    chosen, left_out = choose_outputs(listing, None)
+    assert chosen == ["a.py", "b/deep/x.py"]  # 7 + 5 = 12 bytes, 2 files
+    assert left_out == {"notes.txt": "over the 2 files a verifier receives", "solution.py": "over the 2 files a verifier receives"}
+    monkeypatch.setattr(env_spec, "MAX_OUTPUT_FILES", 10)
+    assert choose_outputs(listing, None) == (["a.py", "b/deep/x.py"], {
+        "notes.txt": "over the 0 MiB a verifier receives", "solution.py": "over the 0 MiB a verifier receives",
+    })
+
+
+def test_verifier_outputs_are_relative_patterns_and_leave_older_specs_hashes_alone():
+    from loopline.envregistry.spec import EnvSpec, spec_hash
+
+    base = load_spec(EXAMPLES / "coding_env.yaml").canonical()
+    assert base["verifier"]["outputs"] == ["solution.py"]
+    without = {**base, "verifier": {k: v for k, v in base["verifier"].items() if k != "outputs"}}
+    parsed = EnvSpec.model_validate(without)
+    assert parsed.verifier.outputs is None and "outputs" not in parsed.canonical()["verifier"]  # (its old hash)
+    assert spec_hash(parsed.canonical()) == spec_hash(without)
+    for bad in (["/etc/passwd"], ["../x"], ["a/../../x"]):
+        with pytest.raises(ValidationError, match="relative path without"):
+            EnvSpec.model_validate({**base, "verifier": {**base["verifier"], "outputs": bad}})
+    with pytest.raises(ValidationError, match="outputs are for command verifiers"):
+        EnvSpec.model_validate({**base, "verifier": {"builtin": "arithmetic_answer", "outputs": ["x"]}})
