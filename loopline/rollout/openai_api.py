@@ -32,12 +32,15 @@ Each episode is reached through its own base URL (`/episodes/KEY/v1`) or with it
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -59,6 +62,29 @@ class RequestError(Exception):
 
 
 MAX_REFUSALS_KEPT = 3
+# A request's own work (JSON, checks, the chat template, tokenising, the chain check) runs here, never on the
+# endpoint's event loop, and one piece of an episode's at a time: one request within every bound (12 MiB of
+# message text) held the loop for 19 s and every other episode's call waited behind it.
+_CPU = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopline-endpoint")
+LARGE_REQUEST_BYTES = 1 << 20  # past it, the memory the request took is handed back to the system afterwards
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or None elsewhere: what a large request freed goes back to the system (it stayed:
+    597 -> 2,683 MB after one)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_trim = _libc_trim()
+
+
+def hand_back_memory() -> None:
+    if _trim is not None:
+        _trim(0)
 
 
 @dataclass(frozen=True)
@@ -188,6 +214,13 @@ class AgentEpisode:
     _last: tuple[list[dict], list[dict], list[int], list[int]] | None = None  # messages (ours), tools, ids, generated
     _last_text: tuple[str | None, list[int], list[int]] | None = None  # /v1/completions: prompt, ids, generated
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _cpu: asyncio.Lock = field(default_factory=asyncio.Lock)  # one piece of this episode's request work at a time
+
+    async def offload(self, fn, *args):
+        """`fn(*args)` on the endpoint's CPU threads, this episode's one at a time: an episode's heavy request
+        takes one thread of a few, never the event loop every episode's calls go through."""
+        async with self._cpu:
+            return await asyncio.get_running_loop().run_in_executor(_CPU, fn, *args)
 
     def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
         from jinja2 import TemplateError
@@ -267,12 +300,14 @@ class AgentEpisode:
         """`/v1/completions`: the agent's own prompt, chained to the previous call's ids where it extends them."""
         return await self._timed(self._text, body)
 
-    async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _chat_request(self, body: dict[str, Any]) -> tuple[list[dict], list[dict], str]:
         messages, tools = _checked_messages(body.get("messages")), _checked_tools(body.get("tools") or [])
+        forced = forced_call_prefix(body.get("tool_choice"), tools, self.chat.tool_format())
+        return messages, ([] if body.get("tool_choice") == "none" else tools), forced
+
+    async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages, tools, forced = await self.offload(self._chat_request, body)
         fmt = self.chat.tool_format()
-        forced = forced_call_prefix(body.get("tool_choice"), tools, fmt)
-        if body.get("tool_choice") == "none":
-            tools = []
         call = _Call.of(body)
         async with self._lock:
             # a forced prefix goes after the prompt, as prompt: the policy did not choose it, so it is never trained
@@ -297,7 +332,7 @@ class AgentEpisode:
             "choices": [choice], "usage": reply.usage(),
         }
 
-    async def _text(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _text_prompt(self, body: dict[str, Any]) -> str | list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
@@ -309,6 +344,10 @@ class AgentEpisode:
             raise RequestError("prompt: a non-empty string or one list of token ids")
         if body.get("echo"):
             raise RequestError("echo: not served (the prompt is the agent's own text)")
+        return prompt
+
+    async def _text(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = await self.offload(self._text_prompt, body)
         call = _Call.of(body)
         async with self._lock:
             reply = await self._sample(call, lambda: self.text_prompt_ids(prompt))
@@ -347,8 +386,8 @@ class AgentEpisode:
         if remaining <= 0:
             self.exhausted = "tokens"
             raise RequestError(f"the episode's {self.budget.max_tokens} generated tokens are spent", "budget_exhausted")
-        ids = prompt_ids()
-        starts_chain = self._starts_chain(ids) and bool(self.segments)  # (the first chain is the trajectory's own)
+        ids = await self.offload(prompt_ids)
+        starts_chain = await self.offload(self._starts_chain, ids) and bool(self.segments)  # (the first chain is the trajectory's own)
         asked = call.max_tokens or self.sampling.max_new_tokens
         sampling = replace(self.sampling, max_new_tokens=max(1, min(asked, self.sampling.max_new_tokens, remaining)), stop=call.stop)
         if call.seed is not None:  # the same draws for the same call of the same sample; the group's samples still differ

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from loopline.rollout.engine import EngineClosed, EngineError
 from loopline.store.nul import unicode
-from loopline.rollout.openai_api import AgentEpisode, RequestError, chat_chunks, text_chunks
+from loopline.rollout.openai_api import LARGE_REQUEST_BYTES, AgentEpisode, RequestError, chat_chunks, hand_back_memory, text_chunks
 from loopline.rollout import openai_responses
 from loopline.rollout.threaded_server import serve_on_thread
 
@@ -27,7 +27,8 @@ from loopline.rollout.threaded_server import serve_on_thread
 MAX_BODY_BYTES = 16 << 20  # a request's body (a long agent conversation is ~1 MB of JSON)
 MAX_REQUESTS_PER_EPISODE = 16  # open at once; past it the episode ends (its own failure, not the others')
 MAX_CONNECTIONS = 1024  # open at once, over all episodes (each holds a file descriptor of this process)
-IDLE_S = 30.0  # a connection that sends no request for this long is closed (one that never sends, too)
+IDLE_S = 30.0  # a connection that sends nothing for this long after a response is closed
+HEADERS_S = 10.0  # a request's headers must be complete this long after its connection opened or its first byte came
 _log = logging.getLogger(__name__)
 
 
@@ -37,9 +38,9 @@ def _error(message: str, kind: str, status: int):
     return JSONResponse({"error": {"message": message, "type": kind, "code": kind}}, status_code=status)
 
 
-async def _request_body(request) -> dict:
+def _parsed(raw: bytes) -> dict:
     try:
-        body = _valid_unicode(json.loads(await _body(request)))
+        body = _valid_unicode(json.loads(raw))
     except (ValueError, UnicodeDecodeError):
         raise RequestError("the request body is not JSON") from None
     except RecursionError:
@@ -81,10 +82,14 @@ def _valid_unicode(value: Any) -> Any:
 
 
 def _protocol():
-    """uvicorn's HTTP/1.1 protocol, bounded: at most MAX_CONNECTIONS open (more are closed at once, said once
-    in the log) and a connection closed after IDLE_S without a request, also one that never sends one
-    (uvicorn times out only a connection idle after a response: 19,000 half-open connections from one
-    agent took every file descriptor of the trainer)."""
+    """uvicorn's HTTP/1.1 protocol, bounded so that no agent can keep another's connections out:
+    - a request's headers must be complete within HEADERS_S of its connection opening (or, on a kept-alive
+      connection, of its first byte), however slowly they trickle: 1,040 requests sending a header byte every
+      5 s held every connection for as long as they liked (uvicorn's idle timer restarts at each byte);
+    - at most MAX_CONNECTIONS open: a new one evicts the connection that has waited longest without a request
+      in flight (half-sent headers, or idle after a response); only if every one has a request in flight is the
+      new one closed (said once in the log). An episode's requests in flight are bounded (MAX_REQUESTS_PER_EPISODE).
+    - a connection idle IDLE_S after a response is closed (uvicorn's keep-alive)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Bounded(H11Protocol):
@@ -92,14 +97,56 @@ def _protocol():
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > MAX_CONNECTIONS:
+            self._headers_timer = None
+            self._waiting_since = self.loop.time()
+            if len(self.connections) > MAX_CONNECTIONS and not self._evict_one():
                 if not Bounded.refused:
-                    _log.warning("the agent endpoint has %d connections open: closing new ones until some end", MAX_CONNECTIONS)
+                    _log.warning("the agent endpoint has %d connections open, each with a request in flight: closing new ones", MAX_CONNECTIONS)
                     Bounded.refused = True
                 transport.close()
                 return
             Bounded.refused = False
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self._expect_headers()
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _evict_one(self) -> bool:
+            waiting = [c for c in self.connections if c is not self and getattr(c, "_waiting_since", None) is not None
+                       and c._between_requests() and not c.transport.is_closing()]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c._waiting_since)
+            oldest.transport.close()
+            return True
+
+        def _expect_headers(self) -> None:
+            """From now, a request's headers have HEADERS_S to arrive whole."""
+            if self._headers_timer is None:
+                self._headers_timer = self.loop.call_later(HEADERS_S, self._headers_late, self.cycle)
+
+        def _headers_late(self, cycle) -> None:
+            self._headers_timer = None
+            if self.cycle is cycle and self._between_requests() and not self.transport.is_closing():
+                self.transport.close()  # (no new request began since the clock started)
+
+        def data_received(self, data: bytes) -> None:
+            if self._between_requests():
+                self._expect_headers()
+            super().data_received(data)
+            if not self._between_requests() and self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+                self._waiting_since = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._waiting_since = self.loop.time()
+
+        def connection_lost(self, exc) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            super().connection_lost(exc)
 
     return Bounded
 
@@ -160,7 +207,8 @@ class OpenAIServer:
     async def _responses(self, request):
         def respond(episode: AgentEpisode):
             async def serve(body: dict) -> dict:
-                return openai_responses.response(await episode.complete(openai_responses.chat_request(body)), body)
+                asked = await episode.offload(openai_responses.chat_request, body)
+                return openai_responses.response(await episode.complete(asked), body)
             return serve
 
         return await self._serve(request, respond, lambda r: openai_responses.sse(openai_responses.events(r)))
@@ -183,8 +231,10 @@ class OpenAIServer:
     async def _answer(self, request, episode: AgentEpisode, method, frames):
         from starlette.responses import JSONResponse, StreamingResponse
 
+        raw = b""
         try:
-            body = await _request_body(request)
+            raw = await _body(request)
+            body = await episode.offload(_parsed, raw)
             response = await method(episode)(body)
         except RequestError as exc:
             episode.refuse(exc)
@@ -194,6 +244,9 @@ class OpenAIServer:
             episode.engine_error = str(exc)
             episode.engine_closed = isinstance(exc, EngineClosed)
             return _error(f"the model server failed: {exc}", "server_error", 503)
+        finally:
+            if len(raw) > LARGE_REQUEST_BYTES:  # (what its rendering and tokenising took is free by now)
+                await episode.offload(hand_back_memory)
         if not body.get("stream"):
             return JSONResponse(response)
 

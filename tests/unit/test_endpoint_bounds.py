@@ -119,7 +119,7 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read(served):
 
 
 def test_connections_that_send_nothing_are_closed_and_their_number_is_bounded(monkeypatch, tokenizer):
-    monkeypatch.setattr(openai_server, "IDLE_S", 1.0)
+    monkeypatch.setattr(openai_server, "HEADERS_S", 1.0)
     monkeypatch.setattr(openai_server, "MAX_CONNECTIONS", 20)
     episode, _, _ = _episode(tokenizer, [[42]] * 2)
     with OpenAIServer() as server:
@@ -130,7 +130,7 @@ def test_connections_that_send_nothing_are_closed_and_their_number_is_bounded(mo
         started = time.monotonic()
         closed_at = []
         for s in idle:
-            assert s.recv(1) == b""  # closed by the server: at once past the bound, after IDLE_S below it
+            assert s.recv(1) == b""  # closed by the server: the oldest at once past the bound, the rest after HEADERS_S
             closed_at.append(time.monotonic() - started)
             s.close()
         assert max(closed_at) < 8
