@@ -86,32 +86,36 @@ def through_endpoint(engine, chat: ChatFormat, sampling: SamplingParams, calls: 
     return times
 
 
-def _slowloris(host: str, port: int, seconds: float) -> None:
+def half_open(host: str, port: int, seconds: float, connections: int = 1040, every_s: float = 5.0) -> None:
+    """An attacker's connections that send their request's headers a byte every `every_s`, reconnecting when one
+    is closed (tests/integration/test_endpoint_fairness.py plays it too)."""
     import socket
 
     request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nobody\r\n"
-    held = []
-    for _ in range(1040):
+    held: list[socket.socket | None] = []
+    for _ in range(connections):
         try:
             held.append(socket.create_connection((host, port), timeout=5))
         except OSError:
-            pass
+            held.append(None)
     end, sent = time.monotonic() + seconds, 0
     while time.monotonic() < end:
-        for s in list(held):
+        for i, s in enumerate(held):
             try:
+                if s is None:
+                    raise OSError
                 s.send(request[sent % len(request) : sent % len(request) + 1])
             except OSError:  # closed by the endpoint: reconnect, as an attacker would
-                held.remove(s)
                 try:
-                    held.append(socket.create_connection((host, port), timeout=5))
+                    held[i] = socket.create_connection((host, port), timeout=5)
                 except OSError:
-                    pass
+                    held[i] = None
         sent += 1
-        time.sleep(5)
+        time.sleep(every_s)
 
 
-def _flood(base_url: str, kind: str, seconds: float) -> None:
+def heavy(base_url: str, kind: str, seconds: float) -> None:
+    """One request after another, each within every bound: `large` 12 MiB of message text, `tools` 100,000 tools."""
     import httpx
 
     if kind == "large":
@@ -132,8 +136,8 @@ def _attack(kind: str, server: OpenAIServer, base_url: str, seconds: float):
 
     context = multiprocessing.get_context("spawn")
     if kind == "slowloris":
-        return context.Process(target=_slowloris, args=(server.host, server.port, seconds))
-    return context.Process(target=_flood, args=(base_url, kind, seconds))
+        return context.Process(target=half_open, args=(server.host, server.port, seconds))
+    return context.Process(target=heavy, args=(base_url, kind, seconds))
 
 
 def _rss_mb() -> float:

@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
-from loopline.rollout.engine import ContextOverflow, EngineError, Sampler, SamplingParams
+from loopline.rollout.engine import ContextOverflow, EngineClosed, EngineError, Sampler, SamplingParams
 from loopline.rollout.tool_formats import FORMATS, ToolCallFormat
 from loopline.types import SegmentRecord
 
@@ -220,7 +220,11 @@ class AgentEpisode:
         """`fn(*args)` on the endpoint's CPU threads, this episode's one at a time: an episode's heavy request
         takes one thread of a few, never the event loop every episode's calls go through."""
         async with self._cpu:
-            return await asyncio.get_running_loop().run_in_executor(_CPU, fn, *args)
+            try:
+                work = asyncio.get_running_loop().run_in_executor(_CPU, fn, *args)
+            except RuntimeError:  # (the process is exiting: its threads are gone, and the request with them)
+                raise EngineClosed("the endpoint is stopping") from None
+            return await work
 
     def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
         from jinja2 import TemplateError

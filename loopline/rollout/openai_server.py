@@ -246,7 +246,8 @@ class OpenAIServer:
             return _error(f"the model server failed: {exc}", "server_error", 503)
         finally:
             if len(raw) > LARGE_REQUEST_BYTES:  # (what its rendering and tokenising took is free by now)
-                await episode.offload(hand_back_memory)
+                with contextlib.suppress(EngineClosed):  # (the process is exiting: the system takes it all back)
+                    await episode.offload(hand_back_memory)
         if not body.get("stream"):
             return JSONResponse(response)
 

@@ -6,14 +6,13 @@ half-open connections failed 29,209 of 29,450 calls and one large request held e
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from benchmarks.openai_endpoint import half_open, heavy
 from loopline.rollout import openai_server
 from loopline.rollout.openai_server import OpenAIServer
 from tests.integration.test_train_flow import STARTER
@@ -21,38 +20,6 @@ from tests.unit.test_openai_endpoint import _episode
 
 pytestmark = pytest.mark.slow
 GENEROUS_S = 5.0  # a victim's call under attack (they take milliseconds; one took 17 s before)
-
-
-def _half_open(host: str, port: int, connections: int, seconds: float) -> None:
-    """Connections that send their headers a byte at a time, reconnecting when closed."""
-    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nobody\r\n"
-    held = [socket.create_connection((host, port)) for _ in range(connections)]
-    end, sent = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
-        for i, s in enumerate(held):
-            try:
-                s.send(request[sent % len(request) : sent % len(request) + 1])
-            except OSError:
-                try:
-                    held[i] = socket.create_connection((host, port))
-                except OSError:
-                    pass
-        sent += 1
-        time.sleep(0.3)
-
-
-def _heavy(base_url: str, kind: str, seconds: float) -> None:
-    if kind == "text":
-        body = {"messages": [{"role": "user", "content": "word " * ((12 << 20) // 5)}]}
-    else:
-        tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(100_000)]
-        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
-        except httpx.HTTPError:
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +50,9 @@ def test_a_victims_calls_are_served_while_another_episode_abuses_the_endpoint(ab
         attacker, _, _ = _episode(tokenizer, [[42]] * 1000, max_calls=1000, max_tokens=10**6)
         base = server.base_url(server.open(attacker))
         if abuse == "half_open_connections":
-            process = context.Process(target=_half_open, args=(server.host, server.port, 60, 12.0))
+            process = context.Process(target=half_open, args=(server.host, server.port, 12.0, 60, 0.3))
         else:
-            process = context.Process(target=_heavy, args=(base, "text" if abuse == "twelve_mib_of_text" else "tools", 12.0))
+            process = context.Process(target=heavy, args=(base, "large" if abuse == "twelve_mib_of_text" else "tools", 12.0))
         process.start()
         try:
             time.sleep(3)  # (under way: the connections open, the first heavy request read)
