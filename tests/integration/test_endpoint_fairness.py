@@ -50,13 +50,13 @@ def test_a_victims_calls_are_served_while_another_episode_abuses_the_endpoint(ab
         attacker, _, _ = _episode(tokenizer, [[42]] * 1000, max_calls=1000, max_tokens=10**6)
         base = server.base_url(server.open(attacker))
         if abuse == "half_open_connections":
-            process = context.Process(target=half_open, args=(server.host, server.port, 12.0, 60, 0.3))
+            process = context.Process(target=half_open, args=(server.host, server.port, 10.0, 60, 0.3))
         else:
-            process = context.Process(target=heavy, args=(base, "large" if abuse == "twelve_mib_of_text" else "tools", 12.0))
+            process = context.Process(target=heavy, args=(base, "large" if abuse == "twelve_mib_of_text" else "tools", 10.0))
         process.start()
         try:
-            time.sleep(3)  # (under way: the connections open, the first heavy request read)
-            times = _victim_calls(server, tokenizer, 6.0)
+            time.sleep(2.5)  # (under way: the connections open, the first heavy request read)
+            times = _victim_calls(server, tokenizer, 4.0)
         finally:
             process.terminate()
             process.join()
