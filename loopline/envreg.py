@@ -256,6 +256,8 @@ def test(
     for r in failed:  # (a refusal's reason, a context too short, is in the answer the player made of it)
         if r.verdict and r.verdict.get("refused"):
             console.print(Text(f"{r.task_id}: {r.answer}", style="red"), soft_wrap=True)
+        elif r.infra_error:  # whole, on one line: the table's cell wraps it (a refused E2B template says why there)
+            console.print(Text(f"{r.task_id}: {r.infra_error}", style="red"), soft_wrap=True)
     if failed:
         raise LooplineError(f"{len(failed)} of {len(results)} task(s) did not score {expected:g}")
 

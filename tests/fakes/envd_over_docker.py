@@ -51,7 +51,6 @@ from protobuf import Oneof
 from loopline.envregistry.e2b_template import HARDEN
 from tests.fakes.asgi import BackgroundServer, read_body
 
-PORT = 49983  # envd's port, and here the control plane's too
 HOMES = {"root": "/root", "user": "/home/user"}
 LABEL = "loopline.e2b-stand-in"
 
@@ -174,10 +173,20 @@ class _Files(Filesystem):
         return filesystem_pb.ListDirResponse(entries=entries)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class E2BOverDocker:
-    """Serves E2B's control plane and envd on 127.0.0.1:PORT; `templates` maps a template id to its image."""
+    """Serves E2B's control plane and envd on one port of 127.0.0.1 (a free one: test sessions may run side by
+    side); `templates` maps a template id to its image."""
 
     def __init__(self, templates: dict[str, str]):
+        self.port = _free_port()
         self.templates = dict(templates)
         self.boxes: dict[str, _Box] = {}
         self.requests: list[str] = []
@@ -239,8 +248,8 @@ class E2BOverDocker:
             else:
                 await _respond(send, 404, b'{"message": "not implemented by the stand-in", "code": 404}')
 
-        self.server = BackgroundServer(app, PORT)
-        self.server.start(f"the E2B stand-in on port {PORT}")
+        self.server = BackgroundServer(app, self.port)
+        self.server.start(f"the E2B stand-in on port {self.port}")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -250,7 +259,7 @@ class E2BOverDocker:
 
     def environment(self) -> dict[str, str]:
         """What points the SDK here."""
-        url = f"http://127.0.0.1:{PORT}"
+        url = f"http://127.0.0.1:{self.port}"
         return {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": "e2b_stand_in"}
 
     async def _files(self, scope, receive, send) -> None:

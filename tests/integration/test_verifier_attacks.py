@@ -9,6 +9,7 @@ whatever else the agent did to the sandbox. A verifier fault would raise InfraFa
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -401,3 +402,19 @@ def test_local_disk_filler_leaves_a_concurrent_episode_and_the_host_whole(coding
     assert "No space left on device" in filled.text, filled
     assert innocent.reward == 1.0, innocent
     assert shutil.disk_usage(tempfile.gettempdir()).free > free_before - (100 << 20)
+
+
+def test_envreg_test_of_an_env_on_such_a_template_says_why_in_one_line(local_envd, tmp_path):
+    """What a user runs first (`envreg test ENV.yaml`) refuses the template, the refusal whole on one line."""
+    import subprocess
+
+    import yaml
+
+    spec = yaml.safe_load((EXAMPLES / "coding_env.yaml").read_text())
+    spec["sandbox"] = {"backend": "e2b", "template": "e2b-as-provisioned"}
+    for name in ("coding_tasks.jsonl", "coding_run_tests.py"):
+        (tmp_path / name).write_text((EXAMPLES / name).read_text())
+    (tmp_path / "env.yaml").write_text(yaml.safe_dump(spec))
+    ran = subprocess.run(["envreg", "test", str(tmp_path / "env.yaml")], capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
+    said = [line for line in ran.stdout.splitlines() if "lets the agent's code rule its verifier" in line]
+    assert ran.returncode == 1 and len(said) == 1 and "with sudo" in said[0] and "envreg e2b-template build" in said[0], ran.stdout
