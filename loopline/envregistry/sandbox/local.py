@@ -85,7 +85,7 @@ class LocalSandbox:
         if self._holder.stdout.readline() != b"ready\n":
             problem = self._holder.stderr.read().decode(errors="replace").strip()
             self._holder.wait()
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._holder = None  # (never the host's directory in its place: the next use tries again)
             raise InfraFailure(f"could not make the local sandbox's workdir (a tmpfs of its own): {problem[-300:]}")
         self._files = Path(f"/proc/{self._holder.pid}/root") / self.root.relative_to("/")
 
