@@ -49,6 +49,7 @@ VERIFY_DIR = "/verify"
 MODEL_SOCKET = "/run/loopline-model.sock"  # an agent program's endpoint, bind-mounted (not removable from inside)
 PLUMBING_DIR = "/run/loopline"  # loopline's own files for the agent's commands (stdin): root's, readable, not fillable
 OUTPUT_LIMIT = 64 * 1024
+COPY_OUT = "copy the agent's outputs out"
 _WRITE_CHUNK = 48 * 1024  # base64 text per exec argument, well under the kernel's per-argument limit
 
 
@@ -78,7 +79,7 @@ def _client():
 
 
 class DockerSandbox:
-    def __init__(self, spec: env_spec.Sandbox, container, client, model_socket: str | None = None, agent_uid: int = 1000):
+    def __init__(self, spec: env_spec.Sandbox, container, client, model_socket: str | None, agent_uid: int):
         self.spec, self.container, self.client, self.model_socket = spec, container, client, model_socket
         self.agent = f"{agent_uid}:{agent_uid}"
         self.agent_exec = ["setpriv", f"--reuid={agent_uid}", f"--regid={agent_uid}", "--clear-groups", "--"]  # util-linux, in minbase
@@ -268,11 +269,7 @@ class DockerSandbox:
             f"n=0; while p=$(find /proc -mindepth 1 -maxdepth 1 -user {uid} -name '[0-9]*' -printf '%f ' 2>/dev/null); [ -n \"$p\" ]; do "
             "n=$((n + 1)); if [ $n -gt 100 ]; then echo \"still running: $p\" >&2; exit 1; fi; kill -9 $p 2>/dev/null; sleep 0.05; done"
         )
-        code, _, err, _, oom_killed = self._run(script, 30, VERIFIER, "/")
-        if oom_killed:
-            raise SandboxExhausted("no memory was left to end the agent's processes")
-        if code:
-            raise InfraFailure(f"could not end the agent's processes (exit {code}): {err.decode(errors='replace').strip()[-300:]}")
+        self._as_root(script, "end the agent's processes", 30)
 
     async def end_agent(self) -> None:
         await blocking(self._kill_agent)
@@ -281,7 +278,7 @@ class DockerSandbox:
         await self.end_agent()
         workdir = shlex.quote(self.spec.workdir)
         listing, unnamed = [], {}
-        for entry in (await blocking(self._as_root, f"find {workdir} -xdev -type f -printf '%s %P\\0'")).split(b"\0")[:-1]:
+        for entry in (await blocking(self._as_root, f"find {workdir} -xdev -type f -printf '%s %P\\0'", COPY_OUT)).split(b"\0")[:-1]:
             size, _, raw = entry.partition(b" ")
             try:
                 listing.append((raw.decode(), int(size)))
@@ -292,18 +289,19 @@ class DockerSandbox:
             return Outputs(left_out=left_out | unnamed)
         await self.write_file(f"{PLUMBING_DIR}/outputs", "\0".join(chosen), user=VERIFIER)
         archive = await blocking(
-            self._as_root, f"tar -C {workdir} -cf - --null --no-recursion -T {PLUMBING_DIR}/outputs | head -c {env_spec.MAX_OUTPUT_BYTES * 2}"
+            self._as_root, f"tar -C {workdir} -cf - --null --no-recursion -T {PLUMBING_DIR}/outputs | head -c {env_spec.MAX_OUTPUT_BYTES * 2}",
+            COPY_OUT,
         )
         return _read_outputs(archive, set(chosen), left_out | unnamed)
 
-    def _as_root(self, command: str) -> bytes:
-        """stdout of a command loopline runs as root to copy outputs out; the agent's exhaustion of the container
-        shows as SandboxExhausted."""
-        code, out, err, _, oom_killed = self._run(command, 60, VERIFIER)
+    def _as_root(self, command: str, what: str, timeout_s: float = 60) -> bytes:
+        """stdout of a command loopline runs as root after the agent's last action, to do `what`: the agent's
+        exhaustion of the container shows as SandboxExhausted (its failure), any other as InfraFailure."""
+        code, out, err, _, oom_killed = self._run(command, timeout_s, VERIFIER, "/")
         if oom_killed:
-            raise SandboxExhausted(f"no memory was left to copy its outputs out of {self.spec.workdir}")
+            raise SandboxExhausted(f"no memory was left to {what}")
         if code:
-            raise InfraFailure(f"could not copy the agent's outputs (exit {code}): {err.decode(errors='replace').strip()[-300:]}")
+            raise InfraFailure(f"could not {what} (exit {code}): {err.decode(errors='replace').strip()[-300:]}")
         return out
 
     async def put_outputs(self, outputs: Outputs) -> None:
