@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, Sequence
 
+import numpy as np
+
 from loopline.errors import LooplineError
 
 Split = Literal["train", "eval"]
@@ -133,7 +135,8 @@ class StoredSegment:
 
 @dataclass(frozen=True)
 class StoredTrajectory:
-    """A committed trajectory as the learner reads it back: its group, reward, versions and tokens."""
+    """A committed trajectory with each call's whole prompt (for readers that show every call; the learner
+    reads `ChainedTrajectory`, which holds each token once)."""
 
     id: uuid.UUID
     group_id: uuid.UUID
@@ -141,6 +144,52 @@ class StoredTrajectory:
     policy_version_min: int
     policy_version_max: int
     segments: tuple[StoredSegment, ...]
+
+    def chained(self) -> "ChainedTrajectory":
+        """The learner's view; a segment that breaks its chain (the trajectory rule) is refused."""
+        broken = first_chain_break(self.segments)
+        if broken is not None:
+            raise ValueError(f"trajectory {self.id}: segment {self.segments[broken].seq} does not extend the one before")
+        return ChainedTrajectory(
+            self.id, self.group_id, self.reward, self.policy_version_min, self.policy_version_max,
+            tuple(
+                StoredChain(
+                    np.asarray([*chain[-1].prompt_ids, *chain[-1].generated_ids], dtype=np.int32),
+                    tuple(StoredCall(len(s.prompt_ids), s.action_loss_mask, s.rollout_logprobs) for s in chain),
+                )
+                for chain in chains(self.segments)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class StoredCall:
+    """Where one call's generated ids sit in its chain's ids, with their loss mask and behaviour logprobs."""
+
+    prompt_len: int
+    action_loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
+
+
+@dataclass(frozen=True)
+class StoredChain:
+    """One prefix chain as the learner trains it: its last call's prompt and generated ids (every earlier
+    call's are a prefix of them), and each call's place in them."""
+
+    ids: np.ndarray  # int32
+    calls: tuple[StoredCall, ...]
+
+
+@dataclass(frozen=True)
+class ChainedTrajectory:
+    """A committed trajectory as the learner reads it back: memory linear in its tokens, whatever its turns."""
+
+    id: uuid.UUID
+    group_id: uuid.UUID
+    reward: float
+    policy_version_min: int
+    policy_version_max: int
+    chains: tuple[StoredChain, ...]
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ log = logging.getLogger(__name__)
 
 def load_sequences(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[TrainSequence]:
     """The learner's view of a claimed batch, in the batch's order."""
-    return [s for t in ledger.load_trajectories(session, trajectory_ids) for s in sequences_from_trajectory(t)]
+    return [s for t in ledger.load_chained(session, trajectory_ids) for s in sequences_from_trajectory(t)]
 
 
 def plan(ctx: LoopContext, step: int) -> list[uuid.UUID]:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from sqlmodel import Session
 
 from loopline.store._sql import q
-from loopline.store.commits import StoredPromptBroken, whole_prompts
+from loopline.store.prompts import StoredPromptBroken, whole_prompts
 from loopline.types import first_chain_break
 
 # What each invariant promises (DESIGN.md's list, as users read it in `loopline check`).

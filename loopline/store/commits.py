@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import numpy as np
+from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 from sqlalchemy.dialects import postgresql
 from sqlmodel import Session, SQLModel
 
 from loopline.errors import LooplineError
 from loopline.store.nul import storable
-from loopline.store.packed import use_packed_arrays
-from loopline.store._sql import one_row, q, rows, transaction
+from loopline.store import prompts
+from loopline.store.packed import read_numpy_arrays, use_packed_arrays
+from loopline.store._sql import one_row, q, transaction
 from loopline.store.models import Segment, Trajectory
 from loopline.store.records import CommitOutcome
-from loopline.types import StoredSegment, StoredTrajectory, TrajectoryRecord
+from loopline.types import ChainedTrajectory, StoredCall, StoredChain, StoredSegment, StoredTrajectory, TrajectoryRecord
 from loopline.store.slots import NO_LEASE, end_attempt, group_id_for, slot_id_for
 
 BulkMethod = Literal["copy", "copy_lists", "executemany"]  # the last two for comparison (benchmarks)
@@ -119,20 +121,16 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
             terminated=traj.terminated, truncated=traj.truncated, failure_type=traj.failure_type,
             policy_version_min=vmin, policy_version_max=vmax, timings=Jsonb(traj.timings), info=Jsonb(storable(traj.info)),
         )))
-        held = 0  # how many ids the previous segment holds (its prompt and generated ids)
-        for seq, seg in enumerate(traj.segments):
-            starts_chain = seq > 0 and seg.starts_chain
-            prefix = held if seq > 0 and not starts_chain else 0  # (validate() checked that the prompt extends them)
+        for seq, (seg, (prefix, copies, stored)) in enumerate(zip(traj.segments, prompts.encode(traj.segments))):
             segment_rows.append(_row(_SEGMENT_COLUMNS, dict(
                 trajectory_id=trajectory_id, seq=seq, request_id=seg.request_id, policy_version=seg.policy_version,
                 version_spans=Jsonb(list(seg.version_spans)) if seg.version_spans is not None else None,
-                tokenizer_version=seg.tokenizer_version, prompt_ids=list(seg.prompt_ids[prefix:]), prompt_prefix_len=prefix,
+                tokenizer_version=seg.tokenizer_version, prompt_ids=list(stored), prompt_prefix_len=prefix, prompt_copies=copies,
                 generated_ids=list(seg.generated_ids), action_loss_mask=list(seg.action_loss_mask),
                 rollout_logprobs=_float32(seg.rollout_logprobs), logprob_semantics=seg.logprob_semantics,
                 sampling_config=Jsonb(seg.sampling_config), tool_events=Jsonb(storable(list(seg.tool_events))),
-                started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=starts_chain,
+                started_at=seg.started_at, ended_at=seg.ended_at, starts_chain=seq > 0 and seg.starts_chain,
             )))
-            held = len(seg.prompt_ids) + len(seg.generated_ids)
 
     if trajectory_rows:
         raw = session.connection().connection.driver_connection
@@ -253,56 +251,69 @@ def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequenc
     }
 
 
-class StoredPromptBroken(LooplineError):
-    """A stored segment's prefix length is not its previous segment's ids (a corrupted ledger: `loopline check`)."""
+READ_TRAJECTORIES = 8  # per statement: a learner's read holds no transaction open while it decodes
 
 
-def whole_prompts(segments: Sequence) -> list[list[int]]:
-    """Each stored segment's whole prompt, from one trajectory's rows in seq order (each with `prompt_ids`, the
-    stored suffix, `prompt_prefix_len` and `generated_ids`): the previous segment's prompt and generated ids,
-    then the suffix. Exact by construction; a prefix length that is not 0 or the previous segment's whole length
-    is a corrupted row, refused."""
-    out: list[list[int]] = []
-    head: list[int] = []
-    for i, row in enumerate(segments):
-        if row.prompt_prefix_len not in (0, len(head)):
-            raise StoredPromptBroken(
-                f"segment {row.seq} stores a prompt after {row.prompt_prefix_len} ids, but segment {i - 1} holds {len(head)}"
-            )
-        whole = head[: row.prompt_prefix_len] + list(row.prompt_ids)
-        out.append(whole)
-        head = whole + list(row.generated_ids)
+def _read_segments(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> Iterator[tuple[uuid.UUID, list]]:
+    """Each asked trajectory's rows (its own columns on each of its segments', in seq order), a few trajectories
+    per statement, each statement its own transaction, the arrays loaded as numpy's: time and memory linear in
+    what is stored, whatever the batch. All must exist."""
+    wanted = list(trajectory_ids)
+    for at in range(0, len(wanted), READ_TRAJECTORIES):
+        chunk = wanted[at : at + READ_TRAJECTORIES]
+        try:
+            raw = session.connection().connection.driver_connection
+            with raw.cursor(binary=True, row_factory=namedtuple_row) as cur:
+                read_numpy_arrays(cur)
+                cur.execute(
+                    "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
+                    "s.prompt_prefix_len, s.prompt_copies, s.generated_ids, s.action_loss_mask, s.rollout_logprobs, s.starts_chain "
+                    "FROM trajectory t JOIN segment s ON s.trajectory_id = t.id WHERE t.id = ANY(%s) ORDER BY t.id, s.seq",
+                    (chunk,),
+                )
+                found = cur.fetchall()
+        finally:
+            session.rollback()
+        by_id: dict[uuid.UUID, list] = {}
+        for row in found:
+            by_id.setdefault(row.id, []).append(row)
+        missing = [t for t in chunk if t not in by_id]
+        if missing:
+            raise LooplineError(f"trajectories not in the ledger: {', '.join(map(str, missing[:3]))}")
+        for trajectory_id in chunk:
+            yield trajectory_id, by_id[trajectory_id]
+
+
+def load_chained(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[ChainedTrajectory]:
+    """Committed trajectories as the learner trains them (each chain's ids once), in the order asked for."""
+    out = []
+    for _, segs in _read_segments(session, trajectory_ids):
+        decoded = prompts.decode(segs)
+        calls: list[list[StoredCall]] = [[] for _ in decoded.chains]
+        for call in decoded.calls:
+            calls[call.chain].append(StoredCall(call.prompt_len, call.row.action_loss_mask, call.row.rollout_logprobs))
+        first = segs[0]
+        out.append(ChainedTrajectory(
+            first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
+            tuple(StoredChain(ids, tuple(c)) for ids, c in zip(decoded.chains, calls)),
+        ))
     return out
 
 
 def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:
-    """Committed trajectories with their segments' tokens, in the order asked for; all must exist."""
-    found = rows(
-        session,
-        "SELECT t.id, t.group_id, t.reward, t.policy_version_min, t.policy_version_max, s.seq, s.prompt_ids, "
-        "s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, s.starts_chain "
-        "FROM trajectory t JOIN segment s ON s.trajectory_id = t.id "
-        "WHERE t.id = ANY(:ids) ORDER BY t.id, s.seq",
-        ids=list(trajectory_ids),
-    )
-    by_id: dict[uuid.UUID, list] = {}
-    for row in found:
-        by_id.setdefault(row.id, []).append(row)
-    missing = [t for t in trajectory_ids if t not in by_id]
-    if missing:
-        raise LooplineError(f"trajectories not in the ledger: {', '.join(map(str, missing[:3]))}")
+    """Committed trajectories with each call's whole prompt (as Python lists), in the order asked for: for
+    readers that show every call (a trajectory's prompts together are quadratic in its turns: the learner
+    reads `load_chained`)."""
     out = []
-    for trajectory_id in trajectory_ids:
-        segs = by_id[trajectory_id]
+    for _, segs in _read_segments(session, trajectory_ids):
+        decoded = prompts.decode(segs)
         first = segs[0]
-        out.append(
-            StoredTrajectory(
-                first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
-                tuple(
-                    StoredSegment(r.seq, prompt, r.generated_ids, r.action_loss_mask, r.rollout_logprobs, r.starts_chain)
-                    for r, prompt in zip(segs, whole_prompts(segs))
-                ),
-            )
-        )
+        out.append(StoredTrajectory(
+            first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
+            tuple(
+                StoredSegment(r.seq, decoded.prompt(c).tolist(), r.generated_ids.tolist(), r.action_loss_mask.tolist(),
+                              r.rollout_logprobs.tolist(), r.starts_chain)
+                for c, r in zip(decoded.calls, segs)
+            ),
+        ))
     return out
-

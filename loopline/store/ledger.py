@@ -69,10 +69,11 @@ from loopline.store.commits import (
     BulkMethod,
     commit_trajectories,
     commit_trajectory,
+    load_chained,
     load_trajectories,
-    whole_prompts,
     rollout_metrics,
 )
+from loopline.store.prompts import whole_prompts
 from loopline.store.learning import (
     claim_learner_batch,
     last_infra_failure,
@@ -120,6 +121,7 @@ __all__ = [
     "latest_policy_version",
     "lease_holders",
     "whole_prompts",
+    "load_chained",
     "load_trajectories",
     "rollout_metrics",
     "mark_published",

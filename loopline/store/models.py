@@ -251,6 +251,10 @@ class Slot(SQLModel, table=True):
         Index("ix_slot_claim", "run_id", "split", "state", "step"),
         # a claim reads the next pending slots in plan order from here, never sorting the run's pending slots
         Index("ix_slot_pending", "run_id", "split", "step", "group_index", "sample_index", postgresql_where=text("state = 'pending'")),
+        # expiry reads only the leases that ran out, and a run's holders are found one index probe each, however
+        # many leases a fleet holds (renewals go by primary key)
+        Index("ix_slot_lease_expiry", "lease_expires_at", postgresql_where=text("state = 'leased'")),
+        Index("ix_slot_lease_owner", "run_id", "lease_owner", postgresql_where=text("state = 'leased'")),
     )
 
     id: uuid.UUID = Field(sa_column=Column(UUID(as_uuid=True), primary_key=True))
@@ -342,6 +346,9 @@ class Segment(SQLModel, table=True):
         CheckConstraint(
             "prompt_prefix_len >= 0 AND (prompt_prefix_len = 0 OR (seq > 0 AND NOT starts_chain))", name="ck_segment_prompt_prefix"
         ),
+        CheckConstraint(
+            "prompt_copies IS NULL OR (starts_chain AND cardinality(prompt_copies) % 3 = 0)", name="ck_segment_prompt_copies"
+        ),
     )
 
     trajectory_id: uuid.UUID = Field(
@@ -355,9 +362,13 @@ class Segment(SQLModel, table=True):
     version_spans: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
     tokenizer_version: str = Field(sa_column=Column(Text, nullable=False))
     # the prompt ids after the `prompt_prefix_len` ids the previous segment of its chain holds (its prompt and
-    # generated ids): stored ids grow linearly with a trajectory's turns (`commits.whole_prompts` reads them whole)
+    # generated ids): stored ids grow linearly with a trajectory's turns (`prompts.decode` reads them back)
     prompt_ids: list[int] = Field(sa_column=Column(ARRAY(Integer), nullable=False))
     prompt_prefix_len: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default="0"))
+    # a segment that starts a chain: its prompt as pieces, (source seq, start, length) each, copied from an
+    # earlier segment's ids or (source -1) taken from its stored prompt_ids; what they leave follows
+    # (`store/prompts.py`: a trimming or re-rendering agent stores each token about once)
+    prompt_copies: list[int] | None = Field(default=None, sa_column=Column(ARRAY(Integer), nullable=True))
     generated_ids: list[int] = Field(sa_column=Column(ARRAY(Integer), nullable=False))
     action_loss_mask: list[int] = Field(sa_column=Column(ARRAY(SmallInteger), nullable=False))
     # float32, as the engines compute them and the trainer holds them (a float64 value is rounded to nearest)

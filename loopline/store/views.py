@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from loopline.store.commits import StoredPromptBroken, whole_prompts
+from loopline.store.prompts import StoredPromptBroken, whole_prompts
 from loopline.store.nul import restored
 from loopline.store.queries import run_lease, shown_status
 from loopline.store.uris import path_on_publisher

@@ -16,22 +16,30 @@ import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from loopline.types import StoredTrajectory, chains, first_chain_break
+from loopline.types import ChainedTrajectory, StoredTrajectory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TrainSequence:
+    """One chain as the learner trains it. Its arrays are numpy's, in the ledger's own widths (a 128-turn
+    trajectory is ~66,000 positions: as Python tuples it would take ~9x the bytes the ledger stores)."""
+
     trajectory_id: uuid.UUID | None
     group_id: object
     reward: float
-    input_ids: tuple[int, ...]
-    action_mask: tuple[int, ...]  # 1 where input_ids[i] is a generated action token
-    behaviour_logprobs: tuple[float, ...]  # μ at action positions, 0.0 elsewhere
+    input_ids: np.ndarray  # int32
+    action_mask: np.ndarray  # int8: 1 where input_ids[i] is a generated action token
+    behaviour_logprobs: np.ndarray  # float32: μ at action positions, 0.0 elsewhere
     policy_version: int = 0  # the oldest version that generated any of its tokens
     policy_version_max: int | None = None  # the newest (None: the same)
     chain: int = 0  # which chain of its trajectory (0: the first; a trajectory's chains are consecutive sequences)
+
+    def __post_init__(self) -> None:  # (any sequence in; the arrays the learner pads from out)
+        for name, dtype in (("input_ids", np.int32), ("action_mask", np.int8), ("behaviour_logprobs", np.float32)):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=dtype))
 
     def generated_by(self, version: int) -> bool:
         """Every action token came from `version` (the learner's own weights: their logprobs must match)."""
@@ -39,7 +47,7 @@ class TrainSequence:
 
     @property
     def action_tokens(self) -> int:
-        return sum(self.action_mask)
+        return int(self.action_mask.sum())
 
 
 def batch_metrics(sequences: list[TrainSequence], learner_s: float) -> dict[str, float]:
@@ -56,26 +64,22 @@ def batch_metrics(sequences: list[TrainSequence], learner_s: float) -> dict[str,
     }
 
 
-def sequences_from_trajectory(trajectory: StoredTrajectory) -> list[TrainSequence]:
-    """Each chain of the trajectory as one sequence: its last segment's context plus its generation; each
-    segment's action tokens keep their mask and rollout logprobs at their place in it."""
-    segments = trajectory.segments
-    if not segments:
+def sequences_from_trajectory(trajectory: ChainedTrajectory | StoredTrajectory) -> list[TrainSequence]:
+    """Each chain of the trajectory as one sequence: its last call's prompt and generation; each call's action
+    tokens keep their mask and rollout logprobs at their place in it."""
+    if isinstance(trajectory, StoredTrajectory):
+        trajectory = trajectory.chained()
+    if not trajectory.chains:
         raise ValueError(f"trajectory {trajectory.id} has no segments")
-    broken = first_chain_break(segments)
-    if broken is not None:
-        raise ValueError(f"trajectory {trajectory.id}: segment {segments[broken].seq} does not extend the one before")
     out = []
-    for k, chain in enumerate(chains(segments)):
-        last = chain[-1]
-        ids = list(last.prompt_ids) + list(last.generated_ids)
-        mask, logprobs = [0] * len(ids), [0.0] * len(ids)
-        for seg in chain:
-            start = len(seg.prompt_ids)
-            for i, (m, lp) in enumerate(zip(seg.action_loss_mask, seg.rollout_logprobs)):
-                mask[start + i], logprobs[start + i] = int(m), float(lp)
+    for k, chain in enumerate(trajectory.chains):
+        mask: np.ndarray = np.zeros(len(chain.ids), dtype=np.int8)
+        logprobs: np.ndarray = np.zeros(len(chain.ids), dtype=np.float32)
+        for call in chain.calls:
+            mask[call.prompt_len : call.prompt_len + len(call.action_loss_mask)] = call.action_loss_mask
+            logprobs[call.prompt_len : call.prompt_len + len(call.rollout_logprobs)] = call.rollout_logprobs
         out.append(TrainSequence(
-            trajectory.id, trajectory.group_id, trajectory.reward, tuple(ids), tuple(mask), tuple(logprobs),
+            trajectory.id, trajectory.group_id, trajectory.reward, chain.ids, mask, logprobs,
             trajectory.policy_version_min, trajectory.policy_version_max, chain=k,
         ))
     return out
@@ -129,9 +133,9 @@ def pad(sequences: Sequence[TrainSequence], rows: list[int], pad_id: int = 0) ->
     for b, i in enumerate(rows):
         s = sequences[i]
         n = len(s.input_ids)
-        ids[b, :n] = torch.tensor(s.input_ids)
+        ids[b, :n] = torch.from_numpy(s.input_ids)
         attn[b, :n] = 1
-        mask[b, :n] = torch.tensor(s.action_mask)
-        mu[b, :n] = torch.tensor(s.behaviour_logprobs)
+        mask[b, :n] = torch.from_numpy(s.action_mask)
+        mu[b, :n] = torch.from_numpy(s.behaviour_logprobs)
     # logits at position t predict token t+1: targets and their masks shift by one
     return Padded(ids, attn, mask[:, 1:], mu[:, 1:], list(rows))

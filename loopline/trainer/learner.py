@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from loopline.types import TrainedSample
@@ -223,7 +223,7 @@ class Learner:
         trajectory_of = [index[i] for i in keep]  # index in `seqs` -> its trajectory
         advantages = adv.values[keep].float()
         for s in seqs:
-            if not all(math.isfinite(x) for x in s.behaviour_logprobs):
+            if not np.isfinite(s.behaviour_logprobs).all():
                 raise LearnerError(f"trajectory {s.trajectory_id} has NaN or inf rollout logprobs; refusing the step")
         micro = [pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)]
         loss_config = self.config.loss

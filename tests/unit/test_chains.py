@@ -33,9 +33,10 @@ def test_a_break_is_allowed_only_where_a_segment_starts_a_chain():
 def test_each_chain_is_one_sequence_with_its_own_tokens_masks_and_logprobs():
     t = StoredTrajectory(uuid.uuid4(), "g", 1.0, 3, 3, TWO_CHAINS)
     first, second = sequences_from_trajectory(t)
-    assert first.input_ids == (1, 2, 3, 9, 4, 5) and first.action_mask == (0, 0, 1, 0, 1, 1)
-    assert first.behaviour_logprobs == pytest.approx((0, 0, -0.1, 0, -0.1, -0.2))
-    assert second.input_ids == (7, 8) and second.action_mask == (0, 1) and second.behaviour_logprobs == pytest.approx((0, -0.1))
+    assert first.input_ids.tolist() == [1, 2, 3, 9, 4, 5] and first.action_mask.tolist() == [0, 0, 1, 0, 1, 1]
+    assert first.behaviour_logprobs.tolist() == pytest.approx((0, 0, -0.1, 0, -0.1, -0.2))
+    assert second.input_ids.tolist() == [7, 8] and second.action_mask.tolist() == [0, 1]
+    assert second.behaviour_logprobs.tolist() == pytest.approx((0, -0.1))
     assert (first.chain, second.chain) == (0, 1) and first.trajectory_id == second.trajectory_id == t.id
     assert trajectory_index([first, second, *sequences_from_trajectory(StoredTrajectory(uuid.uuid4(), "g", 0.0, 3, 3, TWO_CHAINS[:1]))]) == [0, 0, 1]
     # generated tokens per trajectory: its chains together (3 + 1), and the other's 1
