@@ -194,12 +194,11 @@ class _Renewer:
     async def run(self, stats: RolloutStats) -> None:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
-            for attempt_id, task in list(self.inflight.items()):
-                if task.done():  # (committed: its slot is no longer leased, and nothing is lost)
-                    continue
-                if not await self.db.call(ledger.renew_lease, attempt_id, self.lease_seconds):
-                    stats.lost_leases += 1
-                    task.cancel()
+            # (a finished task committed: its slot is no longer leased, and nothing is lost)
+            running = {a: t for a, t in self.inflight.items() if not t.done()}
+            for attempt_id in await self.db.call(ledger.renew_leases, list(running), self.lease_seconds):  # one statement
+                stats.lost_leases += 1
+                running[attempt_id].cancel()
 
 
 async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: WorkerConfig) -> RolloutStats:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from sqlmodel import Session
 
 from loopline.store._sql import q
-from loopline.store.prompts import StoredPromptBroken, whole_prompts
-from loopline.types import first_chain_break
+from loopline.store.prompts import StoredPromptBroken, decode
 
 # What each invariant promises (DESIGN.md's list, as users read it in `loopline check`).
 INVARIANTS = {
@@ -29,7 +27,8 @@ INVARIANTS = {
     6: "the report shows held-out success, cost and failure classes, not only training reward",
 }
 
-LOGPROB_GAP_TOLERANCE = 1e-2  # mean |recomputed - rollout| per step above this is reported (invariant 3)
+LOGPROB_GAP_TOLERANCE = 1e-2
+CHECK_TRAJECTORIES = 64  # read per statement  # mean |recomputed - rollout| per step above this is reported (invariant 3)
 
 
 @dataclass(frozen=True)
@@ -111,32 +110,31 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
     """1: recorded logprobs are real logprobs with named semantics; 2: masks are 0/1 on generated tokens only,
     and each trajectory's segments are prefix chains, broken only where a segment was recorded as starting a
     chain (tool output and prompts only ever appear as context)."""
-    rows = _rows(
-        session,
-        "SELECT s.trajectory_id, s.seq, s.prompt_ids, s.prompt_prefix_len, s.generated_ids, s.action_loss_mask, s.rollout_logprobs::float8[] AS rollout_logprobs, "
-        "s.logprob_semantics, s.starts_chain FROM segment s JOIN trajectory t ON t.id = s.trajectory_id "
-        "WHERE t.run_id = :r ORDER BY s.trajectory_id, s.seq",
-        r=run_id,
-    )
     bad_logprobs, unnamed, bad_masks, broken_chains = set(), set(), set(), set()
-    by_trajectory: dict[uuid.UUID, list] = {}
-    for row in rows:
-        if any(not math.isfinite(x) or x > 1e-6 for x in row.rollout_logprobs):
-            bad_logprobs.add(row.trajectory_id)
-        if not row.logprob_semantics:
-            unnamed.add(row.trajectory_id)
-        if any(m not in (0, 1) for m in row.action_loss_mask) or len(row.action_loss_mask) != len(row.generated_ids):
-            bad_masks.add(row.trajectory_id)
-        by_trajectory.setdefault(row.trajectory_id, []).append(row)
-    for trajectory_id, segments in by_trajectory.items():  # each prompt read whole, as the learner reads it
-        try:
-            prompts = whole_prompts(segments)
-        except StoredPromptBroken:
-            broken_chains.add(trajectory_id)
-            continue
-        whole = [SimpleNamespace(prompt_ids=p, generated_ids=r.generated_ids, starts_chain=r.starts_chain) for p, r in zip(prompts, segments)]
-        if first_chain_break(whole) is not None:
-            broken_chains.add(trajectory_id)
+    trajectories = [r.id for r in _rows(session, "SELECT id FROM trajectory WHERE run_id = :r ORDER BY id", r=run_id)]
+    segments = 0
+    for at in range(0, len(trajectories), CHECK_TRAJECTORIES):  # (a run's segments a few at a time: memory bounded)
+        by_trajectory: dict[uuid.UUID, list] = {}
+        for row in _rows(
+            session,
+            "SELECT trajectory_id, seq, prompt_ids, prompt_prefix_len, prompt_copies, generated_ids, action_loss_mask, "
+            "rollout_logprobs::float8[] AS rollout_logprobs, logprob_semantics, starts_chain FROM segment "
+            "WHERE trajectory_id = ANY(:t) ORDER BY trajectory_id, seq",
+            t=trajectories[at : at + CHECK_TRAJECTORIES],
+        ):
+            if any(not math.isfinite(x) or x > 1e-6 for x in row.rollout_logprobs):
+                bad_logprobs.add(row.trajectory_id)
+            if not row.logprob_semantics:
+                unnamed.add(row.trajectory_id)
+            if any(m not in (0, 1) for m in row.action_loss_mask) or len(row.action_loss_mask) != len(row.generated_ids):
+                bad_masks.add(row.trajectory_id)
+            by_trajectory.setdefault(row.trajectory_id, []).append(row)
+            segments += 1
+        for trajectory_id, rows in by_trajectory.items():  # each prompt rebuilt as the learner rebuilds it
+            try:
+                decode(rows)
+            except StoredPromptBroken:
+                broken_chains.add(trajectory_id)
     if bad_logprobs:
         report.add(1, f"{len(bad_logprobs)} trajectories hold logprobs that are not finite log-probabilities (> 0 or NaN)", bad_logprobs)
     if unnamed:
@@ -145,7 +143,7 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
         report.add(2, f"{len(bad_masks)} trajectories have loss masks other than 0/1 over their generated tokens", bad_masks)
     if broken_chains:
         report.add(2, f"{len(broken_chains)} trajectories re-tokenised their history (a segment does not extend the previous one)", broken_chains)
-    report.stats["segments"] = len(rows)
+    report.stats["segments"] = segments
 
 
 def _logprob_gap(session: Session, run_id: uuid.UUID, report: CheckReport) -> None:

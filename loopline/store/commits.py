@@ -60,11 +60,33 @@ def commit_trajectories(
     for _, traj in items:
         traj.validate()
     with transaction(session):
-        return _commit(session, items, method)
+        outcomes, groups = _commit(session, items, method)
+    if groups:
+        with transaction(session):  # (a crash between the two: the learner completes them before it claims)
+            complete_finished_groups(session, groups)
+    return outcomes
 
 
-def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]], method: BulkMethod) -> list[CommitOutcome]:
-    """commit_trajectories inside the caller's transaction."""
+def complete_finished_groups(session: Session, group_ids: Sequence[uuid.UUID] | None = None, run_id: uuid.UUID | None = None) -> int:
+    """Mark complete the open groups (of `group_ids`, or of the run) whose every slot is done: after the commit
+    that finished their slots, in a transaction of its own, so that commits into one group never wait on its row.
+    Two commits finishing a group's last slots at once each run this after their own commit: the later one
+    sees both. Returns how many were completed."""
+    return q(
+        session,
+        "UPDATE rollout_group g SET state = 'complete', completed_at = now() WHERE g.state = 'open' "
+        "AND (CAST(:g AS uuid[]) IS NULL OR g.id = ANY(:g)) AND (CAST(:r AS uuid) IS NULL OR g.run_id = :r) "
+        "AND NOT EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
+        g=None if group_ids is None else list(group_ids),
+        r=run_id,
+    ).rowcount
+
+
+def _commit(
+    session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]], method: BulkMethod
+) -> tuple[list[CommitOutcome], list[uuid.UUID]]:
+    """commit_trajectories inside the caller's transaction: its outcomes, and the groups whose slots it finished.
+    Only slot rows are locked (in id order: the lock order of `slots`)."""
     outcomes: dict[uuid.UUID, CommitOutcome] = {}
     refs = q(
         session,
@@ -76,11 +98,6 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
     missing = [a for a, _ in items if a not in known]
     if missing:
         raise LooplineError(f"no attempt {missing[0]} in the ledger")
-    q(
-        session,
-        "SELECT id FROM rollout_group WHERE id = ANY(:g) ORDER BY id FOR UPDATE",
-        g=sorted({r.group_id for r in refs}),
-    )
     slots = {
         r.id: r
         for r in q(
@@ -151,14 +168,7 @@ def _commit(session: Session, items: Sequence[tuple[uuid.UUID, TrajectoryRecord]
                     st=status,
                     ids=ids,
                 )
-        q(
-            session,
-            "UPDATE rollout_group g SET state = 'complete', completed_at = now() "
-            "WHERE g.id = ANY(:g) AND g.state = 'open' "
-            "AND NOT EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
-            g=list({slots[s].group_id for s in done_slots}),
-        )
-    return [outcomes[a] for a, _ in items]
+    return [outcomes[a] for a, _ in items], sorted({slots[s].group_id for s in done_slots})
 
 
 def write_eval_episodes(session: Session, run_id: uuid.UUID, version: int, episodes: Sequence[TrajectoryRecord], task_ids: Sequence[str], worker: str) -> int:
@@ -186,7 +196,9 @@ def write_eval_episodes(session: Session, run_id: uuid.UUID, version: int, episo
     q(session,
       "INSERT INTO attempt (id, slot_id, run_id, worker) SELECT a, s, :r, :w FROM unnest(CAST(:a AS uuid[]), CAST(:s AS uuid[])) AS u(a, s)",
       r=run_id, w=worker, a=attempts, s=slots)
-    return sum(o.trajectory_id is not None for o in _commit(session, list(zip(attempts, episodes)), "copy"))
+    outcomes, groups = _commit(session, list(zip(attempts, episodes)), "copy")
+    complete_finished_groups(session, groups)  # (new groups of one slot each: nobody else commits into them)
+    return sum(o.trajectory_id is not None for o in outcomes)
 
 
 def _float32(logprobs: Sequence[float]) -> list[float]:

@@ -12,6 +12,7 @@ from sqlmodel import Session
 from loopline.errors import LooplineError
 from loopline.store._sql import column, first_row, q, scalar, scalar_or_none, transaction
 from loopline.store.errors import LedgerConflict
+from loopline.store.commits import complete_finished_groups
 from loopline.store.fencing import fence
 from loopline.store.records import LearnerBatch, LearnerCommit
 from loopline.types import Split, TrainedSample
@@ -126,6 +127,7 @@ def claim_learner_batch(
         groups = groups_of_step(session, run_id, learner_step, "claimed")
         stale = 0
         if not groups:
+            complete_finished_groups(session, run_id=run_id)  # (a rollout worker that died between its two transactions)
             if max_staleness is not None:  # too old to ever train: drop them so nothing waits on them
                 stale = q(
                     session,

@@ -61,7 +61,7 @@ from loopline.store.slots import (
     lease_holders,
     plan_step,
     release_attempt,
-    renew_lease,
+    renew_leases,
     slot_id_for,
     unfinished_slots,
 )
@@ -138,7 +138,7 @@ __all__ = [
     "record_served",
     "release_attempt",
     "release_servers",
-    "renew_lease",
+    "renew_leases",
     "resume_state",
     "serving_servers",
     "set_run_plan",

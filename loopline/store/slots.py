@@ -1,7 +1,8 @@
 """Plans, slots, attempts and leases: who generates which trajectory, and what happens when they fail.
 
 Claims use `FOR UPDATE SKIP LOCKED`, so concurrent workers never share a slot. Lock order, to stay
-deadlock-free: rollout_group rows (by id), then slot rows (by id); claims never wait.
+deadlock-free: a group row, then slot rows by id; a commit and a renewal lock only slot rows (by id), so
+commits into one group do not wait for each other; claims never wait.
 """
 
 from __future__ import annotations
@@ -161,20 +162,31 @@ def claim_slots(
     ]
 
 
-def renew_lease(session: Session, attempt_id: uuid.UUID, lease_seconds: float = LEASE_SECONDS) -> bool:
-    """Extend a lease; False means it was lost (expired and reclaimed) and the work should stop. An attempt
-    whose trajectory was committed meanwhile (a renewal racing the commit) lost nothing: True."""
+def renew_leases(session: Session, attempt_ids: Collection[uuid.UUID], lease_seconds: float = LEASE_SECONDS) -> set[uuid.UUID]:
+    """Extend a worker's leases, all in one statement by primary key (a fleet's renewals cost what its
+    episodes do, not their square); returns those lost (expired and reclaimed): their work should stop. An
+    attempt whose trajectory was committed meanwhile (a renewal racing the commit) lost nothing."""
+    if not attempt_ids:
+        return set()
     with transaction(session):
-        row = q(
-            session,
-            "UPDATE slot SET lease_expires_at = now() + make_interval(secs => :secs) "
-            "WHERE lease_attempt_id = :a AND state = 'leased' AND lease_expires_at > now() RETURNING id",
-            a=attempt_id,
-            secs=lease_seconds,
-        ).first()
-        if row is None:
-            row = q(session, "SELECT id FROM attempt WHERE id = :a AND status IN ('ok', 'task_failed')", a=attempt_id).first()
-    return row is not None
+        renewed = set(
+            q(
+                session,
+                # slots locked in id order, as every other writer of several slots locks them (no deadlock)
+                "WITH held AS (SELECT s.id FROM attempt a JOIN slot s ON s.id = a.slot_id "
+                "  WHERE a.id = ANY(:a) AND s.lease_attempt_id = a.id AND s.state = 'leased' AND s.lease_expires_at > now() "
+                "  ORDER BY s.id FOR UPDATE OF s) "
+                "UPDATE slot SET lease_expires_at = now() + make_interval(secs => :secs) FROM held "
+                "WHERE slot.id = held.id RETURNING slot.lease_attempt_id",
+                a=list(attempt_ids),
+                secs=lease_seconds,
+            ).scalars()
+        )
+        rest = [a for a in attempt_ids if a not in renewed]
+        committed = set(
+            q(session, "SELECT id FROM attempt WHERE id = ANY(:a) AND status IN ('ok', 'task_failed')", a=rest).scalars()
+        ) if rest else set()
+    return set(rest) - committed
 
 
 def expire_leases(session: Session, run_id: uuid.UUID | None = None, dead_holders: Collection[str] = ()) -> int:
@@ -182,33 +194,45 @@ def expire_leases(session: Session, run_id: uuid.UUID | None = None, dead_holder
     (processes known to be gone: see `loopline.holder`), at once instead of at expiry.
 
     The holder vanished, the environment did not fail: the slot is retried without counting
-    toward its group's `max_attempts`, so crashes of the trainer never drop data.
+    toward its group's `max_attempts`, so crashes of the trainer never drop data. Reads only the leases
+    that ran out (ix_slot_lease_expiry) and the dead holders' (ix_slot_lease_owner), whatever the fleet holds.
     """
     with transaction(session):
-        rows = q(
+        expired = q(
             session,
-            "SELECT lease_attempt_id, lease_expires_at < now() AS expired FROM slot WHERE state = 'leased' "
-            "AND (lease_expires_at < now() OR lease_owner = ANY(CAST(:dead AS text[]))) "
+            "SELECT lease_attempt_id FROM slot WHERE state = 'leased' AND lease_expires_at < now() "
             "AND (CAST(:run AS uuid) IS NULL OR run_id = :run)",
             run=run_id,
+        ).scalars().all()
+        dead = q(
+            session,
+            "SELECT lease_attempt_id FROM slot WHERE state = 'leased' AND run_id = :run AND lease_owner = ANY(CAST(:dead AS text[])) "
+            "AND lease_expires_at >= now()",
+            run=run_id,
             dead=list(dead_holders),
-        ).all()
+        ).scalars().all() if dead_holders and run_id is not None else []
     taken = 0
-    for attempt_id, expired in rows:
-        if expired:
-            fate = _record_lease_loss(session, attempt_id, "LeaseExpired", "the worker's lease expired before it committed")
-        else:
-            fate = _record_lease_loss(session, attempt_id, "HolderDied", "the process holding the lease is gone", dead_holders)
-        taken += fate
+    for attempt_id in expired:
+        taken += _record_lease_loss(session, attempt_id, "LeaseExpired", "the worker's lease expired before it committed")
+    for attempt_id in dead:
+        taken += _record_lease_loss(session, attempt_id, "HolderDied", "the process holding the lease is gone", dead_holders)
     return taken
 
 
 def lease_holders(session: Session, run_id: uuid.UUID) -> list[str]:
-    """Who holds the run's leases now (one entry per holder)."""
+    """Who holds the run's leases now (one entry per holder), found one index probe per holder (a loose index
+    scan of ix_slot_lease_owner), not by reading every lease."""
     with transaction(session):
         return list(
             q(
-                session, "SELECT DISTINCT lease_owner FROM slot WHERE run_id = :r AND state = 'leased'", r=run_id
+                session,
+                "WITH RECURSIVE h(owner) AS ("
+                "  (SELECT lease_owner FROM slot WHERE run_id = :r AND state = 'leased' AND lease_owner IS NOT NULL ORDER BY lease_owner LIMIT 1)"
+                "  UNION ALL"
+                "  SELECT (SELECT lease_owner FROM slot WHERE run_id = :r AND state = 'leased' AND lease_owner > h.owner ORDER BY lease_owner LIMIT 1)"
+                "  FROM h WHERE h.owner IS NOT NULL"
+                ") SELECT owner FROM h WHERE owner IS NOT NULL",
+                r=run_id,
             ).scalars()
         )
 
@@ -249,7 +273,8 @@ NO_LEASE = "lease_owner = NULL, lease_attempt_id = NULL, lease_expires_at = NULL
 
 
 def _lock_attempt_slot(session: Session, attempt_id: uuid.UUID) -> sa.Row | None:
-    """Lock the attempt's group, then its slot (the global lock order); returns the slot row."""
+    """Lock the attempt's group, then its slots in id order (a failure may drop them all: the lock order every
+    writer of slots keeps); returns the attempt's slot."""
     ref = q(
         session,
         "SELECT s.id, s.group_id FROM attempt a JOIN slot s ON s.id = a.slot_id WHERE a.id = :a",
@@ -257,14 +282,15 @@ def _lock_attempt_slot(session: Session, attempt_id: uuid.UUID) -> sa.Row | None
     ).first()
     if ref is None:
         raise LooplineError(f"no attempt {attempt_id} in the ledger")
-    q(session, "SELECT id FROM rollout_group WHERE id = :g FOR UPDATE", g=ref.group_id)
-    return q(
+    max_attempts = q(session, "SELECT max_attempts FROM rollout_group WHERE id = :g FOR UPDATE", g=ref.group_id).scalar_one()
+    slots = q(
         session,
-        "SELECT s.id, s.group_id, s.state, s.lease_attempt_id, s.lease_owner, s.infra_failures, "
-        "s.lease_expires_at < now() AS expired, g.max_attempts "
-        "FROM slot s JOIN rollout_group g ON g.id = s.group_id WHERE s.id = :s FOR UPDATE OF s",
-        s=ref.id,
-    ).first()
+        "SELECT id, group_id, state, lease_attempt_id, lease_owner, infra_failures, lease_expires_at < now() AS expired, "
+        ":m AS max_attempts FROM slot WHERE group_id = :g ORDER BY id FOR UPDATE",
+        g=ref.group_id,
+        m=max_attempts,
+    ).all()
+    return next(s for s in slots if s.id == ref.id)
 
 
 def end_attempt(

@@ -84,12 +84,12 @@ def test_expired_lease_is_retried_with_a_new_attempt(db, run):
     (old,) = ledger.claim_slots(db, run.id, "dead", 1, split="train", lease_seconds=0.2)
     assert ledger.claim_slots(db, run.id, "w2", 1, split="train") == []  # still leased
     time.sleep(0.4)
-    assert not ledger.renew_lease(db, old.attempt_id)
+    assert ledger.renew_leases(db, [old.attempt_id]) == {old.attempt_id}  # lost
     (new,) = ledger.claim_slots(db, run.id, "w2", 1, split="train")
     assert new.slot_id == old.slot_id and new.attempt_id != old.attempt_id
     # a renewal that races the new attempt's commit finds it committed, not lost (it once cancelled the episode)
     assert ledger.commit_trajectory(db, new.attempt_id, trajectory(1.0)).committed
-    assert ledger.renew_lease(db, new.attempt_id) and not ledger.renew_lease(db, old.attempt_id)
+    assert ledger.renew_leases(db, [new.attempt_id, old.attempt_id]) == {old.attempt_id}
     status, error = db.execute(
         sa.text("SELECT status, error_class FROM attempt WHERE id = :a"), {"a": old.attempt_id}
     ).one()
@@ -122,13 +122,15 @@ def test_a_dead_process_on_this_host_is_a_dead_holder(tmp_path):
     assert holder.is_dead(f"{host}:{pid}:1")  # same pid, another start time: the pid was reused
 
 
-def test_renewed_lease_is_not_reclaimed(db, run):
-    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
-    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train", lease_seconds=0.3)
-    for _ in range(3):
+def test_renewed_leases_are_not_reclaimed(db, run):
+    ledger.plan_step(db, run.id, 1, ["a", "b"], group_size=2)
+    leases = ledger.claim_slots(db, run.id, "w", 3, split="train", lease_seconds=0.3)
+    for _ in range(3):  # a worker's leases, renewed in one statement
         time.sleep(0.15)
-        assert ledger.renew_lease(db, lease.attempt_id, lease_seconds=0.3)
-    assert ledger.claim_slots(db, run.id, "w2", 1, split="train") == []
+        assert ledger.renew_leases(db, [l.attempt_id for l in leases], lease_seconds=0.3) == set()
+    (other,) = ledger.claim_slots(db, run.id, "w2", 2, split="train")  # only the slot nobody held
+    assert other.slot_id not in {l.slot_id for l in leases}
+    assert ledger.expire_leases(db, run.id) == 0 and ledger.lease_holders(db, run.id) == ["w", "w2"]
 
 
 # --------------------------------------------------------------------------- commits
@@ -144,7 +146,7 @@ def test_commit_stores_segments_token_exact(db, run):
     assert outcome.committed
     rows = db.execute(
         sa.text(
-            "SELECT seq, prompt_ids, prompt_prefix_len, generated_ids, action_loss_mask, rollout_logprobs::float8[] AS rollout_logprobs, version_spans, tool_events "
+            "SELECT seq, prompt_ids, prompt_prefix_len, prompt_copies, starts_chain, generated_ids, action_loss_mask, rollout_logprobs::float8[] AS rollout_logprobs, version_spans, tool_events "
             "FROM segment WHERE trajectory_id = :t ORDER BY seq"
         ),
         {"t": outcome.trajectory_id},
@@ -659,3 +661,48 @@ def test_a_retokenised_history_is_refused_at_commit(db, run):
     unrelated = [segment(seed=1), segment(seed=2)]  # the second prompt does not start with the first turn
     with pytest.raises(LooplineError, match="does not extend segment 0"):
         ledger.commit_trajectory(db, lease.attempt_id, trajectory(1.0, segments=unrelated))
+
+
+def test_commits_into_one_group_do_not_wait_for_each_other_and_the_last_completes_it(db, engine, run):
+    """Issue 63: a commit locks only its slots; the group is completed after, in a transaction of its own (a
+    commit once held the group's row through its COPY and WAL flush, and every commit into the group queued)."""
+    from loopline.store import commits
+
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=2)
+    first, second = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    with new_session(engine) as other:
+        outcomes, groups = commits._commit(other, [(first.attempt_id, trajectory(1.0))], "copy")  # in flight, not committed
+        db.execute(sa.text("SET lock_timeout = '2s'"))  # (waiting on the other's locks would fail here)
+        assert ledger.commit_trajectory(db, second.attempt_id, trajectory(0.0)).committed
+        db.execute(sa.text("RESET lock_timeout"))
+        assert ledger.group_states(db, run.id) == {"open": 1}  # (the other slot is not done yet)
+        other.commit()  # ... its process dies before it completes the group
+    assert groups == [first.group_id] and ledger.group_states(db, run.id) == {"open": 1}
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=1)  # the learner completes it before it claims
+    assert batch.group_ids == (first.group_id,) and len(batch.trajectory_ids) == 2
+
+
+def test_the_last_slots_of_a_group_committed_at_once_complete_it(engine, run):
+    """Two commits finishing a group's last slots at the same moment: each completes after its own commit, so
+    the later one sees both (the group never stays open with every slot done)."""
+    with new_session(engine) as s:
+        ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(20)], group_size=2)
+        leases = ledger.claim_slots(s, run.id, "w", 40, split="train")
+    by_group: dict = {}
+    for lease in leases:
+        by_group.setdefault(lease.group_id, []).append(lease)
+    start = threading.Barrier(2)
+
+    def commit(k: int) -> None:
+        with new_session(engine) as s:
+            for pair in by_group.values():
+                start.wait()
+                ledger.commit_trajectory(s, pair[k].attempt_id, trajectory(float(k)))
+
+    threads = [threading.Thread(target=commit, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with new_session(engine) as s:
+        assert ledger.group_states(s, run.id) == {"complete": 20}

@@ -345,3 +345,37 @@ def test_stored_prompts_become_suffixes_and_back_and_every_reader_gets_the_same_
         (loaded,) = ledger.load_trajectories(s, [trajectory_id])
     assert [list(x.prompt_ids) for x in loaded.segments] == whole
     engine.dispose()
+
+
+def test_prompts_stored_as_pieces_are_written_whole_by_the_downgrade_and_read_the_same_after(scratch_url):
+    """d5f9b2c8e417 (issue 63): a segment that starts a chain stores its prompt as pieces of earlier calls'
+    ids. Downgraded, those prompts are written whole (the older schema's form for a chain's first call), id for id."""
+    import dataclasses
+
+    from loopline.store import ledger
+    from loopline.store.db import session as new_session
+    from tests.factories import segment, trajectory
+
+    talk = [segment(n_prompt=40, seed=50)]  # (a copy is at least 16 ids: shorter runs are stored as they are)
+    for k in range(3):
+        talk.append(segment(n_prompt=20, seed=51 + k, after=talk[-1]))
+    trimmed = dataclasses.replace(  # the history's first prompt and its last call, its middle dropped
+        segment(seed=11), prompt_ids=[*talk[0].prompt_ids, *talk[3].prompt_ids[-20:], *talk[3].generated_ids, 7, 7, 7], starts_chain=True
+    )
+    segments = [*talk, trimmed, segment(seed=12, after=trimmed)]
+    engine, _, trajectory_id = _ledger_with(scratch_url, trajectory(segments=segments))
+    pieces = lambda: _read(engine, "SELECT prompt_copies, cardinality(prompt_ids) FROM segment WHERE trajectory_id = %s AND seq = 4", trajectory_id)[0]  # noqa: E731
+    copies, stored = pieces()
+    assert copies is not None and stored == 3  # (only its 3 new ids; the rest are copies)
+
+    def whole() -> list[list[int]]:
+        with new_session(engine) as s:
+            (loaded,) = ledger.load_trajectories(s, [trajectory_id])
+        return [list(x.prompt_ids) for x in loaded.segments]
+
+    assert whole() == [list(x.prompt_ids) for x in segments]
+    _downgrade(engine, "c4e8a1f7d263")
+    assert _read(engine, "SELECT prompt_ids FROM segment WHERE trajectory_id = %s AND seq = 4", trajectory_id)[0][0] == list(trimmed.prompt_ids)
+    upgrade(engine)
+    assert pieces() == (None, len(trimmed.prompt_ids)) and whole() == [list(x.prompt_ids) for x in segments]
+    engine.dispose()
