@@ -1,6 +1,7 @@
 """The ledger under many rollout workers: 1, 4, 16 and 64 processes claiming slots and committing trajectories.
 
     python -m benchmarks.ledger_scale [--clients 1,16] [--turns 16] [--variants before,after] [--seconds 15] [--profile small|coding]
+    python -m benchmarks.ledger_scale --fleet [--leases 1000,10000,100000]
 
 Each client is a process with its own connection doing what a rollout worker does per episode: claim one
 slot (FOR UPDATE SKIP LOCKED, with its lease), then commit one trajectory for it (binary COPY). All
@@ -24,6 +25,11 @@ the 82k ids of its prompts, of which the linear ledger stores the 8,960 that eac
 
 Clients and PostgreSQL share this machine's cores, so past a few clients the numbers measure the CPU,
 not the ledger: the ratios between levels are the finding, and the README's paper estimate uses them.
+`--fleet` (issue 63), instead: the ids agents that rewrite their history store (re-rendering, trimming,
+summarising) against an appending agent's; the learner's read of 64 trajectories of 128 turns (seconds, and the
+memory it adds to a fresh client process against the bytes the ledger stores for them; the whole-prompt read of
+before on 4 of them); lease renewal, expiry and claim with 1,000 to 100,000 leases in flight.
+
 Runs in a scratch database next to the ledger (LOOPLINE_DATABASE_URL or the embedded server).
 """
 
@@ -161,6 +167,151 @@ def level(url: str, engine, clients: int, variant: Variant, seconds: float, prof
     }
 
 
+# ---------------------------------------------------------------- issue 63: long horizons and large fleets
+
+
+def _commit_for_reading(engine, trajectories: list, group_size: int = 4) -> list[uuid.UUID]:
+    from loopline.store import ledger
+    from loopline.store.db import session
+
+    with session(engine) as s:
+        run = ledger.create_run(s, f"read-{uuid.uuid4().hex[:6]}", {}, "file:///w")
+        ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(-(-len(trajectories) // group_size))], group_size=group_size)
+        leases = ledger.claim_slots(s, run.id, "bench", len(trajectories), split="train", lease_seconds=3600)
+        ids = []
+        for lease, trajectory in zip(leases, trajectories):  # (one at a time: a 128-turn commit is ~10 MB of rows)
+            ids.append(ledger.commit_trajectory(s, lease.attempt_id, trajectory).trajectory_id)
+    return ids
+
+
+def _read_in_a_fresh_process(url: str, ids: list[uuid.UUID], path: str, out) -> None:
+    """One learner read, timed, with the memory it added to this process (peak RSS over the RSS before)."""
+
+    def rss(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    from loopline.pipeline.stages import load_sequences
+    from loopline.store import ledger
+    from loopline.store.db import make_engine, session
+    from loopline.trainer.batch import sequences_from_trajectory
+
+    engine = make_engine(url)
+    with session(engine) as s:
+        s.connection()
+        s.rollback()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # (the peak so far, imports included, forgotten: VmHWM counts from here)
+        before = rss("VmRSS:")
+        t0 = time.perf_counter()
+        if path == "chained":
+            sequences = load_sequences(s, ids)
+        else:  # the read before issue 63: every call's whole prompt, then the chains from them
+            sequences = [q for t in ledger.load_trajectories(s, ids) for q in sequences_from_trajectory(t)]
+        seconds = time.perf_counter() - t0
+    out.put((seconds, rss("VmHWM:") - before, sum(len(q.input_ids) for q in sequences)))
+
+
+def learner_read(console: Console, url: str, engine, trajectories: int, turns: int, profile: str, before_trajectories: int) -> None:
+    """The learner's read of a batch of long trajectories: seconds and the client memory it adds, against the
+    bytes the ledger stores for them; the whole-prompt read (before) on a few of them for comparison."""
+    rng = random.Random(0)
+    ids = _commit_for_reading(engine, [multi_turn(rng, turns, *PROFILES[profile]) for _ in range(trajectories)])
+    with engine.connect() as conn:
+        stored = conn.exec_driver_sql(
+            "SELECT sum(pg_column_size(prompt_ids) + pg_column_size(generated_ids) + pg_column_size(action_loss_mask) "
+            "+ pg_column_size(rollout_logprobs) + coalesce(pg_column_size(prompt_copies), 0))::bigint FROM segment WHERE trajectory_id = ANY(%(t)s)",
+            {"t": ids},
+        ).scalar_one()
+    table = Table(title=f"the learner's read of {turns}-turn trajectories ({profile} profile; {stored / len(ids) / 1e6:.2f} MB stored each)")
+    for column in ("read", "trajectories", "positions", "seconds", "s / trajectory", "client memory added", "x stored bytes"):
+        table.add_column(column, justify="right")
+    ctx = mp.get_context("spawn")
+    for path, n in (("chained", trajectories), ("whole prompts (before)", before_trajectories)):
+        out = ctx.Queue()
+        proc = ctx.Process(target=_read_in_a_fresh_process, args=(url, ids[:n], "chained" if path == "chained" else "whole", out))
+        proc.start()
+        seconds, added, positions = out.get(timeout=1800)
+        proc.join()
+        share = stored * n / len(ids)
+        table.add_row(path, str(n), f"{positions:,}", f"{seconds:.2f}", f"{seconds / n:.3f}", f"{added / 1e6:,.0f} MB", f"{added / share:.2f}x")
+    console.print(table)
+
+
+def _timed(fn, repeat: int = 15) -> float:
+    """Median milliseconds of `fn()`."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def leases(console: Console, engine, levels: list[int], per_worker: int = 100) -> None:
+    """Renewal (a worker's `per_worker` leases in one statement), expiry (the check every claim makes first,
+    nothing expired) and a claim of 8 slots, with 1,000 to 100,000 leases in flight; and the renewal before
+    issue 63 (one statement per lease, by lease_attempt_id: a scan of every leased slot) for comparison."""
+    import sqlalchemy as sa
+
+    from loopline.store import ledger
+    from loopline.store.db import session
+
+    table = Table(title=f"leases in flight ({os.cpu_count()} cores shared with PostgreSQL; median ms)")
+    for column in ("leases in flight", f"renew {per_worker} (one statement)", "renew 1 (before: by lease_attempt_id)",
+                   "expiry check", "claim 8", f"vs {levels[0]:,}"):
+        table.add_column(column, justify="right")
+    first = None
+    for n in levels:
+        with session(engine) as s:
+            run = ledger.create_run(s, f"leases-{n}-{uuid.uuid4().hex[:6]}", {}, "file:///w")
+            ledger.plan_step(s, run.id, 1, [f"t{i}" for i in range(n // 4)], group_size=4)
+            ledger.plan_step(s, run.id, 2, [f"t{i}" for i in range(5_000)], group_size=4)  # pending, for the claims
+            held: list = []
+            while len(held) < n:
+                held += ledger.claim_slots(s, run.id, f"w{len(held) // per_worker}", min(1_000, n - len(held)), split="train",
+                                           lease_seconds=3600, max_step=1)
+            s.commit()
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:  # (as autovacuum would have)
+                conn.exec_driver_sql("VACUUM ANALYZE slot")
+            mine = [lease.attempt_id for lease in held[:per_worker]]
+            renew = _timed(lambda: ledger.renew_leases(s, mine, 3600))
+            before = _timed(lambda: (s.execute(sa.text(
+                "UPDATE slot SET lease_expires_at = now() + interval '1 hour' WHERE lease_attempt_id = :a AND state = 'leased' "
+                "AND lease_expires_at > now() RETURNING id"), {"a": mine[0]}).first(), s.commit()))
+            expire = _timed(lambda: ledger.expire_leases(s, run.id))
+            claim = _timed(lambda: ledger.claim_slots(s, run.id, "claimer", 8, split="train", lease_seconds=3600))
+        row = (renew, before, expire, claim)
+        first = first or row
+        table.add_row(f"{n:,}", *(f"{x:.2f}" for x in row), " / ".join(f"{x / f:.2f}x" for x, f in zip(row, first)))
+    console.print(table)
+
+
+def histories(console: Console, engine, turns: int, profile: str) -> None:
+    """Ids stored for agents that rewrite their history, against an appending agent of the same turns."""
+    from benchmarks._trajectories import HISTORIES, rewriting
+
+    rng = random.Random(1)
+    table = Table(title=f"agents that rewrite their history: ids stored ({turns} turns, {profile} profile)")
+    for column in ("history", "calls that start a chain", "ids in their prompts", "ids stored", "x appending"):
+        table.add_column(column, justify="right")
+    appending = None
+    for history in HISTORIES:
+        trajectory = rewriting(rng, turns, *PROFILES[profile], history)
+        (tid,) = _commit_for_reading(engine, [trajectory], group_size=1)
+        with engine.connect() as conn:
+            stored = conn.exec_driver_sql(
+                "SELECT sum(cardinality(prompt_ids) + cardinality(generated_ids) + coalesce(cardinality(prompt_copies), 0)) "
+                "FROM segment WHERE trajectory_id = %(t)s", {"t": tid},
+            ).scalar_one()
+        appending = appending or stored
+        table.add_row(
+            history, str(sum(s.starts_chain for s in trajectory.segments)),
+            f"{sum(len(s.prompt_ids) + len(s.generated_ids) for s in trajectory.segments):,}", f"{stored:,}", f"{stored / appending:.2f}x",
+        )
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,16")
@@ -168,9 +319,18 @@ def main() -> None:
     parser.add_argument("--variants", default="before,after", help="storage/encoder/batch, comma-separated (see the module's doc)")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="coding")
+    parser.add_argument("--fleet", action="store_true", help="instead of the commit levels: the learner's read of 64 x 128-turn "
+                        "trajectories, leases from 1,000 to 100,000 in flight, and agents that rewrite their history")
+    parser.add_argument("--leases", default="1000,10000,100000")
     args = parser.parse_args()
-    variants = [Variant.parse(v) for v in args.variants.split(",")]
     console = Console(width=220)  # the table on one line per level, also into a file
+    if args.fleet:
+        with scratch_database() as (url, engine):
+            histories(console, engine, 128, args.profile)
+            learner_read(console, url, engine, 64, 128, args.profile, before_trajectories=4)
+            leases(console, engine, [int(n) for n in args.leases.split(",")])
+        return
+    variants = [Variant.parse(v) for v in args.variants.split(",")]
     rows, skipped = [], []
     with scratch_database() as (url, engine):
         for turns in (int(t) for t in args.turns.split(",")):

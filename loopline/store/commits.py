@@ -263,7 +263,7 @@ def rollout_metrics(session: Session, run_id: uuid.UUID, trajectory_ids: Sequenc
     }
 
 
-READ_TRAJECTORIES = 8  # per statement: a learner's read holds no transaction open while it decodes
+READ_TRAJECTORIES = 4  # per statement: a learner's read holds no transaction open while it decodes
 
 
 def _read_segments(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> Iterator[tuple[uuid.UUID, list]]:
@@ -296,20 +296,19 @@ def _read_segments(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> Ite
             yield trajectory_id, by_id[trajectory_id]
 
 
-def load_chained(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[ChainedTrajectory]:
-    """Committed trajectories as the learner trains them (each chain's ids once), in the order asked for."""
-    out = []
+def load_chained(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> Iterator[ChainedTrajectory]:
+    """Committed trajectories as the learner trains them (each chain's ids once), in the order asked for, as
+    they are read (a consumer that keeps only what it makes of each holds one trajectory's rows at a time)."""
     for _, segs in _read_segments(session, trajectory_ids):
         decoded = prompts.decode(segs)
         calls: list[list[StoredCall]] = [[] for _ in decoded.chains]
         for call in decoded.calls:
             calls[call.chain].append(StoredCall(call.prompt_len, call.row.action_loss_mask, call.row.rollout_logprobs))
         first = segs[0]
-        out.append(ChainedTrajectory(
+        yield ChainedTrajectory(
             first.id, first.group_id, first.reward, first.policy_version_min, first.policy_version_max,
             tuple(StoredChain(ids, tuple(c)) for ids, c in zip(decoded.chains, calls)),
-        ))
-    return out
+        )
 
 
 def load_trajectories(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> list[StoredTrajectory]:

@@ -289,7 +289,7 @@ def test_two_process_zero2_through_the_deepspeed_launcher(tiny_dirs, batch, tmp_
     script = tmp_path / "worker.py"
     script.write_text(DS_WORKER)
     data = tmp_path / "batch.json"
-    data.write_text(json.dumps([[s.group_id, s.reward, s.input_ids, s.action_mask, s.behaviour_logprobs] for s in batch]))
+    data.write_text(json.dumps([[s.group_id, s.reward, s.input_ids.tolist(), s.action_mask.tolist(), s.behaviour_logprobs.tolist()] for s in batch]))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

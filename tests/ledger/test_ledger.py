@@ -706,3 +706,41 @@ def test_the_last_slots_of_a_group_committed_at_once_complete_it(engine, run):
         t.join()
     with new_session(engine) as s:
         assert ledger.group_states(s, run.id) == {"complete": 20}
+
+
+@pytest.mark.parametrize("history", ["appending", "re-rendering", "trimming", "summarising"])
+def test_the_learner_reads_what_every_other_reader_reads_whatever_the_agent_did_to_its_history(db, run, history):
+    """Issue 63: the learner's read (each chain's ids once, a few trajectories per statement) gives the
+    sequences the whole-prompt read gives, token for token, for agents whose calls are stored as pieces; the
+    trajectory stores about what an appending agent's does; `check` passes on it."""
+    import random
+
+    from benchmarks._trajectories import rewriting
+    from loopline.pipeline.stages import load_sequences
+    from loopline.store import check
+    from loopline.store.commits import READ_TRAJECTORIES
+    from loopline.trainer.batch import sequences_from_trajectory
+    from loopline.types import StoredSegment, StoredTrajectory
+
+    n = READ_TRAJECTORIES + 2  # (more than one statement's worth)
+    ledger.plan_step(db, run.id, 1, ["a", "b", "c"], group_size=4)
+    leases = ledger.claim_slots(db, run.id, "w", n, split="train")
+    episodes = [rewriting(random.Random(k), 40, 64, 24, 16, history) for k in range(n)]
+    ids = [ledger.commit_trajectory(db, lease.attempt_id, e).trajectory_id for lease, e in zip(leases, episodes)]
+    read = load_sequences(db, ids[::-1])
+    whole = [s for t in ledger.load_trajectories(db, ids[::-1]) for s in sequences_from_trajectory(t)]
+    direct = [  # (from the records as the rollout made them: whole prompts)
+        s for e, t in zip(episodes[::-1], ids[::-1]) for s in sequences_from_trajectory(StoredTrajectory(t, None, e.reward, 0, 0, tuple(
+            StoredSegment(k, c.prompt_ids, c.generated_ids, c.action_loss_mask, c.rollout_logprobs, c.starts_chain) for k, c in enumerate(e.segments))))
+    ]
+    assert len(read) == len(whole) == len(direct) == sum(1 + sum(s.starts_chain for s in e.segments) for e in episodes)
+    for a, b, c in zip(read, whole, direct):
+        assert a.trajectory_id == b.trajectory_id == c.trajectory_id and a.chain == b.chain == c.chain
+        assert a.input_ids.tolist() == b.input_ids.tolist() == c.input_ids.tolist()
+        assert a.action_mask.tolist() == c.action_mask.tolist() and a.behaviour_logprobs.tolist() == c.behaviour_logprobs.tolist()
+    stored = _scalar(db, "SELECT sum(cardinality(prompt_ids) + cardinality(generated_ids) + coalesce(cardinality(prompt_copies), 0)) "
+                         "FROM segment WHERE trajectory_id = :t", t=ids[0])
+    appending, summaries = 64 + 40 * 24 + 39 * 16, 256 * (40 // 16) * (history == "summarising")  # (a summary is new)
+    assert stored <= 1.2 * appending + summaries
+    assert check.check_run(db, run.id).stats["segments"] == 40 * n and not [
+        v for v in check.check_run(db, run.id).violations if v.invariant in (1, 2)]
