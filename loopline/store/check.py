@@ -27,8 +27,8 @@ INVARIANTS = {
     6: "the report shows held-out success, cost and failure classes, not only training reward",
 }
 
-LOGPROB_GAP_TOLERANCE = 1e-2
-CHECK_TRAJECTORIES = 64  # read per statement  # mean |recomputed - rollout| per step above this is reported (invariant 3)
+LOGPROB_GAP_TOLERANCE = 1e-2  # mean |recomputed - rollout| per step above this is reported (invariant 3)
+CHECK_TRAJECTORIES = 64  # read per statement: a run's segments a few at a time
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _tokens_and_masks(session: Session, run_id: uuid.UUID, report: CheckReport) 
     bad_logprobs, unnamed, bad_masks, broken_chains = set(), set(), set(), set()
     trajectories = [r.id for r in _rows(session, "SELECT id FROM trajectory WHERE run_id = :r ORDER BY id", r=run_id)]
     segments = 0
-    for at in range(0, len(trajectories), CHECK_TRAJECTORIES):  # (a run's segments a few at a time: memory bounded)
+    for at in range(0, len(trajectories), CHECK_TRAJECTORIES):
         by_trajectory: dict[uuid.UUID, list] = {}
         for row in _rows(
             session,

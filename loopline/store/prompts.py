@@ -33,9 +33,8 @@ class StoredPromptBroken(LooplineError):
 
 @dataclass
 class Call:
-    """One stored model call as read back: where its prompt ends and its ids end in its chain's array."""
+    """One stored model call as read back: its chain, and where its prompt ends in the chain's array."""
 
-    seq: int
     chain: int
     prompt_len: int
     row: Any  # the stored row (its generated ids, mask and logprobs)
@@ -92,7 +91,7 @@ def decode(rows: Sequence[Any]) -> Decoded:
                 )
             chain_of.append(chain_of[i - 1])
             lengths[-1] += stored
-        calls.append(Call(row.seq, chain_of[i], lengths[chain_of[i]], row))
+        calls.append(Call(chain_of[i], lengths[chain_of[i]], row))
         lengths[chain_of[i]] += generated
         held.append(lengths[chain_of[i]])
     chains = [np.empty(n, dtype=np.int32) for n in lengths]
