@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from loopline.store.prompts import StoredPromptBroken, whole_prompts
+from loopline.store.prompts import StoredPromptBroken, decode
 from loopline.store.nul import restored
 from loopline.store.queries import run_lease, shown_status
 from loopline.store.uris import path_on_publisher
@@ -215,19 +215,37 @@ def trajectory(conn: sa.Connection, trajectory_id: uuid.UUID) -> dict | None:
 
 
 def segments(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[dict]:
-    """The trajectory's segments, each prompt whole (the ledger stores what the previous segment does not hold)."""
+    """The trajectory's segments as the inspector shows them, in memory linear in what is stored (a 128-turn
+    trajectory's whole prompts are 4.3M ids): `prompt_ids` is a call's whole prompt where it starts a chain, else
+    only the ids it adds after the `continues` ids of the call before it; `prompt_len` is its whole prompt's
+    length; the last call of each chain carries the chain's ids (`chain_ids`: its prompt and generation hold every
+    call of the chain), so a re-tokenisation check reads each token once."""
     rows = conn.execute(
         sa.text("SELECT *, rollout_logprobs::float8[] AS logprobs_exact FROM segment WHERE trajectory_id = :t ORDER BY seq"), {"t": trajectory_id}
     ).all()
     try:
-        prompts = whole_prompts(rows)
-    except StoredPromptBroken:  # (a corrupted row: shown as stored; `loopline check` names it)
-        prompts = [list(r.prompt_ids) for r in rows]
-    return [
-        {**{k: v for k, v in r._mapping.items() if k != "logprobs_exact"}, "prompt_ids": prompt, "rollout_logprobs": r.logprobs_exact,
-         "tool_events": restored(r.tool_events)}
-        for r, prompt in zip(rows, prompts)
-    ]
+        decoded = decode(rows)
+    except StoredPromptBroken:  # (a corrupted row: each shown as stored, a chain of its own; `loopline check` names it)
+        decoded = None
+    out = []
+    for i, r in enumerate(rows):
+        if decoded is None:
+            continues, prompt_len, prompt = 0, len(r.prompt_ids), list(r.prompt_ids)
+            chain_ids: list[int] | None = [*r.prompt_ids, *r.generated_ids]
+        else:
+            call, starts = decoded.calls[i], i == 0 or r.starts_chain
+            chain = decoded.chains[call.chain]
+            previous = decoded.calls[i - 1] if i else None
+            continues = 0 if starts or previous is None else previous.prompt_len + len(rows[i - 1].generated_ids)
+            prompt_len, prompt = call.prompt_len, chain[continues : call.prompt_len].tolist()
+            last = i + 1 == len(rows) or rows[i + 1].starts_chain
+            chain_ids = chain[: call.prompt_len + len(r.generated_ids)].tolist() if last else None
+        out.append({
+            **{k: v for k, v in r._mapping.items() if k not in ("logprobs_exact", "prompt_copies", "prompt_prefix_len")},
+            "prompt_ids": prompt, "prompt_len": prompt_len, "continues": continues, "chain_ids": chain_ids,
+            "rollout_logprobs": r.logprobs_exact, "tool_events": restored(r.tool_events),
+        })
+    return out
 
 
 def learner_logprobs(conn: sa.Connection, trajectory_id: uuid.UUID) -> list[float] | None:

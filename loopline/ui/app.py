@@ -27,6 +27,7 @@ from loopline.ui.data import (
     displayable,
     overlaid,
     first_divergence,
+    chain_of,
     first_retokenisation_difference,
     segment_tokens,
     with_learner_logprobs,
@@ -385,18 +386,23 @@ def page_trajectory(db: LedgerView) -> None:
             st.info("this call did not extend the previous one's tokens (the agent rewrote its history, or called twice at once): "
                     "it starts a chain of its own, trained as a sequence of its own with the episode's advantage")
         st.caption(f"request {segment['request_id']} · logprobs: {segment['logprob_semantics']} · sampling {json.dumps(segment['sampling_config'])}")
-        if tokenizer is not None:
-            ids = list(segment["prompt_ids"]) + list(segment["generated_ids"])
+        if tokenizer is not None and segment["chain_ids"] is not None:  # (once per chain, at its last call)
+            ids = segment["chain_ids"]
             differs = first_retokenisation_difference(ids, tokenizer)
             if differs is None:
-                st.caption(f"token-exact: decoding these {len(ids)} ids and tokenising the text again gives the same ids")
+                st.caption(f"token-exact: decoding these {len(ids)} ids (this call's prompt and generation, which hold its chain's "
+                           "calls) and tokenising the text again gives the same ids")
             else:
-                where = f"prompt token {differs}" if differs < len(segment["prompt_ids"]) else f"generated token {differs - len(segment['prompt_ids'])}"
+                at = next(s for s in chain_of(segments, segment) if differs < s["prompt_len"] + len(s["generated_ids"]))
+                where = f"prompt token {differs}" if differs < at["prompt_len"] else f"generated token {differs - at['prompt_len']}"
                 st.warning(
-                    f"re-tokenisation differs at {where} (id {ids[differs] if differs < len(ids) else '-'}): "
-                    "training on re-tokenised text would not train on what the engine generated"
+                    f"re-tokenisation differs at {where} (id {ids[differs] if differs < len(ids) else '-'})"
+                    + (f" of segment {at['seq']}" if at is not segment else "")
+                    + ": training on re-tokenised text would not train on what the engine generated"
                 )
-        with st.expander(f"Prompt the model saw ({len(prompt)} tokens)", expanded=segment["seq"] == 0):
+        title = (f"Prompt the model saw ({segment['prompt_len']} tokens)" if not segment["continues"] else
+                 f"Prompt the model saw ({segment['prompt_len']} tokens: the {segment['continues']} of the call above, then these {len(prompt)})")
+        with st.expander(title, expanded=segment["seq"] == 0):
             st.markdown(render_tokens(prompt), unsafe_allow_html=True)
             st.code(json.dumps(segment["prompt_ids"]), language=None)
         mark = first[1] if first is not None and segments[first[0]] is segment else None

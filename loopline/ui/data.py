@@ -186,6 +186,14 @@ def first_divergence(generated: list[list[Token]], tolerance: float) -> tuple[in
     return None
 
 
+def chain_of(segments: list[dict], last: dict) -> list[dict]:
+    """The calls of the chain that `last` ends, in order (a chain starts where a call does not continue the one
+    before it: `continues` 0)."""
+    end = next(i for i, s in enumerate(segments) if s is last)
+    start = max((i for i in range(end + 1) if not segments[i]["continues"]), default=0)
+    return segments[start : end + 1]
+
+
 def first_retokenisation_difference(ids: list[int], tokenizer) -> int | None:
     """Decode the ids the engine saw to text and tokenise that text again: the first position where the
     result differs (None: the same ids). A pipeline that keeps text and re-tokenises it would train on

@@ -744,3 +744,34 @@ def test_the_learner_reads_what_every_other_reader_reads_whatever_the_agent_did_
     assert stored <= 1.2 * appending + summaries
     assert check.check_run(db, run.id).stats["segments"] == 40 * n and not [
         v for v in check.check_run(db, run.id).violations if v.invariant in (1, 2)]
+
+
+def test_the_inspector_reads_each_token_of_a_long_trajectory_about_once(db, engine, run):
+    """Issue 63: the inspector's view of a trajectory holds what is stored, not its square: a continuing call's
+    new ids only (with how many of its prompt the call above holds), a chain's whole prompt where it starts,
+    and each chain's ids once, at its last call, for the re-tokenisation check."""
+    import random
+
+    from benchmarks._trajectories import rewriting
+    from loopline.store import views
+    from loopline.ui.data import chain_of
+
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
+    (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
+    episode = rewriting(random.Random(3), 40, 64, 24, 16, "summarising")  # appends, with a new chain every 16 calls
+    trajectory_id = ledger.commit_trajectory(db, lease.attempt_id, episode).trajectory_id
+    with engine.connect() as conn:
+        shown = views.segments(conn, trajectory_id)
+    starts = [k for k, s in enumerate(episode.segments) if k == 0 or s.starts_chain]
+    assert starts == [0, 16, 32]
+    for k, (s, call) in enumerate(zip(shown, episode.segments)):
+        assert s["prompt_len"] == len(call.prompt_ids) and s["generated_ids"] == list(call.generated_ids)
+        assert s["continues"] + len(s["prompt_ids"]) == s["prompt_len"] and (s["continues"] == 0) == (k in starts)
+        assert s["prompt_ids"] == list(call.prompt_ids[s["continues"]:])
+        assert (s["chain_ids"] is not None) == (k + 1 in starts or k == 39)
+        if s["chain_ids"] is not None:
+            assert s["chain_ids"] == [*call.prompt_ids, *call.generated_ids]
+            assert [c["seq"] for c in chain_of(shown, s)] == list(range(max(x for x in starts if x <= k), k + 1))
+    whole = sum(len(c.prompt_ids) + len(c.generated_ids) for c in episode.segments)
+    held = sum(len(s["prompt_ids"]) + len(s["generated_ids"]) + len(s["chain_ids"] or []) for s in shown)
+    assert held < whole / 4  # (the whole prompts, as the page once built them: 4.6x here, growing with the turns)
