@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import logging
 import os
@@ -55,6 +56,9 @@ def run_cli(app: Callable[[], object]) -> None:
     from loopline import stop_signals
 
     _owns_the_process[:] = [True]
+    # `kill -USR1 PID`: every thread's stack to stderr, the process goes on. A command that hangs can be asked
+    # where it is without a debugger (the chaos and terminal tests ask it when a stop does not come in time).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
     try:

@@ -26,6 +26,10 @@ from loopline.store.uris import path_on_publisher
 ROOT = Path(__file__).resolve().parents[2]
 # (episode_start:6: the second round of a step's slots is leased, none committed; rollout_commit:3 just after a
 # commit, which takes the episodes that finished together: no lease left behind)
+# A 3-step run takes ~10 s alone; one still running after this is stuck (and says where: its stacks in the
+# failure) before the test's own timeout would end it saying nothing of it.
+TRAIN_WITHIN_S = 240
+pytestmark = pytest.mark.timeout(15 * 60)
 KILLS = ["rollout_commit:3", "episode_start:6", "learner_step", "learner_commit", "weight_sync"]
 
 
@@ -40,7 +44,12 @@ def _train(config: Path, env: dict, failpoint: str | None, log: Path, leftovers:
             start_new_session=True,
         )
         try:
-            code = proc.wait(timeout=600)
+            try:
+                code = proc.wait(timeout=TRAIN_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGUSR1)  # (its threads' stacks into the log: `cli_support.run_cli`)
+                time.sleep(3)
+                pytest.fail(f"{failpoint or 'the resume'}: still running after {TRAIN_WITHIN_S} s\n{log.read_text()[-12000:]}")
             if leftovers is not None:
                 deadline = time.monotonic() + 15
                 while _group_members(proc.pid) and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ test_learning): its steps come sooner, and what is stopped is the same.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -112,7 +113,13 @@ def _expect(child, pattern: str) -> None:
 
 def _stopped(child, started: float) -> str:
     """Waits for the command to end; returns all it printed since `started` was noted."""
-    child.expect(pexpect.EOF, timeout=STOPPED_WITHIN_S + 20)
+    try:
+        child.expect(pexpect.EOF, timeout=STOPPED_WITHIN_S + 20)
+    except pexpect.TIMEOUT:
+        os.kill(child.pid, signal.SIGUSR1)  # (where it is stuck: its threads' stacks, `cli_support.run_cli`)
+        with contextlib.suppress(pexpect.TIMEOUT, pexpect.EOF):
+            child.expect(pexpect.EOF, timeout=5)
+        pytest.fail(f"still running {time.monotonic() - started:.0f} s after the stop:\n{_plain(child.before)[-12000:]}")
     took = time.monotonic() - started
     child.close()
     assert took < STOPPED_WITHIN_S, f"took {took:.1f} s to stop"

@@ -209,3 +209,27 @@ def test_loopline_errors_raised_on_purpose_after_a_stop_still_leave_as_they_are(
         with stop_signals.noted():
             _signal_lost_in_a_cleanup(signal.SIGINT)
             raise LostTheRun("another process drives run r now")
+
+
+ASKED_WHERE = """
+import signal, time
+from loopline.cli_support import run_cli
+
+def waiting_somewhere():
+    signal.raise_signal(signal.SIGUSR1)  # `kill -USR1 PID` from another terminal
+    time.sleep(0.1)
+    print("went on", flush=True)
+
+run_cli(waiting_somewhere)
+"""
+
+
+def test_a_cli_asked_where_it_is_prints_its_stacks_and_goes_on():
+    """A command that seems stuck (a stop that does not come) says where it is on `kill -USR1`: each thread's
+    stack on stderr, naming the function it waits in, and the command carries on as if not asked."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ASKED_WHERE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "went on\n", done
+    assert "most recent call first" in done.stderr and "waiting_somewhere" in done.stderr, done.stderr
