@@ -47,9 +47,10 @@ def _train(config: Path, env: dict, failpoint: str | None, log: Path, leftovers:
             try:
                 code = proc.wait(timeout=TRAIN_WITHIN_S)
             except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGUSR1)  # (its threads' stacks into the log: `cli_support.run_cli`)
+                os.kill(proc.pid, signal.SIGUSR1)  # (its threads' stacks into the run's log: `cli_support.run_cli`)
                 time.sleep(3)
-                pytest.fail(f"{failpoint or 'the resume'}: still running after {TRAIN_WITHIN_S} s\n{log.read_text()[-12000:]}")
+                run_logs = "".join(f.read_text()[-12000:] for f in Path(env["LOOPLINE_HOME"]).glob("runs/*/train.log"))
+                pytest.fail(f"{failpoint or 'the resume'}: still running after {TRAIN_WITHIN_S} s\n{log.read_text()[-4000:]}\n{run_logs}")
             if leftovers is not None:
                 deadline = time.monotonic() + 15
                 while _group_members(proc.pid) and time.monotonic() < deadline:
