@@ -24,12 +24,12 @@ import yaml
 from loopline.store.uris import path_on_publisher
 
 ROOT = Path(__file__).resolve().parents[2]
-# (episode_start:6: the second round of a step's slots is leased, none committed; rollout_commit:3 just after a
-# commit, which takes the episodes that finished together: no lease left behind)
 # A 3-step run takes ~10 s alone; one still running after this is stuck (and says where: its stacks in the
 # failure) before the test's own timeout would end it saying nothing of it.
 TRAIN_WITHIN_S = 240
 pytestmark = pytest.mark.timeout(15 * 60)
+# (episode_start:6: the second round of a step's slots is leased, none committed; rollout_commit:3 just after a
+# commit, which takes the episodes that finished together: no lease left behind)
 KILLS = ["rollout_commit:3", "episode_start:6", "learner_step", "learner_commit", "weight_sync"]
 
 
