@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from loopline import allocator
-from loopline.cli_support import console, friendly_errors, on_stop, output_to_log, run_cli, stop_on_signals
+from loopline.cli_support import console, friendly_errors, on_stop, output_to_log, run_cli, stop_on_signals, stopped_by
 from loopline.store import db as store_db
 from loopline.store import migrate
 from loopline.errors import LooplineError
@@ -329,8 +329,7 @@ def deploy(
     kwargs = dict(config_path=str(config.resolve()) if config else None, train_cron=train_cron, eval_run=eval_run, eval_interval_s=eval_interval)
     if pool is None:
         on_stop("the deployments are paused until `loopline deploy` serves them again")
-        serve_deployments(**kwargs)
-        raise KeyboardInterrupt  # serving ends only on a Ctrl-C, which Prefect's `serve` catches: said as any command's is
+        stopped_by(serve_deployments(**kwargs))  # (serving ends only on a stop signal, said as any command's is)
     for name in deploy_to_pool(pool, pool_type, base_job_template, silent_after, **kwargs):
         console.print(f"deployment {name} on work pool {pool}")
     console.print(f"start workers on any machine that reaches the ledger and this Prefect API: prefect worker start --pool {pool}")

@@ -98,6 +98,12 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def stopped_by(signum: int) -> None:
+    """A stop signal that a command took in its own way (an event loop's handler): raised now as the CLI's
+    handlers would have raised it on arrival, so that it is said and exits as any command's stop."""
+    (_interrupt if signum == signal.SIGINT else _exit_on_signal)(signum, None)
+
+
 def _quiet_from_now_on() -> None:
     """A stop unwinds through whatever was half made: measured, Ctrl-C as `deploy` started serving left an event
     loop half built, whose finaliser printed an `Exception ignored in ... AttributeError` traceback and a

@@ -11,15 +11,17 @@ entrypoints: no image and no code storage for a process pool). Trigger from Pyth
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 from pathlib import Path
 
-from prefect import serve
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectNotFound
-from prefect.settings import PREFECT_API_URL
+from prefect.runner import Runner
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
 
 from loopline.orchestration import server
@@ -28,6 +30,7 @@ from loopline.flows.train import learner, train
 from loopline.flows.worker import DEPLOYMENT as WORKER_DEPLOYMENT
 from loopline.flows.worker import rollout_worker
 from loopline.errors import LooplineError
+from loopline.stop_signals import STOP_SIGNALS, exit_at_once
 
 TRAIN, LEARNER, EVALUATE, WORKER = "loopline-train", "loopline-learner", "loopline-evaluate", WORKER_DEPLOYMENT.split("/")[1]
 
@@ -75,9 +78,73 @@ def _require_server() -> None:
         )
 
 
-def serve_deployments(**kwargs) -> None:
+def serve_deployments(**kwargs) -> int:
+    """Serve the deployments here until a stop signal; returns that signal (Ctrl-C, SIGTERM, SIGHUP) once the
+    schedules are paused and the runs in flight cancelled (Prefect's `Runner.astop`).
+
+    Not Prefect's `serve()`: it takes Ctrl-C as a KeyboardInterrupt raised wherever the main thread is, and measured
+    in CI (1 stop in ~50) one raised inside the runner's event loop was lost: the command served on after the
+    Ctrl-C, printing nothing. Here each stop signal reaches the loop as a callback (`loop.add_signal_handler`),
+    which stops the runner the way Prefect's own SIGTERM handler does; a second one leaves at once."""
     _require_server()
-    serve(*deployments(**kwargs))
+    served = deployments(**kwargs)
+    return asyncio.run(_serve_until_stopped(served))
+
+
+async def _serve_until_stopped(served: list) -> int:
+    loop = asyncio.get_running_loop()
+    runner = Runner(pause_on_shutdown=True)
+    asked: list[int] = []
+    serving: list[asyncio.Task] = []
+
+    async def stop_once_started() -> None:  # (astop refuses a runner that has not started; one starting is waited for)
+        while serving and not runner.started and not serving[0].done():
+            await asyncio.sleep(0.05)
+        if runner.started:
+            await runner.astop()
+
+    def stop(signum: int) -> None:
+        if asked:  # a second stop while the first pauses the schedules (a user pressing Ctrl-C again): out now
+            exit_at_once(signum)
+        asked.append(signum)
+        loop.create_task(stop_once_started())
+
+    def listen() -> None:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    listen()
+    try:
+        for deployment in served:
+            await runner.aadd_deployment(deployment)
+        if not asked:
+            _say_served(served)
+            serving.append(asyncio.ensure_future(runner.start()))
+            await asyncio.sleep(0)  # its first step puts Prefect's own SIGTERM handler in place (`Runner.start`): ours again
+            listen()
+            await serving[0]
+    finally:
+        for sig, handler in previous.items():  # (the loop's removal would leave SIG_DFL: the CLI's handlers again)
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
+    if not asked:
+        raise LooplineError("Prefect's runner stopped serving on its own (its log above says why); run `loopline deploy` again")
+    return asked[0]
+
+
+def _say_served(served: list) -> None:
+    from rich.console import Console
+
+    ui = PREFECT_UI_URL.value()
+    Console().print(
+        "[green]Your deployments are being served and polling for scheduled runs![/]\n"
+        + "".join(f"  {d.flow_name}/{d.name}\n" for d in served)
+        + "Trigger one with `prefect deployment run NAME`"
+        + (f" or in the Prefect UI: {ui}/deployments" if ui else "")
+        + "; Ctrl-C pauses their schedules and stops serving.",
+        soft_wrap=True, highlight=False,
+    )
 
 
 def ensure_work_pool(name: str, pool_type: str = "process", base_job_template: Path | None = None) -> bool:

@@ -16,10 +16,12 @@ test_learning): its steps come sooner, and what is stopped is the same.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -321,6 +323,19 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
     assert _processes(f"{trained}/pgdata") == [] and _processes(f"--server.port {port}") == []
     assert set(_containers()) <= containers_before  # (the sandbox being created as Ctrl-C came: removed too)
     assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
+    if command.startswith("deploy"):  # what its one line says: the schedules wait until it serves them again
+        assert _paused_schedules(env) == {"loopline-evaluate": True}
+
+
+def _paused_schedules(env: dict) -> dict[str, bool]:
+    """Each scheduled deployment on the Prefect server of `env`: whether its schedule is paused."""
+    read = (
+        "from prefect.client.orchestration import get_client\n"
+        "with get_client(sync_client=True) as client:\n"
+        "    print({d.name: d.paused for d in client.read_deployments() if d.schedules})"
+    )
+    output = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    return ast.literal_eval(output.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("stop", ["Ctrl-C", "SIGTERM", "SIGHUP"])
@@ -330,7 +345,6 @@ def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_
     no traceback; what it held is handed back at once (no attempt of its left running for a lease to expire),
     and the run it fed is not stopped: its trainer goes on."""
     import socket
-    import subprocess
 
     import sqlalchemy as sa
 
