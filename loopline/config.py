@@ -6,8 +6,9 @@ import dataclasses
 import difflib
 import logging
 import math
+import uuid
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,7 +21,26 @@ from loopline.rollout.engines import ENGINES  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
-TRACKERS: Registry = Registry("tracker", "tracking", ("tensorboard", "mlflow", "wandb", "trackio"))  # (pipeline/tracking.py)
+
+
+class Tracker(Protocol):
+    """One experiment tracker's side of a run: the ledger's metrics projected onto it, step by step."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def artifact(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class OpenTracker(Protocol):
+    """`tracking: [name]`: the run's name, id, directory and config (recorded as its parameters) -> its Tracker."""
+
+    def __call__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], /) -> Tracker: ...
+
+
+# the built-ins are pipeline/tracking.py's
+TRACKERS: Registry[OpenTracker] = Registry("tracker", "tracking", ("tensorboard", "mlflow", "wandb", "trackio"))
 
 log = logging.getLogger(__name__)
 

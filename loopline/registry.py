@@ -13,10 +13,22 @@ import difflib
 from dataclasses import field
 from typing import Any, Callable, Generic, TypeVar
 
+from loopline.errors import LooplineError
+
 T = TypeVar("T")
 
 
+class UnregisteredComponent(LooplineError, KeyError):
+    """A name no module of this process registered: valid where the config was read (its module imported
+    there), missing here."""
+
+    def __str__(self) -> str:  # (KeyError's would quote the message)
+        return str(self.args[0])
+
+
 class Registry(Generic[T]):
+    """Names -> components of one kind; `T` is the kind's Protocol (what a plugin writes)."""
+
     def __init__(self, what: str, setting: str, builtin: tuple[str, ...]) -> None:
         self.what, self.setting = what, setting
         self.names: list[str] = list(builtin)
@@ -35,7 +47,10 @@ class Registry(Generic[T]):
 
     def __getitem__(self, name: str) -> T:
         if name not in self._implementations:
-            raise KeyError(f"{self.setting}: no {self.what} {name!r} is registered; the registered ones: {', '.join(self._implementations)}")
+            raise UnregisteredComponent(
+                f"{self.setting}: no {self.what} {name!r} is registered in this process (the registered ones: "
+                f"{', '.join(self._implementations)}); import the module that registers it here too"
+            )
         return self._implementations[name]
 
     def check(self, name: str) -> None:
@@ -48,7 +63,8 @@ class Registry(Generic[T]):
     def check_implemented(self) -> None:
         """At the end of the module that implements the built-ins: every declared name has its implementation."""
         missing = [n for n in self.names if n not in self._implementations]
-        assert not missing, f"{self.setting}: declared but not registered: {', '.join(missing)}"
+        if missing:  # (loopline's own defect: a built-in declared in a config module and never implemented)
+            raise RuntimeError(f"{self.setting}: declared but not registered: {', '.join(missing)}")
 
     def setting_field(self, default: str, description: str) -> Any:
         """A dataclass field choosing from this registry: its description, and its names as the JSON Schema's

@@ -24,24 +24,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 from sqlmodel import Session
 
-from loopline.config import TRACKERS
+from loopline.config import TRACKERS, Tracker  # noqa: F401 (re-exported)
 from loopline.store import queries
 
 log = logging.getLogger(__name__)
-
-
-class Tracker(Protocol):
-    """Built with the run's name, id, directory and config (recorded as its parameters)."""
-
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def artifact(self, directory: Path) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

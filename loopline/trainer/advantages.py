@@ -23,16 +23,15 @@ class Advantages:
     degenerate_groups: int
     groups: int
     # per trajectory, its group's normalisation facts (stored with what was trained)
-    group_mean: torch.Tensor | None = None  # [n_trajectories]
-    group_std: torch.Tensor | None = None  # [n_trajectories]: the std the estimator used (0 where none)
-    degenerate: torch.Tensor | None = None  # [n_trajectories] bool
+    group_mean: torch.Tensor  # [n_trajectories]
+    group_std: torch.Tensor  # [n_trajectories]: the std the estimator used (0 where none)
+    degenerate: torch.Tensor  # [n_trajectories] bool
 
     def per_sequence(self, index: Sequence[int]) -> "Advantages":
         """One row per training sequence (`index[k]`: sequence k's trajectory): every chain of a trajectory carries
         its trajectory's advantage, computed once (a two-chain episode is not two samples of its group)."""
         i = torch.as_tensor(list(index), dtype=torch.long)
-        pick = lambda t: None if t is None else t[i]  # noqa: E731
-        return Advantages(self.values[i], self.keep[i], self.degenerate_groups, self.groups, pick(self.group_mean), pick(self.group_std), pick(self.degenerate))
+        return Advantages(self.values[i], self.keep[i], self.degenerate_groups, self.groups, self.group_mean[i], self.group_std[i], self.degenerate[i])
 
 
 def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], config: AdvantageConfig = AdvantageConfig()) -> Advantages:

@@ -14,13 +14,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
 
 from loopline.failpoints import failpoint
 from loopline.trainer.batch import Padded
-from loopline.trainer.config import BACKENDS, BackendName
+from loopline.trainer.config import BACKENDS, Backend, BackendName, LossFn  # noqa: F401 (re-exported)
 
 
 
@@ -53,34 +53,6 @@ def _load_trained(model, state: dict) -> None:
 def _grad_norm(parameters) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-LossFn = Callable[[Padded], tuple[torch.Tensor, dict[str, float]]]  # (share of the step's loss, metrics)
-
-
-class Backend(Protocol):
-    model: torch.nn.Module  # the plain model (for export, config, parameters)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself); with `keep`
-        (sequence positions), only at those positions ([B, len(keep), V])."""
-
-    def call(self, **kwargs) -> Any:
-        """The model's output for keyword arguments (cache, position_ids, ...), through the wrapper."""
-
-    def world(self) -> tuple[int, int]:
-        """(data-parallel size, this rank)."""
-
-    def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
-        """One optimizer step over the step's micro-batches (the same list on every rank); `on_error` is
-        the learner's refusal: raised by `loss_of`, or by this when an earlier step broke halfway, or
-        (`NonFiniteGradient`) when the gradient norm is NaN or inf. Sets `last_grad_norm`."""
-
-    last_grad_norm: float
-    last_skipped: bool  # fp16: the last step overflowed and was skipped by the loss scaler (nothing applied)
-
-    def save(self, directory: Path, client_state: dict[str, Any]) -> None: ...
-
-    def load(self, directory: Path) -> dict[str, Any]:
-        """Restore the model, optimizer and schedule; returns the client state saved with them."""
 
 
 def init_distributed(backend: str) -> None:
@@ -289,7 +261,7 @@ def _torch(model, optimizer, scheduler, config, device: torch.device) -> Backend
 
 
 # `learner.backend` by name: a backend is its Backend and its registration, `@BACKENDS.register("name")` on a
-# function (model, optimizer, scheduler, LearnerConfig, device) -> Backend, in whatever module defines it.
+# `config.BuildBackend`, in whatever module defines it.
 BACKENDS.register("deepspeed")(_deepspeed)
 BACKENDS.register("torch")(_torch)
 BACKENDS.check_implemented()

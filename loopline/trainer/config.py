@@ -1,25 +1,129 @@
-"""The trainer's settings as plain dataclasses, without torch: a run config is validated (and refused, in one
-line) before the CLI imports torch or Prefect. The modules that use them re-export them."""
+"""The trainer's settings as plain dataclasses, and the shape of each component a run config chooses by name,
+without torch: a run config is validated (and refused, in one line) before the CLI imports torch or Prefect. The
+modules that use them re-export them.
+
+A component is a function (or object) of its registry's Protocol below, registered by name in whatever module
+defines it (`@POLICY_LOSSES.register("mine")`); the built-ins' names are declared here, their code is in
+trainer/advantages.py, trainer/losses.py and trainer/backends.py."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeAlias
 
 from loopline.registry import Registry
 
+if TYPE_CHECKING:
+    import torch
+
+    from loopline.trainer.batch import Padded
+
+
+class AdvantageEstimator(Protocol):
+    """`learner.advantage.estimator`: one group's rewards (at least 2, not all equal) -> each sample's advantage,
+    and the standard deviation it divided by (0: none)."""
+
+    def __call__(self, group: torch.Tensor, config: AdvantageConfig, /) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """What a policy loss makes of a micro-batch, per token ([B, T]); the learner applies the off-policy
+    correction's weight, the KL term and the aggregation, the same for every loss, and reports the masks."""
+
+    per_token: torch.Tensor  # the policy-gradient loss of each token
+    ratio: torch.Tensor  # the importance ratio the loss clipped (a token's, or its sequence's)
+    clipped: torch.Tensor  # bool: tokens whose ratio the clip held (no gradient through the ratio)
+    dual_clipped: torch.Tensor  # bool: tokens whose loss the dual clip capped (A < 0)
+
+
+class PolicyLoss(Protocol):
+    """`learner.loss.policy_loss` (verl's `policy_loss.loss_mode`): log π_θ (with gradient) and log π_old of a
+    micro-batch's rows, each token's advantage and the 0/1 mask of the tokens in the loss, all [B, T] ->
+    the per-token surrogate. Values off the mask are meaningless (0 here) and must stay out of the math."""
+
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig, /) -> Surrogate: ...
+
+
+class LossAggregation(Protocol):
+    """`learner.loss.aggregation`: per-token losses (0 off the mask) -> the micro-batch's share of the step's loss,
+    given the step's token and trajectory counts, the constant length L, and each row's trajectory's tokens."""
+
+    def __call__(
+        self, per_token: torch.Tensor, mask: torch.Tensor, total_tokens: float | None, total_sequences: float | None,
+        norm_length: int | None, sequence_tokens: torch.Tensor | None, /,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class CorrectionRule:
+    """`learner.loss.correction`, one off-policy correction: whether it rejects tokens (or sequences) whose ρ is
+    outside the bounds (then they leave the loss, and its denominators must be known before the first gradient
+    step), and the weight it gives each kept token from ρ = π_old/μ and the cap."""
+
+    rejects: bool
+    weight: Callable[[torch.Tensor, float], torch.Tensor]
+
+
+class KLEstimate(Protocol):
+    """`learner.loss.kl_estimator`: log(π_ref / π_θ) per token -> that token's estimate of KL(π_θ || π_ref)."""
+
+    def __call__(self, log_ratio: torch.Tensor, /) -> torch.Tensor: ...
+
+
+LossFn = Callable[["Padded"], "tuple[torch.Tensor, dict[str, float]]"]  # (a micro-batch's share of the step's loss, metrics)
+
+
+class Backend(Protocol):
+    """What a learner backend is (`BuildBackend` makes one): the model's wrapper, the optimizer step, its state."""
+
+    model: torch.nn.Module  # the plain model (for export, config, parameters)
+    last_grad_norm: float
+    last_skipped: bool  # fp16: the last step overflowed and was skipped by the loss scaler (nothing applied)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, through whatever wraps the model (the DeepSpeed engine, or the model itself); with `keep`
+        (sequence positions), only at those positions ([B, len(keep), V])."""
+
+    def call(self, **kwargs) -> Any:
+        """The model's output for keyword arguments (cache, position_ids, ...), through the wrapper."""
+
+    def world(self) -> tuple[int, int]:
+        """(data-parallel size, this rank)."""
+
+    def optimise(self, micro: list[Padded], loss_of: LossFn, on_error: type[Exception]) -> list[dict[str, float]]:
+        """One optimizer step over the step's micro-batches (the same list on every rank); `on_error` is
+        the learner's refusal: raised by `loss_of`, or by this when an earlier step broke halfway, or
+        (`NonFiniteGradient`) when the gradient norm is NaN or inf. Sets `last_grad_norm`."""
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None: ...
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        """Restore the model, optimizer and schedule; returns the client state saved with them."""
+
+
+class BuildBackend(Protocol):
+    """`learner.backend`: the model (fp32, train mode), its optimizer and schedule, the learner's settings and
+    device -> the backend that steps them."""
+
+    def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, config: LearnerConfig, device: torch.device, /) -> Backend: ...
+
+
 # Components chosen by name: the built-ins declared here (no torch), implemented and registered by
-# trainer/advantages.py and trainer/losses.py; a component registered anywhere else is a valid name too.
-ESTIMATORS: Registry = Registry("advantage estimator", "learner.advantage.estimator", ("grpo", "dr_grpo", "rloo"))
-AGGREGATIONS: Registry = Registry(
+# trainer/advantages.py, trainer/losses.py and trainer/backends.py; a component registered anywhere else is a valid name too.
+ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "learner.advantage.estimator", ("grpo", "dr_grpo", "rloo"))
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "learner.loss.policy_loss", ("vanilla", "gspo"))
+AGGREGATIONS: Registry[LossAggregation] = Registry(
     "loss aggregation", "learner.loss.aggregation", ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 )
-CORRECTIONS: Registry = Registry("off-policy correction", "learner.loss.correction", ("none", "tis", "mis", "rejection"))
-KL_ESTIMATORS: Registry = Registry("KL estimator", "learner.loss.kl_estimator", ("k1", "k3"))
-BACKENDS: Registry = Registry("learner backend", "learner.backend", ("deepspeed", "torch"))  # (trainer/backends.py)
+CORRECTIONS: Registry[CorrectionRule] = Registry("off-policy correction", "learner.loss.correction", ("none", "tis", "mis", "rejection"))
+KL_ESTIMATORS: Registry[KLEstimate] = Registry("KL estimator", "learner.loss.kl_estimator", ("k1", "k3"))
+BACKENDS: Registry[BuildBackend] = Registry("learner backend", "learner.backend", ("deepspeed", "torch"))
 # (each a registered name)
 Estimator: TypeAlias = str
+PolicyLossName: TypeAlias = str
 Aggregation: TypeAlias = str
 OffPolicyCorrection: TypeAlias = str
 KLEstimator: TypeAlias = str
@@ -50,9 +154,15 @@ class AdvantageConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    policy_loss: PolicyLossName = POLICY_LOSSES.setting_field(
+        "vanilla", "vanilla: PPO's clipped token ratio π_θ/π_old (dual-clipped, as verl's vanilla); gspo: GSPO's sequence ratio, "
+        "the geometric mean of the row's token ratios, clipped (verl gspo, TRL importance_sampling_level=sequence; its recipe "
+        "clips at 3e-4 / 4e-4 with seq_mean_token_mean)",
+    )
     clip_low: float = setting(0.2, "the ratio π_θ/π_old is clipped below at 1 - clip_low (verl clip_ratio_low, TRL epsilon)")
     clip_high: float = setting(0.28, "... and above at 1 + clip_high: asymmetric, DAPO's clip-higher (verl clip_ratio_high, TRL epsilon_high)")
-    clip_ratio_c: float | None = setting(3.0, "dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off")
+    clip_ratio_c: float | None = setting(3.0, "dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off "
+        "(policy_loss vanilla; gspo has none, as verl's)")
     # Rejected tokens leave the loss entirely (its denominators and the KL term too).
     correction: OffPolicyCorrection = CORRECTIONS.setting_field(
         "tis", "the π_old/μ correction of an off-policy rollout (verl's rollout correction): tis: weight min(ρ, cap); mis: "
@@ -70,6 +180,7 @@ class LossConfig:
     kl_estimator: KLEstimator = KL_ESTIMATORS.setting_field("k3", "k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)")
 
     def __post_init__(self) -> None:
+        POLICY_LOSSES.check(self.policy_loss)
         CORRECTIONS.check(self.correction)
         AGGREGATIONS.check(self.aggregation)
         KL_ESTIMATORS.check(self.kl_estimator)

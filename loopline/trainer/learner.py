@@ -23,7 +23,7 @@ import torch
 
 from loopline.types import TrainedSample
 from loopline.trainer import checkpoint, losses, lora, prefix
-from loopline.trainer.advantages import compute_advantages
+from loopline.trainer.advantages import Advantages, compute_advantages
 from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad, trajectory_index
 from loopline.trainer.prefix import token_entropy
@@ -93,6 +93,60 @@ def bf16_supported() -> bool:
 
 def fp16_supported() -> bool:
     return torch.cuda.is_available()
+
+
+@dataclass
+class _Step:
+    """One rl_step's batch as it moves through the stages: its advantages and micro-batches, then π_old and the
+    π_old/μ correction of each micro-batch (fixed for the whole step), then the loss's denominators."""
+
+    adv: Advantages
+    base: dict[str, float]  # (metrics known before anything is trained)
+    keep: list[int]  # indexes in the batch of the sequences trained
+    seqs: list[TrainSequence]  # those sequences
+    trajectory_of: list[int]  # index in `seqs` -> its trajectory
+    advantages: torch.Tensor  # [len(seqs)]
+    micro: list[Padded]
+    reuse: bool  # π_old is the loss's own forward, detached (one optimizer step, no rejection)
+    loss: losses.LossConfig
+    device: torch.device
+    old: dict[int, torch.Tensor] = field(default_factory=dict)  # id(micro-batch) -> π_old
+    corrections: dict[int, Correction] = field(default_factory=dict)
+    trajectory_tokens: list[float] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, adv: Advantages) -> "_Step":
+        return cls(adv, {}, [], [], [], torch.zeros(0), [], False, losses.LossConfig(), torch.device("cpu"))
+
+    def anchor(self, batch: Padded, logp: torch.Tensor) -> None:
+        """π_old of one micro-batch, and its π_old/μ correction."""
+        if not torch.isfinite(logp[batch.target_mask.bool()]).all():
+            raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
+        self.old[id(batch)] = logp
+        self.corrections[id(batch)] = off_policy_correction(
+            logp, batch.behaviour_logprobs.to(self.device), batch.target_mask.to(self.device), self.loss
+        )
+
+    def counted(self, batch: Padded) -> torch.Tensor:
+        """The tokens of a micro-batch in the loss (reused: nothing is rejected, every action token)."""
+        return batch.target_mask.bool() if self.reuse else self.corrections[id(batch)].kept
+
+    def count_trajectory_tokens(self) -> None:
+        """Sequence-level aggregations weigh a trajectory once whatever its number of chains: the count is of
+        trajectories, and a seq-mean-token-mean divides each chain's token sum by its trajectory's tokens."""
+        self.trajectory_tokens = [0.0] * (max(self.trajectory_of) + 1)
+        for b in self.micro:
+            for row, j in enumerate(b.rows):
+                self.trajectory_tokens[self.trajectory_of[j]] += float(self.counted(b)[row].sum())
+
+    def minibatches(self, n: int) -> list[list[Padded]]:
+        return [g for g in (self.micro[i::n] for i in range(n)) if g]
+
+    def denominators(self, group: list[Padded]) -> tuple[float, float]:
+        """A minibatch's tokens in the loss, and its trajectories with any."""
+        tokens = float(sum(int(self.counted(b).sum()) for b in group))
+        trajectories = {self.trajectory_of[j] for b in group for row, j in enumerate(b.rows) if self.counted(b)[row].any()}
+        return tokens, float(len(trajectories))
 
 
 class Learner:
@@ -183,15 +237,15 @@ class Learner:
 
     # ------------------------------------------------------------------ steps
 
-    def _logprob_gaps(self, micro: list[Padded], old: dict, seqs: Sequence[TrainSequence], version: int | None) -> dict:
+    def _logprob_gaps(self, step: "_Step", version: int | None) -> dict:
         recomputed, behaviour, fresh = [], [], []
-        for b in micro:
-            if id(b) not in old:  # another rank's micro-batch: the gap is this rank's
+        for b in step.micro:
+            if id(b) not in step.old:  # another rank's micro-batch: the gap is this rank's
                 continue
             mask = b.target_mask.bool()
-            recomputed.append(old[id(b)][mask])
+            recomputed.append(step.old[id(b)][mask])
             behaviour.append(b.behaviour_logprobs[mask].to(self.device))
-            own = torch.tensor([version is None or seqs[r].generated_by(version) for r in b.rows], dtype=torch.bool)
+            own = torch.tensor([version is None or step.seqs[r].generated_by(version) for r in b.rows], dtype=torch.bool)
             fresh.append(own[:, None].expand_as(mask)[mask])
         recomputed, behaviour, fresh = torch.cat(recomputed), torch.cat(behaviour), torch.cat(fresh)
         gaps = logprob_gap(recomputed, behaviour, fresh.long())
@@ -201,15 +255,57 @@ class Learner:
         return gaps
 
     def rl_step(self, sequences: Sequence[TrainSequence], trained_version: int | None = None) -> StepResult:
-        """One policy update on a batch of complete groups.
+        """One policy update on a batch of complete groups: advantages, π_old and the off-policy correction, one
+        optimizer step per minibatch, the step's metrics.
 
         `trained_version` is the version of the weights being trained: the logprob gap (invariant 3)
         is measured on the tokens it generated itself, where recompute and rollout must agree; tokens
         of older versions differ by design (staleness) and are reported apart. None: all tokens.
         """
+        step = self._prepare(sequences)
+        if isinstance(step, StepResult):
+            return step
+        if not step.reuse:
+            with torch.no_grad():
+                for b in step.micro:
+                    step.anchor(b, self._logprobs(b).detach())
+        step.count_trajectory_tokens()
+        step_metrics: list[dict[str, float]] = []
+        grad_norms: list[float] = []
+        skipped = 0
+        for group in step.minibatches(self.config.minibatches):
+            try:
+                step_metrics += self.backend.optimise(group, functools.partial(self._loss_of, step, step.denominators(group)), LearnerError)
+            except NonFiniteGradient as exc:
+                raise RefusedUpdate(
+                    f"{exc} (lower the learning rate or check the batch; the batch was not consumed)",
+                    {**step.base, **self._logprob_gaps(step, trained_version), "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
+                ) from None
+            grad_norms.append(self.backend.last_grad_norm)
+            skipped += self.backend.last_skipped
+        self.steps_done += 1
+        firsts = [s for s in sequences if s.chain == 0]
+        metrics = {
+            **step.base,
+            **self._logprob_gaps(step, trained_version),
+            **self._summarise(step_metrics),
+            "grad_norm": max(grad_norms, default=0.0),
+            **({"fp16_skipped_steps": float(skipped)} if self.config.dtype == "fp16" else {}),
+            "advantage_mean": float(step.advantages.mean()),
+            "advantage_std": float(step.advantages.std(correction=0)),
+            "tokens_trained": float(sum(int(b.target_mask.sum()) for b in step.micro)),
+            "sequences_trained": float(len(step.seqs)),
+            "reward_mean": float(sum(s.reward for s in firsts) / len(firsts)),
+            "learner_ranks": float(self.backend.world()[0]),
+            "learner_threads": float(torch.get_num_threads()),  # a replay computes with the same count
+        }
+        return StepResult(None, metrics, self._samples(sequences, step))
+
+    def _prepare(self, sequences: Sequence[TrainSequence]) -> "_Step | StepResult":
+        """The step's advantages (once per trajectory, however many chains it has) and its micro-batches; a
+        StepResult where nothing is left to train."""
         if not sequences:
             raise LearnerError("empty batch: nothing to train on")
-        # a trajectory of several chains is several sequences: its advantage is computed once, over trajectories
         index = trajectory_index(sequences)
         firsts = [i for i, s in enumerate(sequences) if s.chain == 0]
         adv = compute_advantages(
@@ -218,110 +314,55 @@ class Learner:
         keep = [i for i, s in enumerate(sequences) if adv.keep[i] and s.action_tokens > 0]
         base = {"degenerate_groups": float(adv.degenerate_groups), "groups": float(adv.groups)}
         if not keep:
-            return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, adv, [], [], [], {}, {}))
+            return StepResult("no sequence with action tokens and a usable group", base, self._samples(sequences, _Step.empty(adv)))
         seqs = [sequences[i] for i in keep]
-        trajectory_of = [index[i] for i in keep]  # index in `seqs` -> its trajectory
-        advantages = adv.values[keep].float()
         for s in seqs:
             if not np.isfinite(s.behaviour_logprobs).all():
                 raise LearnerError(f"trajectory {s.trajectory_id} has NaN or inf rollout logprobs; refusing the step")
-        micro = [pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)]
-        loss_config = self.config.loss
+        loss = self.config.loss
         # With one optimizer step per learner step, π_old is π_θ before that step: the loss's own forward gives
         # it exactly (TRL does the same), saving a forward pass. A rejecting correction must know every
         # micro-batch's kept tokens before the first gradient (its denominators), so it keeps the pass.
-        reuse = self.config.minibatches == 1 and not losses.CORRECTIONS[loss_config.correction].rejects
-        old: dict[int, torch.Tensor] = {}
-        corrections: dict[int, Correction] = {}
+        reuse = self.config.minibatches == 1 and not losses.CORRECTIONS[loss.correction].rejects
+        return _Step(
+            adv=adv, base=base, keep=keep, seqs=seqs, trajectory_of=[index[i] for i in keep], advantages=adv.values[keep].float(),
+            micro=[pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)], reuse=reuse, loss=loss, device=self.device,
+        )
 
-        def anchor(batch: Padded, logp: torch.Tensor) -> None:
-            """π_old of one micro-batch, and its π_old/μ correction (fixed for the whole step)."""
-            if not torch.isfinite(logp[batch.target_mask.bool()]).all():
-                raise LearnerError("the policy's own logprobs are NaN or inf on action tokens; refusing the update")
-            old[id(batch)] = logp
-            corrections[id(batch)] = off_policy_correction(
-                logp, batch.behaviour_logprobs.to(self.device), batch.target_mask.to(self.device), loss_config
-            )
-
-        if not reuse:
+    def _loss_of(self, step: "_Step", denominators: tuple[float, float], batch: Padded) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's share of its minibatch's loss (`denominators`: the minibatch's tokens and trajectories
+        in the loss), with the entropy at its action tokens."""
+        reference = None
+        if self.reference is not None:  # (before the policy's forward: see lora.adapters_off)
             with torch.no_grad():
-                for b in micro:
-                    anchor(b, self._logprobs(b).detach())
-        # Sequence-level aggregations weigh a trajectory once whatever its number of chains: the count is of
-        # trajectories, and a seq-mean-token-mean divides each chain's token sum by its trajectory's tokens.
-        counted = lambda b: corrections[id(b)].kept if not reuse else b.target_mask.bool()  # noqa: E731
-        trajectory_tokens = [0.0] * (max(trajectory_of) + 1)
-        for b in micro:
-            for row, j in enumerate(b.rows):
-                trajectory_tokens[trajectory_of[j]] += float(counted(b)[row].sum())
-        groups = [micro[i :: self.config.minibatches] for i in range(self.config.minibatches)]
-        step_metrics: list[dict[str, float]] = []
-        grad_norms: list[float] = []
-        skipped = 0
-        for group in (g for g in groups if g):
-            # (reused: nothing is rejected, the denominators are the action tokens and the trajectories with any)
-            tokens = float(sum(int(counted(b).sum()) for b in group))
-            seq_count = float(len({trajectory_of[j] for b in group for row, j in enumerate(b.rows) if counted(b)[row].any()}))
-
-            def loss_of(batch: Padded):
-                reference = None
-                if self.reference is not None:  # (before the policy's forward: see lora.adapters_off)
-                    with torch.no_grad():
-                        reference = self._logprobs(batch, self.reference)
-                entropy: list[torch.Tensor] = []
-                logp = self._logprobs(batch, entropy=entropy)
-                if reuse:
-                    anchor(batch, logp.detach())
-                out = policy_loss(
-                    logp, old[id(batch)], batch.behaviour_logprobs.to(self.device), advantages[batch.rows].to(self.device),
-                    batch.target_mask.to(self.device), loss_config, ref_logp=reference, total_tokens=max(tokens, 1.0),
-                    total_sequences=max(seq_count, 1.0), correction=corrections[id(batch)],
-                    sequence_tokens=torch.tensor([trajectory_tokens[trajectory_of[j]] for j in batch.rows], device=self.device),
-                )
-                if not torch.isfinite(out.loss):
-                    raise LearnerError("the loss is NaN or inf; refusing the update")
-                actions = batch.target_mask.to(self.device).bool()
-                return out.loss, {**out.metrics, "entropy": float(entropy[0][actions].mean()) if actions.any() else 0.0}
-
-            try:
-                step_metrics += self.backend.optimise(group, loss_of, LearnerError)
-            except NonFiniteGradient as exc:
-                raise RefusedUpdate(
-                    f"{exc} (lower the learning rate or check the batch; the batch was not consumed)",
-                    {**base, **self._logprob_gaps(micro, old, seqs, trained_version), "grad_norm": exc.grad_norm, "refused_nonfinite_grad": 1.0},
-                ) from None
-            grad_norms.append(self.backend.last_grad_norm)
-            skipped += self.backend.last_skipped
-        self.steps_done += 1
-        gap = self._logprob_gaps(micro, old, seqs, trained_version)
-        samples = self._samples(sequences, adv, keep, seqs, micro, corrections, old)
-        metrics = {
-            **base,
-            **gap,
-            **self._summarise(step_metrics),
-            "grad_norm": max(grad_norms, default=0.0),
-            **({"fp16_skipped_steps": float(skipped)} if self.config.dtype == "fp16" else {}),
-            "advantage_mean": float(advantages.mean()),
-            "advantage_std": float(advantages.std(correction=0)),
-            "tokens_trained": float(sum(int(b.target_mask.sum()) for b in micro)),
-            "sequences_trained": float(len(seqs)),
-            "reward_mean": float(sum(sequences[i].reward for i in firsts) / len(firsts)),
-            "learner_ranks": float(self.backend.world()[0]),
-            "learner_threads": float(torch.get_num_threads()),  # a replay computes with the same count
-        }
-        return StepResult(None, metrics, samples)
+                reference = self._logprobs(batch, self.reference)
+        entropy: list[torch.Tensor] = []
+        logp = self._logprobs(batch, entropy=entropy)
+        if step.reuse:
+            step.anchor(batch, logp.detach())
+        tokens, trajectories = denominators
+        out = policy_loss(
+            logp, step.old[id(batch)], batch.behaviour_logprobs.to(self.device), step.advantages[batch.rows].to(self.device),
+            batch.target_mask.to(self.device), step.loss, ref_logp=reference, total_tokens=max(tokens, 1.0),
+            total_sequences=max(trajectories, 1.0), correction=step.corrections[id(batch)],
+            sequence_tokens=torch.tensor([step.trajectory_tokens[step.trajectory_of[j]] for j in batch.rows], device=self.device),
+        )
+        if not torch.isfinite(out.loss):
+            raise LearnerError("the loss is NaN or inf; refusing the update")
+        actions = batch.target_mask.to(self.device).bool()
+        return out.loss, {**out.metrics, "entropy": float(entropy[0][actions].mean()) if actions.any() else 0.0}
 
     @staticmethod
-    def _samples(sequences, adv, keep: list[int], seqs, micro: list[Padded], corrections: dict, old: dict) -> dict[object, TrainedSample]:
+    def _samples(sequences: Sequence[TrainSequence], step: "_Step") -> dict[object, TrainedSample]:
         """Per trajectory: its advantage and group facts, what the correction did to its tokens, and π_old at them."""
         tokens: dict[int, dict] = {}
-        for b in micro:
-            c = corrections.get(id(b))
+        for b in step.micro:
+            c = step.corrections.get(id(b))
             if c is None:  # another rank's micro-batch (π_old came from the loss's forward on that rank)
                 continue
             for row, j in enumerate(b.rows):
                 kept, actions = c.kept[row].cpu(), b.target_mask[row].bool()
-                recomputed = old[id(b)][row].cpu()[actions]
+                recomputed = step.old[id(b)][row].cpu()[actions]
                 gap = (recomputed - b.behaviour_logprobs[row][actions]).abs()
                 tokens[j] = dict(
                     action_tokens=int(actions.sum()), rejected_tokens=int(actions.sum()) - int(kept.sum()),
@@ -330,7 +371,8 @@ class Learner:
                     logprob_abs_diff_mean=float(gap.mean()) if gap.numel() else None,
                     logprob_abs_diff_max=float(gap.max()) if gap.numel() else None,
                 )
-        position = {i: j for j, i in enumerate(keep)}  # index in `sequences` -> index in `seqs`
+        adv = step.adv
+        position = {i: j for j, i in enumerate(step.keep)}  # index in `sequences` -> index in `seqs`
         out: dict[object, TrainedSample] = {}
         for i, s in enumerate(sequences):
             facts = tokens.get(position.get(i, -1), dict(action_tokens=s.action_tokens))

@@ -4,7 +4,7 @@
 - π_old, this update's anchor: recomputed by the learner before its first minibatch step;
 - π_θ, the policy being optimised.
 
-Decoupled PPO clips π_θ / π_old and corrects for the rollout being off-policy
+Decoupled PPO clips π_θ / π_old (per token, or per sequence with GSPO: `POLICY_LOSSES`) and corrects for the rollout being off-policy
 with ρ = π_old / μ: truncated at a cap (TIS), or kept as a weight with the
 tokens outside the bounds rejected (MIS), per token or per sequence. The
 classic bug this guards against is using a recomputed π in place of μ in the
@@ -17,12 +17,12 @@ Every tensor here is [batch, tokens] with a 0/1 `mask` marking action tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from loopline.trainer.config import (  # noqa: F401 (re-exported)
-    AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, Aggregation, CorrectionBounds, CorrectionLevel, KLEstimator, LossConfig, OffPolicyCorrection,
+    AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Aggregation, CorrectionBounds, CorrectionLevel, CorrectionRule, KLEstimator, LossConfig,
+    OffPolicyCorrection, Surrogate,
 )
 
 
@@ -130,16 +130,6 @@ class Correction:
     ratio: torch.Tensor  # [B, T] ρ = π_old/μ at the chosen level (1 off the action tokens)
 
 
-@dataclass(frozen=True)
-class CorrectionRule:
-    """One off-policy correction: whether it rejects tokens (or sequences) whose ρ is outside the bounds (then
-    they leave the loss, and its denominators must be known before the first gradient step), and the weight
-    it gives each kept token from ρ and the cap."""
-
-    rejects: bool
-    weight: Callable[[torch.Tensor, float], torch.Tensor]
-
-
 # `loss.correction` by name (verl's rollout correction; trainer/config.CORRECTIONS declares the built-ins).
 CORRECTIONS.register("none")(CorrectionRule(False, lambda rho, cap: torch.ones_like(rho)))
 CORRECTIONS.register("tis")(CorrectionRule(False, lambda rho, cap: rho.clamp(max=cap)))  # truncated importance sampling
@@ -171,6 +161,46 @@ class LossOutput:
     metrics: dict[str, float]
 
 
+# GSPO's log-ratio is clamped above at 10 before exp, as verl's `compute_policy_loss_gspo` (a sequence ratio of
+# e^10 already saturates any clip; below, exp underflows to 0 harmlessly).
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def _clip(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig, dual_clip: float | None) -> Surrogate:
+    """PPO's pessimistic clip of a ratio r: max(-r A, -clip(r, 1 - low, 1 + high) A), and for A < 0 at most
+    `dual_clip` |A| (no gradient beyond)."""
+    per_token = torch.maximum(-ratio * advantages, -ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * advantages)
+    clipped = ((ratio < 1 - config.clip_low) & (advantages < 0)) | ((ratio > 1 + config.clip_high) & (advantages > 0))
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    return Surrogate(per_token, ratio, clipped, dual)
+
+
+@POLICY_LOSSES.register("vanilla")
+def _vanilla(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+    """Each token's own ratio π_θ/π_old, clipped and dual-clipped (verl's `vanilla`, TRL's token level)."""
+    return _clip(torch.exp((logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), advantages, config, config.clip_ratio_c)
+
+
+@POLICY_LOSSES.register("gspo")
+def _gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+    """GSPO (Zheng et al. 2025; verl's `gspo`): a row's ratio s is the geometric mean of its tokens' ratios,
+    exp(mean log π_θ/π_old over its masked tokens), one value for the whole row, so one token far off-policy
+    cannot clip or inflate alone. Each token carries s with its own gradient (GSPO-token: s · π_θ/sg(π_θ)),
+    clipped as PPO's, no dual clip. A row is what the learner trains: a trajectory, or one chain of one whose
+    agent rewrote its history."""
+    m = mask.to(logp.dtype)
+    log_s = ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp((logp - logp.detach() + log_s.detach()).clamp(max=GSPO_LOG_RATIO_MAX))
+    return _clip(ratio, advantages, config, None)
+
+
+POLICY_LOSSES.check_implemented()
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -184,8 +214,9 @@ def policy_loss(
     correction: Correction | None = None,
     sequence_tokens: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Decoupled PPO: max(-r A, -clip(r) A) with r = π_θ/π_old (dual-clipped for A < 0), weighted by the
-    π_old/μ correction, over the tokens the correction keeps. `advantages` is [B] or [B, T].
+    """Decoupled PPO: the chosen surrogate (`config.policy_loss`: r = π_θ/π_old per token, or GSPO's per
+    sequence, clipped), weighted by the π_old/μ correction, plus the KL term, aggregated over the tokens the
+    correction keeps. `advantages` is [B] or [B, T].
     `correction` (from `off_policy_correction`) may be computed once per micro-batch by the caller, whose
     `total_tokens` / `total_sequences` must then count the kept tokens and the sequences that have any."""
     for name, t in (("logp", logp), ("old_logp", old_logp), ("behaviour_logp", behaviour_logp)):
@@ -199,15 +230,8 @@ def policy_loss(
     logp, old_logp, behaviour_logp = (torch.where(m, t, zero) for t in (logp, old_logp, behaviour_logp))
     correction = correction or off_policy_correction(old_logp, behaviour_logp, mask, config)
     kept = correction.kept & m
-    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
-    per_token = torch.maximum(-ratio * advantages, -clipped * advantages)
-    dual = torch.zeros_like(m)
-    if config.clip_ratio_c is not None:
-        cap = -advantages * config.clip_ratio_c  # for A < 0: the loss never exceeds c |A|
-        dual = (advantages < 0) & (per_token > cap)
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
-    per_token = correction.weight * per_token
+    surrogate = POLICY_LOSSES[config.policy_loss](logp, old_logp, advantages, kept.to(logp.dtype), config)
+    per_token = correction.weight * surrogate.per_token
     kl = torch.zeros_like(per_token)
     if config.kl_coef > 0:
         if ref_logp is None:
@@ -218,19 +242,18 @@ def policy_loss(
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)
-        k = kept & m
-        clipped_tokens = ((ratio < 1 - config.clip_low) & (advantages < 0)) | ((ratio > 1 + config.clip_high) & (advantages > 0))
+        ratio = surrogate.ratio
         metrics = {
             "loss": float(loss),
             "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
             "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
-            "clip_fraction": float((clipped_tokens & m).sum()) / n,
-            "dual_clip_fraction": float((dual & k).sum()) / n,
+            "clip_fraction": float((surrogate.clipped & m).sum()) / n,
+            "dual_clip_fraction": float((surrogate.dual_clipped & kept).sum()) / n,
             "behaviour_ratio_mean": float(correction.ratio[m].mean()) if m.any() else 1.0,
             "correction_capped_fraction": float((correction.ratio[m] > config.correction_cap).sum()) / n,
-            "correction_weight_mean": float(correction.weight[k].mean()) if k.any() else 1.0,
+            "correction_weight_mean": float(correction.weight[kept].mean()) if kept.any() else 1.0,
             "rejected_fraction": float((m & ~kept).sum()) / n,
-            "kl_ref": float(kl[k].mean()) if config.kl_coef > 0 and k.any() else 0.0,
+            "kl_ref": float(kl[kept].mean()) if config.kl_coef > 0 and kept.any() else 0.0,
             "tokens": float(m.sum()),
         }
     return LossOutput(loss, metrics)

@@ -17,6 +17,7 @@ from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.checkpoint import weights_sha256
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
+from loopline.trainer.losses import LossConfig
 from tests.factories import kept_for_backward
 
 PROMPTS = [[1, 87, 85, 261, 201], [1, 67, 85, 85, 277, 86], [1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55]]
@@ -136,7 +137,6 @@ def test_gradient_checkpointing_keeps_less_for_backward_and_makes_the_same_updat
 def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, batch):
     """One optimizer step: π_old is taken from the loss's own forward (no extra pass). MIS with bounds that
     reject nothing and TIS with a cap no ratio reaches compute the same loss; MIS keeps the separate pass."""
-    from loopline.trainer.losses import LossConfig
 
     wide = dict(correction_cap=1e9)
     reused = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=LossConfig(correction="tis", **wide)), backend="torch")
@@ -212,6 +212,23 @@ def test_minibatches_use_pi_old_as_anchor(tiny_dirs, batch):
     assert abs(m["ratio_mean"] - 1.0) > 1e-3  # the second minibatch sees a policy that moved away from π_old
 
 
+def test_gspo_moves_the_policy_as_vanilla_on_its_first_optimizer_step_and_apart_after(tiny_dirs, batch):
+    """On the first optimizer step π_θ = π_old: every ratio, a token's or its sequence's, is 1 with the token's own
+    gradient, so GSPO's update is vanilla PPO's to the bit. From the second minibatch on, π_θ has moved: GSPO's
+    ratios are its sequences' geometric means, vanilla's each token's own, and the updates differ."""
+    def trained(mode: str, minibatches: int) -> tuple[torch.Tensor, dict]:
+        config = LearnerConfig(lr=1e-2, micro_batch_tokens=30, minibatches=minibatches, loss=LossConfig(policy_loss=mode, clip_low=3e-4, clip_high=4e-4))
+        learner = Learner(tiny_dirs["v0"], config, backend="torch")
+        metrics = learner.rl_step(batch).metrics
+        return learner.parameters_vector(), metrics
+
+    one = {mode: trained(mode, 1) for mode in ("vanilla", "gspo")}
+    assert torch.equal(one["vanilla"][0], one["gspo"][0]) and one["gspo"][1]["clip_fraction"] == 0.0
+    two = {mode: trained(mode, 2) for mode in ("vanilla", "gspo")}
+    assert not torch.equal(two["vanilla"][0], two["gspo"][0])
+    assert abs(two["gspo"][1]["ratio_mean"] - two["vanilla"][1]["ratio_mean"]) > 1e-4
+
+
 def test_export_is_loadable_by_the_engine_with_a_checksum(tiny_dirs, batch, tmp_path):
     learner = Learner(tiny_dirs["v0"], CONFIG, backend="deepspeed")
     learner.rl_step(batch)
@@ -258,6 +275,7 @@ DS_WORKER = """
 import json, sys, torch
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
+from loopline.trainer.losses import LossConfig
 model_dir, data, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
 batch = [TrainSequence(None, g, r, tuple(i), tuple(m), tuple(mu)) for g, r, i, m, mu in json.load(open(data))]
 learner = Learner(model_dir, LearnerConfig(lr=1e-3, micro_batch_tokens=64, zero_stage=2), backend="deepspeed")

@@ -1,6 +1,6 @@
 """A component registered from outside loopline (this module, as a user's plugin would) is a valid name in a run
-config or env spec, shows in its JSON Schema, and is what runs: a toy advantage estimator, loss aggregation, KL
-estimator and off-policy correction (a learner step here), and a toy engine, sandbox backend, learner backend and
+config or env spec, shows in its JSON Schema, and is what runs: a toy advantage estimator, policy loss, loss
+aggregation, KL estimator and off-policy correction (a learner step here), and a toy engine, sandbox backend, learner backend and
 tracker (with the others, a whole training step of the train flow: test_train_flow.py), each touching nothing but its
 own registration."""
 
@@ -15,7 +15,7 @@ from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest
 from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.backends import BACKENDS, TorchBackend
-from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, AdvantageConfig
+from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, LossConfig, Surrogate
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.trainer.losses import CorrectionRule
 from tests.integration.test_learner import rollout_sequences
@@ -27,6 +27,14 @@ CALLED: set[str] = set()
 def _sign(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     CALLED.add("estimator")
     return torch.sign(group - group.mean()), group.new_zeros(())
+
+
+@POLICY_LOSSES.register("toy_reinforce")
+def _reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+    CALLED.add("policy loss")
+    ratio = torch.exp(logp - old_logp)  # (unclipped: REINFORCE with importance weights)
+    nothing = torch.zeros_like(mask, dtype=torch.bool)
+    return Surrogate(-ratio * advantages, ratio, nothing, nothing)
 
 
 @AGGREGATIONS.register("toy_sum")
@@ -86,7 +94,7 @@ class _ToyTracker:
 
 # The run config and env spec a training step of them all takes (test_train_flow.py runs it).
 TOY_LEARNER = {"backend": "toy_torch", "lr": 1e-3, "advantage": {"estimator": "toy_sign"},
-               "loss": {"aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
+               "loss": {"policy_loss": "toy_reinforce", "aggregation": "toy_sum", "kl_coef": 0.1, "kl_estimator": "toy_half_square", "correction": "toy_unit"}}
 TOY_ENGINE = {"kind": "toy_local"}
 TOY_SANDBOX = "toy_dir"
 TOY_TRACKING = ["toy_list"]
@@ -100,6 +108,7 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
     schema = RunConfig.model_json_schema()["$defs"]
     assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
     assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
+    assert "toy_reinforce" in schema["LossConfig"]["properties"]["policy_loss"]["enum"]
     assert "toy_local" in schema["EngineSettings"]["properties"]["kind"]["enum"] and config.engine.in_process
     assert "toy_torch" in schema["LearnerSettings"]["properties"]["backend"]["enum"]
     assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["enum"]
@@ -109,5 +118,5 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
     before = learner.parameters_vector()
     result = learner.rl_step(rollout_sequences(tiny_dirs["v0"]))
     assert result.skipped is None and not torch.equal(before, learner.parameters_vector())
-    assert {"estimator", "aggregation", "kl", "correction"} <= CALLED
+    assert {"estimator", "policy loss", "aggregation", "kl", "correction"} <= CALLED
     assert result.metrics["kl_ref"] == 0.0  # (the policy is its own reference at the first step)

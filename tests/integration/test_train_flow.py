@@ -214,7 +214,7 @@ def test_a_training_step_runs_on_components_registered_outside_loopline(prefect_
     path = _config(tmp_path, STARTER, env=str(tmp_path / "toy_env.yaml"), steps=1, eval={"every": 1, "tasks": 2},
                    learner=toys.TOY_LEARNER, engine=toys.TOY_ENGINE, tracking=toys.TOY_TRACKING, rollout={"groups_per_step": 4, "sampling": {"max_new_tokens": 48}})
     assert train(str(path))["policy_version"] == 1
-    assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "aggregation", "kl", "correction", "tracker"}
+    assert toys.CALLED == {"engine", "sandbox", "learner backend", "estimator", "policy loss", "aggregation", "kl", "correction", "tracker"}
 
 
 def test_bad_run_configs_are_refused_up_front(tmp_path):

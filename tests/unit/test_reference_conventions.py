@@ -60,6 +60,59 @@ def test_ppo_loss_with_dual_clip_equals_verl_vanilla_policy_loss(ours, verl, see
     assert float(out.loss) == pytest.approx(float(_verl_agg(_verl_pg_losses(logp, old, adv), mask, verl)), abs=1e-12)
 
 
+def _verl_gspo(logp, old, adv, mask, low, high):
+    """verl compute_policy_loss_gspo: s_i = exp(masked mean of log π_θ/π_old over the row), per token
+    exp(clamp(logp - sg(logp) + sg(log s_i), max=10)), PPO clip (no dual clip), aggregated seq-mean-token-mean
+    whatever `loss_agg_mode` says."""
+    a = adv[:, None].expand_as(logp)
+    m = mask.to(logp.dtype)
+    seq = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    ratio = torch.exp((logp - logp.detach() + seq.detach()[:, None]).clamp(max=10.0))
+    return _verl_agg(torch.maximum(-a * ratio, -a * ratio.clamp(1 - low, 1 + high)), mask, "seq-mean-token-mean")
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_equals_verl_gspo_loss_and_gradient(clip, seed):
+    """= verl `policy_loss.loss_mode=gspo` (its recipe's clip_ratio_low 3e-4, high 4e-4, and verl's defaults), which
+    aggregates seq-mean-token-mean: loopline's `policy_loss: gspo, aggregation: seq_mean_token_mean`, no rollout
+    correction. The loss and its gradient with respect to every log π_θ; tolerance 1e-12."""
+    logp, old, behaviour, adv, mask = _inputs(seed)
+    logp = (old + (logp - old) * 0.05).requires_grad_()  # sequence ratios about 1 ± 0.03: some clipped, some not
+    ours = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="gspo", correction="none", aggregation="seq_mean_token_mean",
+                                                               clip_low=clip[0], clip_high=clip[1]))
+    (grad,) = torch.autograd.grad(ours.loss, logp)
+    theirs = _verl_gspo(logp, old, adv, mask, *clip)
+    (reference,) = torch.autograd.grad(theirs, logp)
+    assert float(ours.loss) == pytest.approx(float(theirs), abs=1e-12)
+    assert torch.allclose(grad, reference * mask, atol=1e-12, rtol=0)  # (verl's gradient is 0 off the mask too)
+    assert 0 < ours.metrics["clip_fraction"] < 1 or clip[0] > 0.1
+
+
+@pytest.mark.parametrize("ours, trl", [("token_mean", "bnpo"), ("seq_mean_token_mean", "grpo")])
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_equals_trl_sequence_level_importance_sampling(ours, trl, seed):
+    """= TRL `importance_sampling_level="sequence"`, epsilon 0.2, epsilon_high 0.28, `loss_type` as named: its ratio
+    is a [B, 1] exp(masked mean log-ratio) with the gradient through the mean, where GSPO-token gives each token
+    s · ∂log π_θ; with one advantage per sequence (as every loopline estimator gives) the loss and the gradient
+    are the same. Tolerance 1e-12."""
+    logp, old, behaviour, adv, mask = _inputs(seed)
+    logp = (old + (logp - old) * 0.3).requires_grad_()
+    m = mask.to(logp.dtype)
+    coef_1 = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_2 = coef_1.clamp(1 - 0.2, 1 + 0.28)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])  # [B, 1], broadcast over the tokens
+    if trl == "bnpo":
+        theirs = (per_token * m).sum() / m.sum().clamp(min=1.0)
+    else:
+        theirs = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    ours_out = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="gspo", correction="none", aggregation=ours))
+    (grad,) = torch.autograd.grad(ours_out.loss, logp)
+    (reference,) = torch.autograd.grad(theirs, logp)
+    assert float(ours_out.loss) == pytest.approx(float(theirs), abs=1e-12)
+    assert torch.allclose(grad, reference, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tis_equals_verl_token_level_truncated_importance_sampling(seed):
     """= verl `rollout_correction: {rollout_is: token, rollout_is_threshold: 2.0, rollout_rs: null}` (decoupled

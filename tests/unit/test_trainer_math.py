@@ -211,6 +211,37 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_with_no_gradient():
         LossConfig(clip_ratio_c=1.0)
 
 
+def test_gspo_clips_the_geometric_mean_of_a_rows_token_ratios_by_hand():
+    """Token ratios 1.21 and 1 (a third token off the mask, ratio e^5): s = sqrt(1.21 * 1) = 1.1 for the whole row,
+    where vanilla clips each token's own. A = 1, token mean: loss -1.1, each token's gradient -s/2 = -0.55 (vanilla:
+    -1.105, gradients -0.605 and -0.5)."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    for mode, loss, grads in (("gspo", -1.1, [-0.55, -0.55]), ("vanilla", -1.105, [-0.605, -0.5])):
+        logp = torch.tensor([[math.log(1.21), 0.0, 5.0]], dtype=torch.float64, requires_grad=True)
+        out = policy_loss(logp, old, old, ONE, mask, LossConfig(policy_loss=mode, correction="none"))
+        out.loss.backward()
+        assert float(out.loss.detach()) == pytest.approx(loss) and logp.grad[0, :2].tolist() == pytest.approx(grads), mode
+        assert float(logp.grad[0, 2]) == 0.0
+    assert out.metrics["ratio_mean"] == pytest.approx((1.21 + 1.0) / 2)
+    # s = e^(ln 4) = 4: above 1 + 0.28 with A = 1 the clip holds (-1.28, no gradient); with A = -1 GSPO has no
+    # dual clip (loss 4, where vanilla's c = 3 caps each token at 3)
+    logp = torch.tensor([[math.log(4.0), math.log(4.0)]], dtype=torch.float64, requires_grad=True)
+    zeros, both = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    up = policy_loss(logp, zeros, zeros, ONE, both, LossConfig(policy_loss="gspo", correction="none"))
+    (grad,) = torch.autograd.grad(up.loss, logp)
+    assert float(up.loss.detach()) == pytest.approx(-1.28) and grad.abs().sum() == 0 and up.metrics["clip_fraction"] == 1.0
+    down = policy_loss(logp, zeros, zeros, -ONE, both, LossConfig(policy_loss="gspo", correction="none"))
+    assert float(down.loss.detach()) == pytest.approx(4.0) and down.metrics["dual_clip_fraction"] == 0.0
+    vanilla = policy_loss(logp, zeros, zeros, -ONE, both, LossConfig(correction="none"))
+    assert float(vanilla.loss.detach()) == pytest.approx(3.0)
+
+
+def test_an_unknown_policy_loss_is_refused_with_the_names_there_are():
+    with pytest.raises(ValueError, match="unknown policy loss 'gpso'; did you mean gspo"):
+        LossConfig(policy_loss="gpso")
+
+
 @pytest.mark.parametrize("log_ratio", [25.0, -25.0, 100.0])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_extreme_log_ratios_give_finite_losses_and_gradients_in_float32(log_ratio, sign):
