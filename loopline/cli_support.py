@@ -15,6 +15,7 @@ from typing import Callable, Iterator, TypeVar
 from rich.console import Console
 from rich.text import Text
 
+from loopline import plugins
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.errors import LooplineError
 from loopline.rollout.engine import EngineError
@@ -61,6 +62,11 @@ def run_cli(app: Callable[[], object]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
+    try:
+        plugins.load()  # (LOOPLINE_IMPORTS: a plugin's names are valid in every command, `loopline schema` too)
+    except ValueError as exc:
+        print_error(f"{plugins.ENV}: {exc}")
+        sys.exit(1)
     try:
         app()
     except SystemExit as exc:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from loopline import plugins
 from loopline.errors import LooplineError
 from loopline.registry import Registry, RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
@@ -260,6 +261,12 @@ class RolloutSettings(_Strict):
 
 
 class RunConfig(_Strict):
+    # (first: pydantic validates fields in order, so the modules are imported before any name they register is checked)
+    imports: list[str] = Field(
+        default_factory=list, description="Python modules imported first, in every process of the run (the CLI, learner ranks, "
+        "rollout workers): your components register their names there (`@POLICY_LOSSES.register(\"mine\")`). Each must be "
+        "importable wherever the run has a process (pip install, or PYTHONPATH); LOOPLINE_IMPORTS adds modules for every command",
+    )
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$", description="the run's name in the ledger (`loopline train` again resumes it)")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
     policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
@@ -270,6 +277,7 @@ class RunConfig(_Strict):
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
     engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
     weights: WeightsSettings = Field(WeightsSettings(), description="how each version's weights reach other hosts")
+
     tracking: list[Annotated[str, RegistryName(TRACKERS)]] = Field(
         default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
         "trainer.logger); not part of the run's identity: a resume may change them",
@@ -279,6 +287,12 @@ class RunConfig(_Strict):
     @classmethod
     def _read_the_flat_layout(cls, data: object) -> object:
         return flat_layout_upgraded(data)[0]
+
+    @field_validator("imports")
+    @classmethod
+    def _import_first(cls, modules: list[str]) -> list[str]:
+        plugins.load(modules)
+        return modules
 
     @field_validator("tracking")
     @classmethod

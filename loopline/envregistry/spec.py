@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from loopline import plugins
 from loopline.errors import LooplineError
 from loopline.registry import Registry, RegistryName
 from loopline.yamlfile import line_index, read_text, read_yaml
@@ -428,6 +429,11 @@ class SmokeTest(_Strict):
 
 
 class EnvSpec(_Strict):
+    # (first: pydantic validates fields in order, so a plugin's sandbox backend is registered before it is checked)
+    imports: tuple[str, ...] = Field(
+        (), description="Python modules imported first wherever the env is used (a sandbox backend of your own registers "
+        "its name there); each must be importable on every host that runs episodes (pip install, or PYTHONPATH)",
+    )
     name: str = Field(pattern=NAME_PATTERN, description="the registry's name (`envreg add` makes NAME@VERSION)")
     description: str = Field("", description="what the environment is, for people")
     versions: Versions = Field(Versions(), description="behaviour versions, recorded on every trajectory")
@@ -444,6 +450,12 @@ class EnvSpec(_Strict):
     budgets: Budgets = Field(Budgets(), description="an episode's limits: turns, generated tokens, tool time")
     smoke_test: SmokeTest | None = Field(None, description="a scripted episode `envreg test` plays end to end")
     agent: Agent | None = Field(None, description="your own agent program, run in the sandbox instead of loopline's harness")
+
+    @field_validator("imports")
+    @classmethod
+    def _import_first(cls, modules: tuple[str, ...]) -> tuple[str, ...]:
+        plugins.load(modules)
+        return modules
 
     @field_validator("tools")
     @classmethod
@@ -514,7 +526,7 @@ class EnvSpec(_Strict):
         return data
 
 
-_ADDED_LATER = {"tool_calls": "tags", "agent": None}  # field -> its default
+_ADDED_LATER = {"tool_calls": "tags", "agent": None, "imports": []}  # field -> its default
 
 
 def spec_hash(canonical: dict[str, Any]) -> str:

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from loopline import plugins
+from loopline.errors import LooplineError
 from loopline.trainer.backends import BackendName, init_distributed
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError, StepResult, computing_threads
@@ -54,7 +56,7 @@ class LeadingLearner(Learner):
     """Rank 0's learner: every call the other ranks must make too is announced to them first."""
 
     def __init__(self, model_dir: str | Path, config: LearnerConfig, backend: BackendName = "deepspeed"):
-        _announce("new", str(model_dir), config, backend)
+        _announce("new", str(model_dir), config, backend, plugins.imported())  # (a plugin's components, named in config)
         super().__init__(model_dir, config, backend)
 
     def rl_step(self, sequences: Sequence[TrainSequence], trained_version: int | None = None) -> StepResult:
@@ -87,8 +89,13 @@ def follow() -> None:
         if kind == "stop":
             return
         if kind == "new":
+            *built_with, modules = args
             learner = None  # the old replica goes before the new one is built, as on rank 0
-            learner = Learner(*args)
+            try:
+                plugins.load(modules)
+            except ValueError as exc:
+                raise LooplineError(f"learner rank {torch.distributed.get_rank()} on {socket.gethostname()}: imports: {exc}") from None
+            learner = Learner(*built_with)
         elif learner is None:
             raise RuntimeError(f"learner command {kind!r} from rank 0 before any learner was built")
         elif kind == "rl_step":

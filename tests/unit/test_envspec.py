@@ -59,6 +59,24 @@ def test_malformed_yaml_and_unknown_fields_are_reported(tmp_path):
     assert "colour: Extra inputs are not permitted" in message
 
 
+def test_a_sandbox_backend_of_a_module_in_imports_is_valid_and_a_missing_module_is_one_line(tmp_path, monkeypatch):
+    """`imports:` is imported before the rest is checked (a plugin's backend name is valid); a spec without it keeps
+    its hash; a module that cannot be imported is refused at its line."""
+    (tmp_path / "envspec_toy_backend.py").write_text(
+        "from loopline.envregistry.spec import SANDBOX_BACKENDS\n"
+        "SANDBOX_BACKENDS.register('envspec_toy')(lambda spec, labels, model: None)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = ARITHMETIC.read_text()
+    plugged = tmp_path / "plugged.yaml"
+    plugged.write_text("imports: [envspec_toy_backend]\n" + text.replace("backend: local", "backend: envspec_toy"))
+    spec = load_spec(plugged)
+    assert spec.sandbox.backend == "envspec_toy" and spec.imports == ("envspec_toy_backend",)
+    assert "imports" not in load_spec(ARITHMETIC).canonical() and spec.canonical()["imports"] == ["envspec_toy_backend"]
+    message = _error(tmp_path, "imports:\n  - not_a_module_anywhere\n" + text)
+    assert "bad.yaml:1: imports: cannot import 'not_a_module_anywhere' (ModuleNotFoundError" in message, message
+
+
 def test_docker_backend_needs_an_image(tmp_path):
     message = _error(tmp_path, ARITHMETIC.read_text().replace("backend: local", "backend: docker"))
     assert "sandbox:" in message and "needs `image`" in message

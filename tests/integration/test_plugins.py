@@ -1,0 +1,110 @@
+"""A user's components in a package of their own, named by the run config's `imports:`, work in every process of
+a run: the CLI, two DeepSpeed learner ranks (fresh interpreters; rank 1 hears the modules from rank 0) and a
+rollout worker started on its own (`loopline worker`), while the test process itself never imports the package."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
+
+PLUGIN = '''
+"""A toy plugin: a policy loss and an engine kind, each noting the process that used it."""
+import os
+import sys
+
+import torch
+
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.engines import ENGINES, EngineKind
+from loopline.rollout.local_engine import LocalEngine
+from loopline.trainer.config import POLICY_LOSSES, Surrogate
+
+
+def _mark(component):
+    with open(os.environ["TOY_PLUGIN_MARKS"], "a") as marks:
+        marks.write(f"{component} {os.getpid()} {os.environ.get('RANK', '-')} {' '.join(sys.argv[1:3])}\\n")
+
+
+@POLICY_LOSSES.register("toy_plugin_reinforce")
+def _reinforce(logp, old_logp, advantages, mask, config):
+    _mark("loss")
+    ratio = torch.exp(logp - old_logp)
+    nothing = torch.zeros_like(mask, dtype=torch.bool)
+    return Surrogate(-ratio * advantages, ratio, nothing, nothing)
+
+
+def _engine(request):
+    _mark("engine")
+    return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=request.concurrency))
+
+
+ENGINES.register("toy_plugin_local")(EngineKind(_engine, in_process=True))
+'''
+
+
+def _plugin_run(tmp_path: Path, tiny, database_url: str) -> tuple[Path, dict, str]:
+    package = tmp_path / "site" / "loopline_toy_plugin"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(PLUGIN))
+    name = f"plugin-{tmp_path.name[-10:]}".replace("_", "-")
+    config, env = _small_run(tmp_path, name, tiny, database_url, mode="async", lease_seconds=600, backend="deepspeed", every=100)
+    settings = yaml.safe_load(config.read_text())
+    settings |= {"imports": ["loopline_toy_plugin"], "steps": 2, "engine": {"kind": "toy_plugin_local"}}
+    settings["rollout"] |= {"local_rollout": False}
+    settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "toy_plugin_reinforce"}}
+    config.write_text(yaml.safe_dump(settings))
+    env |= {"TOY_PLUGIN_MARKS": str(tmp_path / "marks.txt")}
+    return config, env, name
+
+
+def test_a_plugin_the_process_cannot_import_is_refused_in_one_line_naming_it(tiny_dirs, database_url, tmp_path):
+    config, env, _ = _plugin_run(tmp_path, tiny_dirs["v0"], database_url)
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "imports: cannot import 'loopline_toy_plugin'" in said and "PYTHONPATH" in said, said[-3000:]
+    assert "Traceback" not in said
+    env["LOOPLINE_IMPORTS"] = "no_such_plugin_module"
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "schema"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "LOOPLINE_IMPORTS: cannot import 'no_such_plugin_module'" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_plugin_named_in_imports_trains_on_two_learner_ranks_and_a_rollout_worker(tiny_dirs, database_url, db, tmp_path):
+    config, env, name = _plugin_run(tmp_path, tiny_dirs["v0"], database_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), *filter(None, [env.get("PYTHONPATH")])])
+    trainer = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT,
+                               stdout=(tmp_path / "train.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + 300
+        while not _rows(db, "SELECT 1 FROM run WHERE name = :n AND status = 'running'", n=name):
+            assert time.monotonic() < deadline and trainer.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
+            time.sleep(0.5)
+        worker = subprocess.Popen([sys.executable, "-m", "loopline.cli", "worker", name], env=env, cwd=ROOT,
+                                  stdout=(tmp_path / "worker.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "train.log").read_text()[-4000:] + (tmp_path / "worker.log").read_text()[-3000:]
+        assert worker.wait(timeout=120) == 0, (tmp_path / "worker.log").read_text()[-3000:]  # (it leaves when the run ends)
+    finally:
+        for process in (trainer, worker):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=60)
+    marks = [line.split(" ", 3) for line in (tmp_path / "marks.txt").read_text().splitlines()]
+    loss_ranks = {(pid, rank) for component, pid, rank, _ in marks if component == "loss"}
+    assert {rank for _, rank in loss_ranks} == {"0", "1"} and len({pid for pid, _ in loss_ranks}) == 2, marks
+    assert any(component == "engine" and argv.startswith("worker") and int(pid) == worker.pid for component, pid, _, argv in marks), marks
+    run_id = _checked_run(db, name)
+    assert _rows(db, "SELECT value FROM metric WHERE run_id = :r AND name = 'learner_ranks' ORDER BY step", r=run_id) == [(2.0,), (2.0,)]
+    played = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND worker LIKE :w AND status IN ('ok', 'task_failed')",
+                   r=run_id, w=f"%:{worker.pid}:%")
+    assert played[0][0] > 0  # (the worker played the run's episodes, on the plugin's engine)
