@@ -1,14 +1,14 @@
-"""A user's components in a package of their own, named by the run config's `imports:`, work in every process of
+"""A user's components in a module of their own (examples/plugins/my_components.py, the extend page's), named by the run config's `imports:`, work in every process of
 a run: the CLI, two DeepSpeed learner ranks (fresh interpreters; rank 1 hears the modules from rank 0) and a
 rollout worker started on its own (`loopline worker`), while the test process itself never imports the package."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -17,30 +17,31 @@ import yaml
 
 from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
 
-PLUGIN = '''
-"""A toy plugin: a policy loss and an engine kind, each noting the process that used it."""
-import os
-import sys
+EXAMPLE = ROOT / "examples" / "plugins" / "my_components.py"  # (the module docs/how-to/extend.md shows)
+# What the test adds to it: each process that uses a component notes itself, and an engine kind of the plugin's
+# own (a rollout worker uses it: the loss and the tracker are the trainer's).
+OBSERVED = """
 
-import torch
+import os as _os
+import sys as _sys
 
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind
 from loopline.rollout.local_engine import LocalEngine
-from loopline.trainer.config import POLICY_LOSSES, Surrogate
 
 
 def _mark(component):
-    with open(os.environ["TOY_PLUGIN_MARKS"], "a") as marks:
-        marks.write(f"{component} {os.getpid()} {os.environ.get('RANK', '-')} {' '.join(sys.argv[1:3])}\\n")
+    with open(_os.environ["TOY_PLUGIN_MARKS"], "a") as marks:
+        marks.write(f"{component} {_os.getpid()} {_os.environ.get('RANK', '-')} {' '.join(_sys.argv[1:3])}\\n")
 
 
-@POLICY_LOSSES.register("toy_plugin_reinforce")
-def _reinforce(logp, old_logp, advantages, mask, config):
+_cispo = POLICY_LOSSES["cispo"]
+
+
+@POLICY_LOSSES.register("cispo")
+def _observed_cispo(*args):
     _mark("loss")
-    ratio = torch.exp(logp - old_logp)
-    nothing = torch.zeros_like(mask, dtype=torch.bool)
-    return Surrogate(-ratio * advantages, ratio, nothing, nothing)
+    return _cispo(*args)
 
 
 def _engine(request):
@@ -49,19 +50,18 @@ def _engine(request):
 
 
 ENGINES.register("toy_plugin_local")(EngineKind(_engine, in_process=True))
-'''
+"""
 
 
 def _plugin_run(tmp_path: Path, tiny, database_url: str) -> tuple[Path, dict, str]:
-    package = tmp_path / "site" / "loopline_toy_plugin"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(PLUGIN))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "my_components.py").write_text(EXAMPLE.read_text() + OBSERVED)
     name = f"plugin-{tmp_path.name[-10:]}".replace("_", "-")
     config, env = _small_run(tmp_path, name, tiny, database_url, mode="async", lease_seconds=600, backend="deepspeed", every=100)
     settings = yaml.safe_load(config.read_text())
-    settings |= {"imports": ["loopline_toy_plugin"], "steps": 2, "engine": {"kind": "toy_plugin_local"}}
+    settings |= {"imports": ["my_components"], "steps": 2, "engine": {"kind": "toy_plugin_local"}, "tracking": ["jsonl"]}
     settings["rollout"] |= {"local_rollout": False}
-    settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "toy_plugin_reinforce"}}
+    settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "cispo"}}
     config.write_text(yaml.safe_dump(settings))
     env |= {"TOY_PLUGIN_MARKS": str(tmp_path / "marks.txt")}
     return config, env, name
@@ -71,7 +71,7 @@ def test_a_plugin_the_process_cannot_import_is_refused_in_one_line_naming_it(tin
     config, env, _ = _plugin_run(tmp_path, tiny_dirs["v0"], database_url)
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     said = done.stdout + done.stderr
-    assert done.returncode == 1 and "imports: cannot import 'loopline_toy_plugin'" in said and "PYTHONPATH" in said, said[-3000:]
+    assert done.returncode == 1 and "imports: cannot import 'my_components'" in said and "PYTHONPATH" in said, said[-3000:]
     assert "Traceback" not in said
     env["LOOPLINE_IMPORTS"] = "no_such_plugin_module"
     done = subprocess.run([sys.executable, "-m", "loopline.cli", "schema"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -104,6 +104,8 @@ def test_a_plugin_named_in_imports_trains_on_two_learner_ranks_and_a_rollout_wor
     assert {rank for _, rank in loss_ranks} == {"0", "1"} and len({pid for pid, _ in loss_ranks}) == 2, marks
     assert any(component == "engine" and argv.startswith("worker") and int(pid) == worker.pid for component, pid, _, argv in marks), marks
     run_id = _checked_run(db, name)
+    lines = (Path(env["LOOPLINE_HOME"]) / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in lines} == {0, 1, 2}  # (the plugin's tracker, in the trainer: v0's evaluation too)
     assert _rows(db, "SELECT value FROM metric WHERE run_id = :r AND name = 'learner_ranks' ORDER BY step", r=run_id) == [(2.0,), (2.0,)]
     played = _rows(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND worker LIKE :w AND status IN ('ok', 'task_failed')",
                    r=run_id, w=f"%:{worker.pid}:%")

@@ -111,13 +111,14 @@ YAML_BLOCKS = _blocks("yaml")
 
 
 @pytest.mark.parametrize("where,body", YAML_BLOCKS, ids=[where for where, _ in YAML_BLOCKS])
-def test_every_yaml_block_validates_as_a_run_config_or_an_env_spec(where, body):
+def test_every_yaml_block_validates_as_a_run_config_or_an_env_spec(where, body, monkeypatch):
     from pydantic import ValidationError
 
     from loopline.config import parse_config
     from loopline.envregistry.spec import EnvSpec
     from loopline.errors import LooplineError
 
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "plugins"))  # (the extend page's module, on PYTHONPATH as it says)
     data = yaml.safe_load(body)
     assert isinstance(data, dict), f"{where}: a YAML block shows a mapping"
     run_base = yaml.safe_load((ROOT / "examples" / "arithmetic_quickstart.yaml").read_text())

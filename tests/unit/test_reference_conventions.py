@@ -183,3 +183,23 @@ def test_k3_kl_equals_verl_low_var_kl_and_trl_per_token_kl():
     assert torch.allclose(kl_penalty(logp, old, "k3"), trl, atol=1e-12) and float(trl.max()) < 10
     far = torch.tensor([-30.0], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64)
     assert float(kl_penalty(*far, "k3")) == 10.0  # verl's cap
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_extend_pages_cispo_equals_verl_cispo_loss_and_gradient(seed, monkeypatch):
+    """examples/plugins/my_components.py (docs/how-to/extend.md's plugin) = verl `policy_loss.loss_mode=cispo`:
+    -sg(clip(π_θ/π_old, 1 - low, 1 + high)) A log π_θ, token-mean, no rollout correction; tolerance 1e-12."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples" / "plugins"))
+    import my_components  # noqa: F401 (registers cispo)
+
+    logp, old, behaviour, adv, mask = _inputs(seed)
+    logp = logp.clone().requires_grad_()
+    ratio = torch.exp((logp - old).clamp(-20, 20))
+    theirs = _verl_agg(-ratio.clamp(1 - 0.2, 1 + 0.28).detach() * adv[:, None] * logp, mask, "token-mean")
+    ours = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="cispo", correction="none"))
+    assert float(ours.loss) == pytest.approx(float(theirs), abs=1e-12)
+    (grad,) = torch.autograd.grad(ours.loss, logp)
+    (reference,) = torch.autograd.grad(theirs, logp)
+    assert torch.allclose(grad, reference, atol=1e-12, rtol=0) and ours.metrics["clip_fraction"] > 0

@@ -115,9 +115,10 @@ RUN_CONFIGS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.yam
 
 
 @pytest.mark.parametrize("name", RUN_CONFIGS)
-def test_the_example_run_configs_load(name):
+def test_the_example_run_configs_load(name, monkeypatch):
     from loopline.config import load_config
 
+    monkeypatch.syspath_prepend(str(EXAMPLES / "plugins"))  # (the plugin example's module, on PYTHONPATH as its header says)
     config, _ = load_config(EXAMPLES / name)
     assert config.name and (EXAMPLES / name).parent.joinpath(config.env).is_file()  # (its env is beside it)
 
