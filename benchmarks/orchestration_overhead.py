@@ -66,7 +66,7 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
                     stages.plan(ctx, step)
                     asyncio.run(stages.rollout(ctx, step))
                     stages.wait_for_groups(ctx, step)
-                    stages.learn(ctx, step, max_groups=ctx.rollout.groups_per_step)
+                    stages.learn(ctx, step)
                     asyncio.run(stages.sync_weights(ctx))
                 else:  # the same stages as Prefect task runs, as the train flow calls them
                     tasks.plan_step(live, step)

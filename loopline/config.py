@@ -253,6 +253,11 @@ class RolloutSettings(_Strict):
             raise ValueError("group advantages (GRPO, Dr. GRPO, RLOO) compare samples of one task: at least 2")
         return value
 
+    @property
+    def staleness_bound(self) -> int | None:
+        """How many versions a trained group may lag (async's max_staleness); None: sync, each step's groups are its own."""
+        return self.max_staleness if self.mode == "async" else None
+
     @model_validator(mode="after")
     def _deployed_workers_feed_an_async_learner(self) -> "RolloutSettings":
         if self.workers and (self.mode != "async" or self.local_rollout):

@@ -35,8 +35,8 @@ def evaluate(run: str, version: int | None = None) -> dict:
                "had its files deleted by the run's pruning (learner.keep_exports keeps the newest exports and each evaluated "
                "version's): they are gone for good")
         raise LooplineError(f"run {config.name} v{version} {why}; versions on disk: {', '.join(map(str, exported)) or 'none'}")
-    evals = parts.eval_tasks()
-    if not evals:
+    held_out = parts.held_out()
+    if not held_out.tasks:
         raise LooplineError(f"{parts.env_name}@{parts.env_version} has no eval tasks")
     served = assembly.build_run_engine(parts, weights.uri, version)
     try:
@@ -45,11 +45,8 @@ def evaluate(run: str, version: int | None = None) -> dict:
                 f"run {config.name}: its SGLang servers serve v{served.version()}, not v{version}; evaluate the version "
                 f"they serve, or give the run's engine `launch:` so that an evaluation starts servers of its own"
             )
-        success = tasks.evaluate(
-            run_id, quote(served), quote(parts.setup()), quote(parts.session_factory()), quote(evals), parts.env_version,
-            config.eval.temperature, config.eval.seed, config.rollout.concurrency, config.rollout.max_attempts,
-        )
+        success = tasks.evaluate(quote(served), quote(held_out))
     finally:
         served.shutdown()
-    log.info("run %s v%d: held-out success %.1f%% on %d tasks", config.name, version, 100 * success, len(evals))
+    log.info("run %s v%d: held-out success %.1f%% on %d tasks", config.name, version, 100 * success, len(held_out.tasks))
     return {"run": config.name, "policy_version": version, "success": success, "recorded": True}

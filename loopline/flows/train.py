@@ -53,23 +53,20 @@ class Evaluations:
 
     def __init__(self, parts: assembly.RunParts, ctx: stages.LoopContext, trackers: Trackers):
         self.parts, self.ctx, self.trackers = parts, ctx, trackers
-        self.tasks = parts.eval_tasks()
+        self.held_out = parts.held_out(ctx.binding.setup, ctx.session_factory)
 
     def evaluate(self, engine) -> None:
         """The version `engine` serves, recorded in the ledger and the trackers."""
-        ctx, config = self.ctx, self.parts.config
+        ctx = self.ctx
         failpoint("evaluate")
         # async: the local rollout worker starts no episode until the evaluation is done (they share the engine,
         # or on a resume's owed evaluation of an older version, the machine)
         ctx.evaluating.set()
         try:
-            success = tasks.evaluate(
-                ctx.run_id, quote(engine), quote(ctx.binding.setup), quote(ctx.session_factory), quote(self.tasks),
-                self.parts.env_version, config.eval.temperature, config.eval.seed, config.rollout.concurrency, config.rollout.max_attempts,
-            )
+            success = tasks.evaluate(quote(engine), quote(self.held_out))
         finally:
             ctx.evaluating.clear()
-        get_run_logger().info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(self.tasks))
+        get_run_logger().info("policy v%d: held-out success %.1f%% on %d tasks", engine.version(), 100 * success, len(self.held_out.tasks))
         self.trackers.wake()
 
     def owed(self) -> None:
@@ -295,7 +292,7 @@ def _train(config: RunConfig, base: Path, fork: str | None, lifecycle: contextli
         version = tasks.sync_weights(live)
         log.info("step %d trained; now serving v%d", step, version)
         trackers.wake()  # (they read the step from the ledger, in a thread of their own)
-        tasks.report_lagging_servers(live, version, config.rollout.max_staleness, lagging)
+        tasks.report_lagging_servers(live, version, lagging)
         evaluations.owed()  # the scheduled one, and any a crash left owed
 
     try:
@@ -334,7 +331,7 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
     for step in range(first_step, min(config.steps, first_step + staleness) + 1):
         tasks.plan_step(live, step)
     stop = threading.Event()
-    worker = tasks.rollout_worker.submit(live, stop, staleness, None) if config.rollout.local_rollout else None
+    worker = tasks.rollout_worker.submit(live, stop) if config.rollout.local_rollout else None
     producing = (lambda: not worker.state.is_final()) if worker else None
     if config.rollout.workers:  # flow runs of the rollout_worker deployment, on the machines of its work pool
         deployed = DeployedWorkers(config.name, config.rollout.workers)
@@ -343,7 +340,7 @@ def _run_async(ctx: LoopContext, config: RunConfig, first_step: int, after_step)
     try:
         for step in range(first_step, config.steps + 1):
             stop_signals.raise_if_received()
-            tasks.learner_step(live, step, max_staleness=staleness, producing=producing)
+            tasks.learner_step(live, step, producing=producing)
             if step + 1 + staleness <= config.steps:  # version `step` may now start slots of step `step + 1 + staleness`
                 tasks.plan_step(live, step + 1 + staleness)
             after_step(step)

@@ -108,8 +108,7 @@ def _rollout_worker(run: str, concurrency: int | None, max_seconds: float | None
     name = holder.this_process()
     logger.info("worker %s generating for run %s (v%d)", name, config.name, ctx.engine.version())
     try:
-        staleness = config.rollout.max_staleness if config.rollout.mode == "async" else 0
-        stats = tasks.rollout_worker(quote(ctx), stop, staleness, None, worker=name)
+        stats = tasks.rollout_worker(quote(ctx), stop, worker=name)
     finally:
         stop.set()
         follower.join(timeout=10)

@@ -117,6 +117,14 @@ class RunParts:
     def setup(self) -> EpisodeSetup:
         return build_setup(self.config, self.spec, self.env_version, self.initial)
 
+    def held_out(self, setup: EpisodeSetup | None = None, session_factory: Callable[[], Session] | None = None) -> stages.HeldOut:
+        """The run's held-out evaluation (with the setup and sessions of a loop already built, where there is one)."""
+        config = self.config
+        return stages.HeldOut(
+            self.run_id, setup or self.setup(), session_factory or self.session_factory(), self.eval_tasks(), self.env_version,
+            config.eval.temperature, config.eval.seed, config.rollout.concurrency, config.rollout.max_attempts,
+        )
+
     def workdir(self) -> Path:
         return store_db.loopline_home() / "runs" / self.config.name
 

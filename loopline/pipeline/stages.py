@@ -116,13 +116,11 @@ async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
     return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds))
 
 
-async def rollout_continuous(
-    ctx: RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
-) -> RolloutStats:
-    """Generate until `stop`: slots of step p start only on version >= p - 1 - max_staleness."""
+async def rollout_continuous(ctx: RolloutContext, stop: StopFlag, worker: str | None = None) -> RolloutStats:
+    """Generate until `stop`: slots of step p start only on version >= p - 1 - rollout.max_staleness."""
     cfg = WorkerConfig(
         ctx.run_id, worker or holder.this_process(), concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds,
-        max_staleness=max_staleness, max_complete_groups=max_complete_groups, wait_for_work=True,
+        max_staleness=ctx.rollout.staleness_bound or 0, wait_for_work=True,
     )
     return await run_continuous(ctx.engine, ctx.binding, ctx.session_factory, cfg, stop, paused=ctx.evaluating.is_set)
 
@@ -174,12 +172,15 @@ def _stalled(ctx: LoopContext, step: int, still_open: int, for_s: float) -> str:
     )
 
 
-def learn(ctx: LoopContext, step: int, max_groups: int, max_staleness: int | None = None) -> LearnerCommit | None:
-    """Train on the groups claimed for `step` and commit consumption + checkpoint + version atomically."""
+def learn(ctx: LoopContext, step: int) -> LearnerCommit | None:
+    """Train on the groups claimed for `step` (at most `rollout.groups_per_step`, none staler than the run allows) and
+    commit consumption + checkpoint + version atomically."""
     with ctx.session_factory() as s:
         if ctx.driver is not None:  # (a step another process committed must not look done to one that lost the run)
             ledger.require_driver(s, ctx.run_id, ctx.driver)
-        batch = ledger.claim_learner_batch(s, ctx.run_id, step, max_groups=max_groups, max_staleness=max_staleness)
+        batch = ledger.claim_learner_batch(
+            s, ctx.run_id, step, max_groups=ctx.rollout.groups_per_step, max_staleness=ctx.rollout.staleness_bound
+        )
         if batch.already_committed:
             return None
         if batch.empty and batch.stale_dropped:
@@ -318,11 +319,11 @@ def read(ctx: RolloutContext, query, *args):
         return query(s, ctx.run_id, *args)
 
 
-def report_lagging_servers(ctx: RolloutContext, version: int, max_staleness: int, reported: set) -> None:
+def report_lagging_servers(ctx: RolloutContext, version: int, reported: set) -> None:
     """A server another process syncs (a rollout worker's, on any machine) that fell behind what its worker
     should have loaded by now: said once (`reported` remembers), since its process may be gone or stuck."""
     for url, syncer, served, _ in read(ctx, ledger.serving_servers):
-        if served < version - max_staleness - 1 and (url, syncer) not in reported:
+        if served < version - ctx.rollout.max_staleness - 1 and (url, syncer) not in reported:
             reported.add((url, syncer))
             log.warning("server %s (synced by %s) serves v%d while the run is at v%d: is that process gone?", url, syncer, served, version)
 
@@ -338,17 +339,30 @@ def release_servers(ctx: RolloutContext) -> None:
         log.warning("could not mark this process's servers released in the ledger: %s", exc)
 
 
-async def evaluate(
-    run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory: Callable[[], Session],
-    eval_tasks: list[Task], env_version: int, temperature: float, seed: int, concurrency: int, max_attempts: int = MAX_ATTEMPTS,
-) -> float:
-    """Held-out success of the engine's current version (fixed tasks, budget and seed); recorded once per version.
-    At most `concurrency` episodes at once, as in training: each holds a sandbox from its start."""
+@dataclass(frozen=True)
+class HeldOut:
+    """A run's held-out evaluation: the same tasks, sampling and seed for every version it evaluates."""
+
+    run_id: uuid.UUID
+    setup: EpisodeSetup  # the run's (its sampling's temperature and seed are the evaluation's own)
+    session_factory: Callable[[], Session]
+    tasks: list[Task]
+    env_version: int
+    temperature: float
+    seed: int
+    concurrency: int  # episodes at once, as in training: each holds a sandbox from its start
+    max_attempts: int = MAX_ATTEMPTS
+
+
+async def evaluate(engine: Engine, held_out: HeldOut) -> float:
+    """Held-out success of the engine's current version; recorded once per version."""
     version = engine.version()
+    run_id, session_factory, eval_tasks = held_out.run_id, held_out.session_factory, held_out.tasks
+    temperature, seed, max_attempts = held_out.temperature, held_out.seed, held_out.max_attempts
     setup = dataclasses.replace(
-        setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=setup.sampling.max_new_tokens, seed=seed)
+        held_out.setup, sampling=SamplingParams(temperature=temperature, max_new_tokens=held_out.setup.sampling.max_new_tokens, seed=seed)
     )
-    slots = asyncio.Semaphore(concurrency)
+    slots = asyncio.Semaphore(held_out.concurrency)
     name, done = f"evaluating v{version}", [0]
     activity.report(name, 0, len(eval_tasks))
 
@@ -378,7 +392,7 @@ async def evaluate(
     successes = sum(r.reward == 1.0 for r in results)
     with session_factory() as s:
         ledger.record_eval_result(
-            s, run_id, version, setup.spec.name, env_version, len(results), successes,
+            s, run_id, version, setup.spec.name, held_out.env_version, len(results), successes,
             {"truncated": sum(r.truncated for r in results), "temperature": temperature, "seed": seed,
              "mean_reward": sum(r.reward for r in results) / len(results),  # partial credit (coding: tests passed)
              "seconds": time.monotonic() - started},

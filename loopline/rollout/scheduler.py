@@ -4,8 +4,7 @@
 - continuous: keep `concurrency` episodes in flight and refill as each finishes, behind a staleness
   gate (no new work while the engine's weights are more than `max_staleness` versions behind the
   learner's, and no slot of a step beyond `engine version + 1 + max_staleness`: learner step p
-  trains version p - 1, so a group of step p started on version v is p - 1 - v versions stale) and
-  backpressure (no new work while `max_complete_groups` groups wait for the learner).
+  trains version p - 1, so a group of step p started on version v is p - 1 - v versions stale).
 
 Both only talk to the ledger, so any number of workers in any number of processes can share a run.
 Ledger calls are blocking SQL; they run in threads with a session each.
@@ -48,7 +47,6 @@ class WorkerConfig:
     concurrency: int = field(kw_only=True)  # episodes in flight (the run config's `concurrency`: one default)
     lease_seconds: float = LEASE_SECONDS
     max_staleness: int | None = None
-    max_complete_groups: int | None = None
     poll_s: float = 0.25
     wait_for_work: bool = False  # keep polling when nothing is pending (a planner will add more) until stopped
 
@@ -61,7 +59,7 @@ class RolloutStats:
     lost_leases: int = 0
     busy_s: float = 0.0  # sum of episode durations
     wall_s: float = 0.0
-    gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "backpressure": 0, "evaluation": 0})
+    gate_waits: dict[str, int] = field(default_factory=lambda: {"staleness": 0, "evaluation": 0})
     episode_s: list[float] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)  # in commit order
     engine_closed: bool = False  # an episode found the engine closed: this process is stopping
@@ -298,14 +296,10 @@ async def _unfinished(db: _LedgerCalls, cfg: WorkerConfig) -> bool:
     return await db.call(ledger.unfinished_slots, cfg.run_id, cfg.split) > 0
 
 
-async def _gate(engine: Engine, db: _LedgerCalls, cfg: WorkerConfig) -> Literal["staleness", "backpressure"] | None:
+async def _gate(engine: Engine, db: _LedgerCalls, cfg: WorkerConfig) -> Literal["staleness"] | None:
     """Why no new work may start now, or None."""
     if cfg.max_staleness is not None:
         latest = await db.call(ledger.latest_policy_version, cfg.run_id)
         if engine.version() < latest - cfg.max_staleness:
             return "staleness"
-    if cfg.max_complete_groups is not None:
-        states = await db.call(ledger.group_states, cfg.run_id)
-        if states.get("complete", 0) >= cfg.max_complete_groups:
-            return "backpressure"
     return None

@@ -108,9 +108,12 @@ def owed_evaluations(
     return [VersionWeights(r.version, r.weights_uri) for r in found if scheduled(r.version)]
 
 
+INITIAL_WEIGHTS = "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0"  # (the inspector's view too)
+
+
 def initial_weights(session: Session, run_id: uuid.UUID) -> str:
     """Where the run's version 0 came from (the learner and tokenizer start there)."""
-    uri = scalar(session, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run_id)
+    uri = scalar(session, INITIAL_WEIGHTS, r=run_id)
     return uri
 
 

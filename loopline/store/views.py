@@ -16,6 +16,7 @@ from loopline.store.prompts import StoredPromptBroken, decode
 from loopline.store.nul import restored
 from loopline.store.queries import run_lease, shown_status
 from loopline.store.uris import path_on_publisher
+from loopline.store.versions import INITIAL_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def engine_servers(conn: sa.Connection, run: uuid.UUID) -> Table:
 
 def initial_weights(conn: sa.Connection, run: uuid.UUID) -> str | None:
     """Where version 0 is on the trainer's host (its tokenizer decodes the run's tokens)."""
-    row = _one(conn, "SELECT weights_uri FROM policy_version WHERE run_id = :r AND version = 0", r=run)
+    row = _one(conn, INITIAL_WEIGHTS, r=run)
     return path_on_publisher(row["weights_uri"]) if row else None
 
 

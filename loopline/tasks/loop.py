@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -21,7 +20,6 @@ from prefect.cache_policies import NO_CACHE
 from loopline import aio, stop_signals
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.rollout.engine import Engine, EngineClosed, EngineError
-from loopline.rollout.harness import EpisodeSetup
 from loopline.rollout.scheduler import StopFlag
 from loopline.store import queries
 from loopline.store.errors import is_outage
@@ -85,19 +83,17 @@ def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
 
 
 @task(name="rollout_worker", **TASK)
-def rollout_worker(
-    ctx: stages.RolloutContext, stop: StopFlag, max_staleness: int, max_complete_groups: int | None, worker: str | None = None
-) -> dict:
+def rollout_worker(ctx: stages.RolloutContext, stop: StopFlag, worker: str | None = None) -> dict:
     """The async producer: runs until `stop`, beside the learner steps or in a `rollout_worker` flow elsewhere."""
-    stats = aio.run(stages.rollout_continuous(ctx, stop, max_staleness, max_complete_groups, worker))
+    stats = aio.run(stages.rollout_continuous(ctx, stop, worker))
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "gate_waits": stats.gate_waits}
 
 
 @task(name="learner_step", **TASK)
-def learner_step(ctx: stages.LoopContext, step: int, max_staleness: int | None = None, producing=None) -> bool:
+def learner_step(ctx: stages.LoopContext, step: int, producing=None) -> bool:
     """Trains step `step` once its groups are settled (immediately in sync mode: the barrier settled them)."""
     stages.wait_for_groups(ctx, step, producing)
-    return stages.learn(ctx, step, max_groups=ctx.rollout.groups_per_step, max_staleness=max_staleness) is not None
+    return stages.learn(ctx, step) is not None
 
 
 @task(name="sync_weights", **TASK)
@@ -106,19 +102,16 @@ def sync_weights(ctx: stages.RolloutContext) -> int:
 
 
 @task(name="report_lagging_servers", **TASK)
-def report_lagging_servers(ctx: stages.RolloutContext, version: int, max_staleness: int, reported: set) -> None:
-    stages.report_lagging_servers(ctx, version, max_staleness, reported)
+def report_lagging_servers(ctx: stages.RolloutContext, version: int, reported: set) -> None:
+    stages.report_lagging_servers(ctx, version, reported)
 
 
 @task(name="evaluate", **TASK)
-def evaluate(
-    run_id: uuid.UUID, engine: Engine, setup: EpisodeSetup, session_factory, eval_tasks: list, env_version: int,
-    temperature: float, seed: int, concurrency: int, max_attempts: int,
-) -> float:
+def evaluate(engine: Engine, held_out: stages.HeldOut) -> float:
     """Held-out success of the version `engine` serves, stored in the ledger and shown as the run's eval table."""
-    success = aio.run(stages.evaluate(run_id, engine, setup, session_factory, eval_tasks, env_version, temperature, seed, concurrency, max_attempts))
-    with session_factory() as s:
-        rows = queries.eval_results(s, run_id)
+    success = aio.run(stages.evaluate(engine, held_out))
+    with held_out.session_factory() as s:
+        rows = queries.eval_results(s, held_out.run_id)
     table = "\n".join(f"| {e.version} | {e.tasks} | {e.success:.1%} |" for e in rows)
     create_markdown_artifact(
         key="eval-success",

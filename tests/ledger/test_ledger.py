@@ -511,13 +511,14 @@ def test_a_step_whose_groups_are_all_stale_or_whose_worker_stopped_says_what_to_
     from loopline.store.db import session as new_session
     from loopline.pipeline import stages
 
-    ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, rollout=types.SimpleNamespace(max_attempts=3))
+    rollout = types.SimpleNamespace(max_attempts=3, groups_per_step=10, max_staleness=1, staleness_bound=1)
+    ctx = types.SimpleNamespace(session_factory=lambda: new_session(engine), run_id=run.id, driver=None, rollout=rollout)
     _complete_step(db, run, step=15, tasks=("old",), version=0)
     for k in (1, 2):
         _complete_step(db, run, step=10 + k, tasks=(f"x{k}",), version=k - 1)
         ledger.commit_learner_step(db, ledger.claim_learner_batch(db, run.id, k, max_groups=1), f"w{k}", f"c{k}")
     with pytest.raises(LooplineError, match=r"older than rollout.max_staleness .*raise rollout.max_staleness or add rollout workers, then resume"):
-        stages.learn(ctx, 3, max_groups=10, max_staleness=1)
+        stages.learn(ctx, 3)
     ledger.plan_step(db, run.id, 30, ["open"], group_size=2)
     with pytest.raises(LooplineError, match=r"rollout worker stopped while groups of step 30 were still open .*train.log.*resume"):
         stages.wait_for_groups(ctx, 30, producing=lambda: False)

@@ -210,8 +210,8 @@ def test_a_step_retried_after_its_commit_failed_trains_its_batch_once(tiny_dirs,
         tasks.rollout_batch.fn(ctx, 1)
         monkeypatch.setattr(ledger, "commit_learner_step", lost_once)
         with pytest.raises(DatabaseUnavailable):
-            stages.learn(ctx, 1, max_groups=2)
-        assert stages.learn(ctx, 1, max_groups=2).policy_version == 1
+            stages.learn(ctx, 1)
+        assert stages.learn(ctx, 1).policy_version == 1
     finally:
         ctx.engine.shutdown()
     once = Learner(tiny_dirs["v0"], config, backend="torch")
@@ -246,10 +246,10 @@ def test_a_server_that_fell_behind_is_reported_once(db, run, engine, caplog):
 
     ledger.record_served(db, run.id, "other-host:42:1", ["http://w1:30000"], 1)
     ledger.record_served(db, run.id, "other-host:43:1", ["http://w2:30000"], 5)
-    ctx = SimpleNamespace(run_id=run.id, session_factory=lambda: new_session(engine))
+    ctx = SimpleNamespace(run_id=run.id, session_factory=lambda: new_session(engine), rollout=SimpleNamespace(max_staleness=2))
     reported: set = set()
     with caplog.at_level(logging.WARNING):
         for version in (6, 7):
-            tasks.report_lagging_servers.fn(ctx, version, 2, reported)
+            tasks.report_lagging_servers.fn(ctx, version, reported)
     said = [r.getMessage() for r in caplog.records if "serves v" in r.getMessage()]
     assert said == ["server http://w1:30000 (synced by other-host:42:1) serves v1 while the run is at v6: is that process gone?"]

@@ -64,7 +64,20 @@ def _inodes(res: env_spec.Resources) -> int:
     return max(res.memory_mb * 32, 1024)
 
 
+_sdk_import = threading.Lock()
+
+
+def _import_sdk() -> None:
+    """The Docker SDK, imported by one thread at a time: its modules import each other, and two threads importing
+    them at once (two episodes' sandboxes created together) saw each other's half-initialised package and failed
+    with `ImportError: cannot import name ... from partially initialized module 'docker.types'` (measured)."""
+    with _sdk_import:
+        import docker.errors  # noqa: F401
+        import docker.types  # noqa: F401
+
+
 def _client():
+    _import_sdk()
     import docker
     from docker.errors import DockerException
 
@@ -99,6 +112,7 @@ class DockerSandbox:
 
     @classmethod
     def _create_now(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
+        _import_sdk()
         from docker.errors import APIError, ImageNotFound
         from docker.types import Ulimit
 
