@@ -193,11 +193,16 @@ class OneAtATime(ScriptedEngine):
             return Generation(tuple(ids), tuple([-1.0] * len(ids)), "stop", (VersionSpan(3, 0, len(ids)),))
 
 
+def _evaluate(engine, setup, run, db, tasks, **held_out):
+    """The held-out evaluation of the engine's version 1 (temperature 0, seed 0), as a run's parts build it."""
+    from loopline.pipeline.stages import HeldOut, evaluate
+
+    return evaluate(engine, HeldOut(run.id, setup, lambda: db, tasks, env_version=1, temperature=0.0, seed=0, **held_out))
+
+
 def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queue(chat, db, run):
     """12 held-out episodes, a 1 s wall-time budget each, an engine that takes 0.3 s a request one at a time:
     all 12 at once would wait up to 3.6 s before their first call; `concurrency` 2 starts each when it can run."""
-    from loopline.pipeline.stages import evaluate
-
     from loopline import activity
 
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(12)]
@@ -211,7 +216,7 @@ def test_an_evaluation_larger_than_the_concurrency_does_not_time_out_in_the_queu
 
         watcher = asyncio.create_task(watch())
         try:
-            return await evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=2)
+            return await _evaluate(OneAtATime(chat), _setup(chat, wall_time_s=1.0), run, db, tasks, concurrency=2)
         finally:
             watcher.cancel()
 
@@ -225,10 +230,8 @@ def test_waiting_for_the_engine_is_not_charged_to_the_wall_time_budget(chat, db,
     """Six held-out episodes at once on an engine serving one request at a time (0.3 s each), a 1 s budget: the
     last waits 1.8 s for its only model call. Queueing depends on the load (an async run's rollouts share the
     engine), not on the agent: it must neither truncate the episode nor score it 0 (seen on SmolLM2, issue 17)."""
-    from loopline.pipeline.stages import evaluate
-
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(6)]
-    success = asyncio.run(evaluate(run.id, OneAtATime(chat), _setup(chat, wall_time_s=1.0), lambda: db, tasks, 1, 0.0, 0, concurrency=6, max_attempts=1))
+    success = asyncio.run(_evaluate(OneAtATime(chat), _setup(chat, wall_time_s=1.0), run, db, tasks, concurrency=6, max_attempts=1))
     assert success == 1.0
 
 
@@ -265,12 +268,10 @@ class FailsFirst(OneAtATime):
 def test_an_evaluation_episode_that_fails_for_infra_reasons_is_played_again(chat, db, run):
     """An engine or sandbox failure says nothing about the policy: the episode is played again (same task and
     seed), and the evaluation completes instead of failing the run."""
-    from loopline.pipeline.stages import evaluate
-
     tasks = [Task(f"e{i}", "eval", TASK.prompt, TASK.data) for i in range(3)]
-    assert asyncio.run(evaluate(run.id, FailsFirst(chat), _setup(chat), lambda: db, tasks, 1, 0.0, 0, concurrency=3)) == 1.0
+    assert asyncio.run(_evaluate(FailsFirst(chat), _setup(chat), run, db, tasks, concurrency=3)) == 1.0
     with pytest.raises(EngineError, match="aborted"):  # without retries it failed
-        asyncio.run(evaluate(run.id, FailsFirst(chat), _setup(chat), lambda: db, tasks, 1, 0.0, 0, concurrency=3, max_attempts=1))
+        asyncio.run(_evaluate(FailsFirst(chat), _setup(chat), run, db, tasks, concurrency=3, max_attempts=1))
 
 
 def test_a_cancelled_tool_call_leaves_no_process_behind():
