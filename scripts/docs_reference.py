@@ -1,7 +1,7 @@
 """The docs' reference pages, written from the code at every `mkdocs build` (the mkdocs-gen-files plugin runs
 this file), so they cannot drift from it: every run-config and environment-spec field with its type, default
 and description (a field without a description fails the build), every CLI command and flag (from the Typer
-apps), every metric (`loopline.metrics`), the invariants `loopline check` verifies, and the layers (the layer
+apps), every metric (`loopline.metrics`), every environment variable (`loopline.envvars`), the invariants `loopline check` verifies, and the layers (the layer
 test's own table); the benchmarks' plots are served from `benchmarks/results/` as they are."""
 
 from __future__ import annotations
@@ -186,6 +186,20 @@ def invariants_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def environment_page() -> str:
+    from loopline.envvars import PROVIDED, SETTINGS
+
+    out = ["# Environment variables\n", "Every `LOOPLINE_*` variable. Generated from `loopline/envvars.py` (a test fails on "
+           "a variable the code reads and this page misses). Run settings belong in the run config; these are for what "
+           "lies outside one run: where the data lives, how long to wait, what to import.\n",
+           "## What you set\n", "| variable | what it does |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(text)} |" for name, text in SETTINGS.items()]
+    out += ["", "## What loopline sets for your programs\n", "An environment's verifier and agent programs (and loopline's "
+            "own child processes) find these in their environment:\n", "| variable | what it holds |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(text)} |" for name, text in PROVIDED.items()]
+    return "\n".join(out) + "\n"
+
+
 def layers_table() -> str:
     from tests.unit.test_layers import ALLOWED, NEUTRAL, TOP
 
@@ -203,6 +217,7 @@ PAGES = {
     "reference/cli.md": cli_page,
     "reference/metrics.md": metrics_page,
     "reference/invariants.md": invariants_page,
+    "reference/environment.md": environment_page,
     "architecture/layers.md": lambda: "# Layers\n\nGenerated from the layer test's table (`tests/unit/test_layers.py`), "
     "which checks every import of the source against it.\n\n" + layers_table(),
 }

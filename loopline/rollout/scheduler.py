@@ -63,6 +63,7 @@ class RolloutStats:
     episode_s: list[float] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)  # in commit order
     engine_closed: bool = False  # an episode found the engine closed: this process is stopping
+    outages: int = 0  # episodes whose end the ledger could not hear (their slots are played again)
 
     def utilisation(self, concurrency: int) -> float:
         return self.busy_s / (self.wall_s * concurrency) if self.wall_s else 0.0
@@ -138,6 +139,22 @@ class _LedgerCalls:
 
 
 async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
+    """One leased slot, start to commit. Nothing escapes but a cancellation: an episode task is never awaited
+    for its result, so an error left in it was printed as "Task exception was never retrieved" when the process
+    ended (seen on a worker whose network was cut while it committed)."""
+    try:
+        await _play_slot(engine, binding, lease, db, stats)
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        # The ledger could not be reached (to commit, or to record a failure): the slot stays leased to this
+        # attempt until its lease expires, then it is played again; nothing is trained from it meanwhile.
+        stats.outages += 1
+        log.warning("attempt %s: the ledger could not be reached (%s); its slot is played again once its lease expires",
+                    lease.attempt_id, str(exc).splitlines()[0])
+
+
+async def _play_slot(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
     failpoint("episode_start")
     started = time.monotonic()
     labels = {"loopline.run": str(lease.run_id), "loopline.attempt": str(lease.attempt_id)}
@@ -166,7 +183,7 @@ async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls
         outcome = await db.commit(lease.attempt_id, trajectory)
     except Exception as exc:
         if is_outage(exc):
-            raise
+            raise  # (`_play` says so; the slot is played again)
         # the ledger refused this trajectory: a retry would produce one like it and fail the same way, so it
         # counts toward max_attempts like any infra failure instead of being retried forever
         log.exception("the ledger refused the trajectory of attempt %s", lease.attempt_id)
@@ -194,7 +211,15 @@ class _Renewer:
             await asyncio.sleep(self.lease_seconds / 3)
             # (a finished task committed: its slot is no longer leased, and nothing is lost)
             running = {a: t for a, t in self.inflight.items() if not t.done()}
-            for attempt_id in await self.db.call(ledger.renew_leases, list(running), self.lease_seconds):  # one statement
+            try:
+                lost = await self.db.call(ledger.renew_leases, list(running), self.lease_seconds)  # one statement
+            except Exception as exc:  # (one failure ended this loop for good, and every later lease expired)
+                if is_outage(exc):
+                    log.warning("renewing %d leases: the ledger could not be reached (%s); trying again", len(running), str(exc).splitlines()[0])
+                else:
+                    log.exception("renewing %d leases failed; trying again", len(running))
+                continue
+            for attempt_id in lost:
                 stats.lost_leases += 1
                 running[attempt_id].cancel()
 

@@ -182,6 +182,56 @@ def test_trajectories_finished_together_commit_together_and_one_the_ledger_refus
     assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class = 'CommitRefused'", r=run.id) == 1
 
 
+def test_a_ledger_outage_while_committing_or_renewing_is_ridden_out_and_its_slots_played_again(
+    tiny_dirs, binding, engine, db, run, monkeypatch, caplog
+):
+    """Seen on a rollout host whose network was cut for 30 s (tests/integration/test_hosts.py): the commits that
+    failed left their exceptions in episode tasks nobody awaits ("Task exception was never retrieved", with three
+    tracebacks, when the worker ended), and a renewal that failed would have ended the lease keeper for good."""
+    import gc
+    import time
+
+    import psycopg
+
+    real_commit, real_renew, calls = ledger.commit_trajectories, ledger.renew_leases, {"commit": 0, "renew": 0, "lost": 0}
+
+    def commit_trajectories(session, items):
+        calls["commit"] += 1
+        if calls["commit"] <= 2:
+            calls["lost"] += len(items)  # (a group commit: every trajectory of the batch)
+            raise psycopg.OperationalError("consuming input failed: could not receive data from server: Connection timed out")
+        return real_commit(session, items)
+
+    def renew_leases(session, attempt_ids, seconds):
+        calls["renew"] += 1
+        if calls["renew"] == 1:
+            raise psycopg.OperationalError("the connection is lost")
+        return real_renew(session, attempt_ids, seconds)
+
+    async def slow_episode(*args, **kwargs):  # (in flight across renewals)
+        await asyncio.sleep(1.0)
+        return await real_episode(*args, **kwargs)
+
+    from loopline.rollout import scheduler
+
+    real_episode = scheduler.run_episode
+    monkeypatch.setattr(scheduler, "run_episode", slow_episode)
+    monkeypatch.setattr(ledger, "commit_trajectories", commit_trajectories)
+    monkeypatch.setattr(ledger, "renew_leases", renew_leases)
+    ledger.plan_step(db, run.id, 1, ["t0", "t1", "t2"], group_size=2)
+    cfg = WorkerConfig(run.id, "cut", concurrency=2, lease_seconds=1.5)
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+        stats = asyncio.run(asyncio.wait_for(run_continuous(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg), 120))
+        gc.collect()  # (an exception left in a task is reported when the task is collected)
+    assert stats.outages == calls["lost"] >= 2 and stats.committed == 6, (stats, calls)
+    assert ledger.group_states(db, run.id) == {"complete": 3}
+    assert calls["renew"] > 1 + (time.monotonic() - started - 4) / 0.5, calls  # (it went on renewing: every 0.5 s)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "never retrieved" in m], said
+    assert sum("its slot is played again once its lease expires" in m for m in said) == calls["lost"], said
+
+
 def test_leases_stay_renewed_while_episodes_block_every_default_thread(tiny_dirs, binding, engine, db, run, monkeypatch):
     """Docker's sandbox calls block a thread for a whole command (an agent program: its whole episode). When
     those took every thread of the loop's default executor (min(32, CPUs + 4)), the lease renewals queued

@@ -76,6 +76,7 @@ def test_the_site_builds_strict_with_its_generated_reference(tmp_path):
                            "reference/cli/index.html": "--max-context",
                            "reference/metrics/index.html": "clip_fraction",
                            "reference/invariants/index.html": "nothing is trained twice",
+                           "reference/environment/index.html": "LOOPLINE_DB_LOCK_TIMEOUT_S",
                            "architecture/layers/index.html": "envregistry"}.items():
         assert expected in (site / page).read_text(), page
 
@@ -239,3 +240,17 @@ def test_every_metric_the_learner_declares_is_described():
 
     declared = set(losses.MAXIMA + losses.TOKEN_MEANS + OWN_TOKEN_MEANS) | (set(losses.SUMMED) - {"tokens"})
     assert declared <= set(METRICS), declared - set(METRICS)
+
+
+def test_every_environment_variable_the_code_reads_is_documented_and_none_that_it_does_not():
+    """A `LOOPLINE_*` name in the package's source is a variable someone sets or reads: the reference page
+    (`loopline/envvars.py`) lists exactly those (the chat template's private markers are not variables)."""
+    from loopline.envvars import PROVIDED, SETTINGS
+
+    package = ROOT / "loopline"
+    named = {name for path in package.rglob("*.py") if path.name != "envvars.py"
+             for name in re.findall(r"LOOPLINE_[A-Z_]*[A-Z]", path.read_text())}
+    named -= {"LOOPLINE_ASSISTANT", "LOOPLINE_OBSERVATION", "LOOPLINE_OBSERVATION_"}  # (rollout/chat.py's markers)
+    documented = set(SETTINGS) | set(PROVIDED)
+    assert not named - documented, f"add to loopline/envvars.py: {sorted(named - documented)}"
+    assert not documented - named, f"read nowhere: {sorted(documented - named)}"
