@@ -49,7 +49,7 @@ def measure(config_path: str, steps: int) -> tuple[list[float], list[float]]:
     from prefect.utilities.annotations import quote
 
     from loopline.pipeline.assembly import run_config
-    from loopline.flows.train import prepare
+    from loopline.pipeline.opening import prepare
     from loopline.tasks import loop as tasks
     from loopline.pipeline import stages
 

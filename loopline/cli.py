@@ -116,7 +116,7 @@ def train(
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
     from loopline.pipeline.assembly import run_config
-    from loopline.flows.train import ready_policy
+    from loopline.pipeline.opening import ready_policy
     from loopline.flows.train import train as train_flow
 
     settings, base = run_config(path, resume)  # refuse a bad config before any flow runs

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from loopline import plugins
 from loopline.errors import LooplineError
-from loopline.registry import Registry, RegistryName
+from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 from loopline.yamlfile import line_index, read_text, read_yaml
-from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, InFlightPolicy
-from loopline.rollout.engines import ENGINES  # (no torch either)
+from loopline.rollout.engine import InFlightPolicy
+from loopline.rollout.engines import ENGINES, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
@@ -46,30 +46,14 @@ TRACKERS: Registry[OpenTracker] = Registry("tracker", "tracking", ("tensorboard"
 log = logging.getLogger(__name__)
 
 
-class _Strict(BaseModel):
-    # (no NaN or infinity: `lr: .inf` passed, then the ledger's JSON refused the run after 30 s of loading)
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, data: object) -> object:
-        """YAML's `true` is not a number (`steps: true` trained 1 step): pydantic would take it as 1."""
-        if isinstance(data, dict):
-            for name, field in cls.model_fields.items():
-                value = data.get(name)
-                if isinstance(value, bool) and field.annotation is not bool and "bool" not in str(field.annotation):
-                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
-        return data
-
-
-class SamplingConfig(_Strict):
+class SamplingConfig(Settings):
     temperature: float = Field(1.0, ge=0.0, description="rollout sampling temperature (the learner divides its logits by the same; 0: greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; the recorded logprobs stay the full distribution's (as verl)")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: all")
     max_new_tokens: int = Field(48, ge=1, description="the most tokens one model call may generate (an episode's total is the env's budgets.max_generated_tokens)")
 
 
-class RankLaunch(_Strict):
+class RankLaunch(Settings):
     """Data-parallel learner ranks started through DeepSpeed's launcher (`deepspeed`); rank 0 runs the flow."""
 
     nodes: int = Field(1, ge=1, description="hosts the ranks run on (more than 1: a hostfile, and pdsh or `args: [--launcher, ...]`)")
@@ -100,7 +84,7 @@ def _trainer_setting(name: str, **bounds):
     return Field(_TRAINER[name].default, description=_TRAINER[name].metadata["description"], **bounds)
 
 
-class LearnerSettings(_Strict):
+class LearnerSettings(Settings):
     lr: float = _trainer_setting("lr", gt=0)
     warmup_steps: int = _trainer_setting("warmup_steps", ge=0)
     lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
@@ -145,59 +129,19 @@ class LearnerSettings(_Strict):
         return self
 
 
-class LaunchSettings(_Strict):
-    """SGLang servers loopline starts for the run (on this machine), stops at its end and restarts if they die."""
-
-    replicas: int = Field(1, ge=1, description="servers to start (each a full copy of the model; requests are spread over them)")
-    args: list[str] = Field(default_factory=list, description="extra arguments to the server, e.g. [--mem-fraction-static, '0.6']")
-    module: str = Field("sglang.launch_server", description="the server's Python module (python -m MODULE --model-path ... --port ...)")
-    python: str | None = Field(None, description="the interpreter that has SGLang installed (default: this one)")
-    startup_timeout_s: float = Field(SGLANG_STARTUP_TIMEOUT_S, gt=0, description="how long a server may take to answer its health check after it starts")
-
-
-class EngineSettings(_Strict):
-    """Where rollouts and evaluations are generated: the built-in CPU engine, or SGLang."""
-
-    kind: Annotated[str, RegistryName(ENGINES)] = Field("local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (or an engine registered in rollout/engines.ENGINES)")
-    servers: list[str] = Field(default_factory=list, description="sglang: connect to these servers (replicas or one router)")
-    launch: LaunchSettings | None = Field(None, description="sglang: start the servers for the run")
-    timeout_s: float = Field(SGLANG_REQUEST_TIMEOUT_S, gt=0, description="sglang: the longest one request may take")
-    lora_sync: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description="sglang with learner.lora: each version ships as its adapter alone (the servers keep the base model; "
-        "started with --enable-lora) or as the merged model",
-    )
-
-    @property
-    def in_process(self) -> bool:
-        """The engine serves from the learner's process (weight syncs from memory, no file per version)."""
-        return ENGINES[self.kind].in_process
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "EngineSettings":
-        if self.kind == "local" and (self.servers or self.launch):
-            raise ValueError("servers and launch are for kind: sglang (kind: local runs in this process)")
-        if self.kind == "sglang" and bool(self.servers) == (self.launch is not None):
-            raise ValueError("kind: sglang needs exactly one of servers: [URL, ...] (connect) or launch: {...} (start them)")
-        for url in self.servers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"server {url!r}: expected an http:// or https:// URL")
-        return self
-
-
-class EvalSettings(_Strict):
+class EvalSettings(Settings):
     every: int = Field(4, ge=1, description="evaluate every N learner steps (and before the first)")
     tasks: int = Field(100, ge=1, description="held-out tasks an evaluation plays (the first N of the env's eval split)")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature of evaluations (0: greedy)")
     seed: int = Field(1234, ge=0, le=2**31 - 1, description="seed of an evaluation's sampling: each version plays the same draws")
 
 
-class ChatTurn(_Strict):
+class ChatTurn(Settings):
     role: Literal["system", "user", "assistant", "tool"] = Field(description="who says it (tool: a tool's output, for a template that renders tool messages)")
     content: str = Field(description="what is said, as the chat template renders it")
 
 
-class WeightsSettings(_Strict):
+class WeightsSettings(Settings):
     """How each version's weights reach the hosts that load them (rollout workers, the hosts of SGLang servers).
     Not part of the run's identity: a resume may change it (versions published before keep their URIs)."""
 
@@ -218,7 +162,7 @@ class WeightsSettings(_Strict):
         return value
 
 
-class RolloutSettings(_Strict):
+class RolloutSettings(Settings):
     """How the learner's batches are generated: their size, the loop's shape, what a failed episode costs."""
 
     mode: Literal["sync", "async"] = Field("sync", description="sync: rollout, learn, sync in lock-step; async: rollouts overlap learning")
@@ -265,7 +209,7 @@ class RolloutSettings(_Strict):
         return self
 
 
-class RunConfig(_Strict):
+class RunConfig(Settings):
     # (first: pydantic validates fields in order, so the modules are imported before any name they register is checked)
     imports: list[str] = Field(
         default_factory=list, description="Python modules imported first, in every process of the run (the CLI, learner ranks, "
@@ -280,7 +224,9 @@ class RunConfig(_Strict):
     rollout: RolloutSettings = Field(RolloutSettings(), description="the batches: their size, sync or async, sampling, failed episodes")
     learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
-    engine: EngineSettings = Field(EngineSettings(), description="where rollouts and evaluations are generated")
+    engine: Annotated[EngineSettings, RegistrySection(ENGINES)] = Field(
+        EngineSettings(), description="where rollouts and evaluations are generated: `kind`, then that engine's own settings",
+    )
     weights: WeightsSettings = Field(WeightsSettings(), description="how each version's weights reach other hosts")
 
     tracking: list[Annotated[str, RegistryName(TRACKERS)]] = Field(
@@ -290,8 +236,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _read_the_flat_layout(cls, data: object) -> object:
-        return flat_layout_upgraded(data)[0]
+    def _read_earlier_layouts(cls, data: object) -> object:
+        return _engine_fields_upgraded(flat_layout_upgraded(data)[0])
 
     @field_validator("imports")
     @classmethod
@@ -315,7 +261,7 @@ class RunConfig(_Strict):
     @property
     def syncs_adapters(self) -> bool:
         """A LoRA run on SGLang that ships each version as its adapter (the servers keep the base model)."""
-        return not self.engine.in_process and self.learner.lora is not None and self.engine.lora_sync == "adapter"
+        return self.learner.lora is not None and self.engine.ships_adapters
 
     @property
     def versions_loaded_elsewhere(self) -> bool:
@@ -382,6 +328,19 @@ def flat_layout_upgraded(data: object) -> tuple[object, dict[str, str]]:
     return upgraded, moved
 
 
+# Before each engine had settings of its own, a run's stored config held SGLang's fields whatever its engine
+# (at their defaults for any other): they are dropped there, so that such a run resumes.
+_SHARED_ENGINE_DEFAULTS = {name: SGLangSettings.model_fields[name].get_default(call_default_factory=True)
+                           for name in ("servers", "launch", "timeout_s", "lora_sync")}
+
+
+def _engine_fields_upgraded(data: object) -> object:
+    if not isinstance(data, dict) or not isinstance(engine := data.get("engine"), dict) or engine.get("kind", "local") == "sglang":
+        return data
+    kept = {k: v for k, v in engine.items() if k not in _SHARED_ENGINE_DEFAULTS or v != _SHARED_ENGINE_DEFAULTS[k]}
+    return {**data, "engine": kept}
+
+
 MAX_CONFIG_BYTES = 1 << 20  # a run config is settings; a 50 MB one took 84 s to refuse
 
 
@@ -416,19 +375,25 @@ def _problem(error, where: str, lines: dict[tuple, int]) -> str:
     at = f"{where}:{lines[probe]}" if probe in lines else where
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument") and path:
-        close = difflib.get_close_matches(str(path[-1]), sorted(_field_names()), n=1)
-        message = "unknown setting" + (f"; did you mean {close[0]}?" if close else "")
+        homes = [section for section, names in _sections().items() if path[-1] in names]
+        close = difflib.get_close_matches(str(path[-1]), sorted({n for names in _sections().values() for n in names}), n=1)
+        if homes:  # a setting of another section (`lr` under rollout:), or of another engine
+            message = f"not a setting here; it is one of {' and '.join(homes)}"
+        else:
+            message = "unknown setting" + (f"; did you mean {close[0]}?" if close else "")
     return f"{at}: {'.'.join(str(p) for p in path) or '(top level)'}: {message}"
 
 
-def _field_names() -> set[str]:
-    """Every setting's name, in every section (for "did you mean")."""
-    names: set[str] = set()
-    for model in (RunConfig, RolloutSettings, SamplingConfig, LearnerSettings, RankLaunch, LaunchSettings, EngineSettings, EvalSettings):
-        names.update(model.model_fields)
-    for section in (AdvantageConfig, LossConfig, LoraConfig):
-        names.update(f.name for f in dataclasses.fields(section))
-    return names
+def _sections() -> dict[str, set[str]]:
+    """Each section's setting names, by where they go (for "did you mean", and "it is one of learner")."""
+    models: dict[str, type[Settings]] = {"(top level)": RunConfig, "rollout": RolloutSettings, "rollout.sampling": SamplingConfig, "learner": LearnerSettings,
+              "learner.launch": RankLaunch, "eval": EvalSettings, "weights": WeightsSettings}
+    models |= {f"engine (kind: {kind})": model for kind, model in ENGINES.settings_models(EngineSettings).items()}
+    sections = {path: set(model.model_fields) for path, model in models.items()}
+    sections["engine.launch"] = set(LaunchSettings.model_fields)
+    sections |= {f"learner.{name}": {f.name for f in dataclasses.fields(model)}
+                 for name, model in (("advantage", AdvantageConfig), ("loss", LossConfig), ("lora", LoraConfig))}
+    return sections
 
 
 def _non_finite(value: object, path: str = "") -> str | None:

@@ -5,6 +5,11 @@ A registry's names are known without importing the components' modules (they nee
 checked before torch loads): the built-in names are declared where the config is, and each component's module
 registers its implementation under its name. A component defined anywhere else, a test module or a user's
 plugin, registers itself the same way and is then a valid name in every config.
+
+A component may bring its own settings (torchtitan's per-component config, verl's registered losses): a
+`Settings` subclass registered with it, which validates the component's config section
+(`engine: {kind: sglang, servers: [...]}`) once the section's name picks it; no shared model lists another
+component's fields or branches on a name.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import field
 from typing import Any, Callable, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from loopline.errors import LooplineError
 
@@ -26,6 +33,24 @@ class UnregisteredComponent(LooplineError, KeyError):
         return str(self.args[0])
 
 
+class Settings(BaseModel):
+    """The base of every config section: unknown keys refused (with a did-you-mean where the config is read),
+    values frozen, no NaN or infinity (`lr: .inf` passed, then the ledger's JSON refused the run after 30 s of
+    loading), and YAML's `true` is not a number (`steps: true` trained 1 step: pydantic would take it as 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and field.annotation is not bool and "bool" not in str(field.annotation):
+                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        return data
+
+
 class Registry(Generic[T]):
     """Names -> components of one kind; `T` is the kind's Protocol (what a plugin writes)."""
 
@@ -33,17 +58,25 @@ class Registry(Generic[T]):
         self.what, self.setting = what, setting
         self.names: list[str] = list(builtin)
         self._implementations: dict[str, T] = {}
+        self._settings: dict[str, type[Settings]] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """`@REGISTRY.register("name")` on the implementation: the name becomes valid in every config."""
+    def register(self, name: str, settings: type[Settings] | None = None) -> Callable[[T], T]:
+        """`@REGISTRY.register("name")` on the implementation: the name becomes valid in every config. `settings`:
+        the component's own section model (a subclass of the section's base, `RegistrySection`)."""
 
         def add(implementation: T) -> T:
             self._implementations[name] = implementation
+            if settings is not None:
+                self._settings[name] = settings
             if name not in self.names:
                 self.names.append(name)
             return implementation
 
         return add
+
+    def settings_models(self, base: type[Settings]) -> dict[str, type[Settings]]:
+        """Each registered name's settings model (`base` for a component without settings of its own)."""
+        return {name: self._settings.get(name, base) for name in self.names}
 
     def __getitem__(self, name: str) -> T:
         if name not in self._implementations:
@@ -93,3 +126,37 @@ class RegistryName:
         json_schema = handler(schema)
         json_schema["enum"] = list(self.registry.names)
         return json_schema
+
+
+class RegistrySection:
+    """A config section whose settings are its component's own, `engine: Annotated[EngineSettings,
+    RegistrySection(ENGINES)]`: the section's `kind` (validated by the base, as a `RegistryName`) picks the model
+    registered with that component, which validates the whole section; its errors keep their paths
+    (`engine.servers`). The JSON Schema offers one alternative per registered component."""
+
+    def __init__(self, registry: Registry, key: str = "kind") -> None:
+        self.registry, self.key = registry, key
+
+    def __get_pydantic_core_schema__(self, source: type[Settings], handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        self._base = source
+
+        def validate(value: object) -> Settings:
+            if isinstance(value, source):
+                return value
+            if not isinstance(value, dict):
+                return source.model_validate(value)  # (the base's own error)
+            name = value.get(self.key, source.model_fields[self.key].default)
+            source.model_validate({self.key: name})  # an unknown name: the base's error, at `section.kind`
+            model = self.registry.settings_models(source)[name]
+            if not issubclass(model, source):
+                raise TypeError(f"{self.registry.setting} {name!r}: its settings {model.__name__} must subclass {source.__name__}")
+            return model.model_validate(value)
+
+        return core_schema.no_info_plain_validator_function(validate)
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> Any:
+        models = self.registry.settings_models(self._base)
+        return {"anyOf": [{"allOf": [handler(model.__pydantic_core_schema__), {"properties": {self.key: {"const": name}}}]}
+                          for name, model in models.items()]}

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
-from loopline.registry import RegistryName
+from loopline.registry import RegistryName, RegistrySection
 
 
 class UndocumentedField(Exception):
@@ -28,7 +28,19 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
 
 
+def _kinds_of(annotation: Any) -> dict[type, list[str]]:
+    """A component section's settings models -> the names registered with each."""
+    kinds: dict[type, list[str]] = {}
+    if typing.get_origin(annotation) is typing.Annotated:
+        for section in (m for m in annotation.__metadata__ if isinstance(m, RegistrySection)):
+            for name, model in section.registry.settings_models(typing.get_args(annotation)[0]).items():
+                kinds.setdefault(model, []).append(name)
+    return kinds
+
+
 def _models_in(annotation: Any) -> list[type]:
+    if kinds := _kinds_of(annotation):  # a section whose component brings its settings: each one's
+        return list(kinds)
     if _is_section(annotation):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
@@ -38,7 +50,8 @@ def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
     """(name, type, default, description) of a pydantic model's or a dataclass's settings (the trainer keeps its
     settings as dataclasses, each field's description in its metadata, which pydantic reads too)."""
     if issubclass(model, BaseModel):  # (a name chosen from a registry, as below: its names)
-        return [(name, next((Literal[tuple(m.registry.names)] for m in f.metadata if isinstance(m, RegistryName)), f.annotation),
+        return [(name, next((Literal[tuple(m.registry.names)] if isinstance(m, RegistryName) else typing.Annotated[f.annotation, m]
+                             for m in f.metadata if isinstance(m, (RegistryName, RegistrySection))), f.annotation),
                  _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
                 for name, f in model.model_fields.items()]
     hints = typing.get_type_hints(model)
@@ -101,10 +114,12 @@ def settings_reference(root: type, title: str, intro: str) -> str:
         for name, annotation, _, description in _fields(model):
             if not description:
                 missing.append(f"{path}.{name}" if path else name)
-            nested = _models_in(annotation)
+            nested, kinds = _models_in(annotation), _kinds_of(annotation)
             for inner in nested:
                 kind = next((a for n, a, _, _ in _fields(inner) if n == "kind"), None)
                 tag = f" (kind: {typing.get_args(kind)[0]})" if kind is not None and len(nested) > 1 else ""
+                if inner in kinds:
+                    tag = f" (kind: {' / '.join(kinds[inner])})"
                 containers = {typing.get_origin(annotation), *(typing.get_origin(a) for a in typing.get_args(annotation))}
                 suffix = "[]" if containers & {list, tuple} else ".NAME" if dict in containers else ""
                 walk(inner, f"{path + '.' if path else ''}{name}{suffix}", tag)

@@ -1,8 +1,10 @@
-"""Components of your own, in a module of your own: a policy loss (CISPO) and a tracker (JSON lines).
+"""Components of your own, in a module of your own: a policy loss (CISPO), a tracker (JSON lines) and an engine
+with settings of its own (the built-in CPU engine, its batch capped).
 
 Name the module in the run config's `imports:` and put its folder on PYTHONPATH (or pip install its package)
 wherever the run has a process; each component is then chosen by name like a built-in
-(`learner.loss.policy_loss: cispo`, `tracking: [jsonl]`). docs/how-to/extend.md walks through it.
+(`learner.loss.policy_loss: cispo`, `tracking: [jsonl]`, `engine: {kind: capped_local, max_batch: 8}`).
+docs/how-to/extend.md walks through it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from loopline.config import TRACKERS
+from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest, EngineSettings
 from loopline.trainer.config import POLICY_LOSSES, LossConfig, Surrogate
 
 
@@ -45,3 +50,19 @@ class JsonLines:
 
     def close(self) -> None:
         self.file.close()
+
+
+class CappedLocal(EngineSettings):
+    """The engine's own settings: its `engine:` section is validated against them (a typo is refused by name)."""
+
+    max_batch: int = Field(8, ge=1, description="sequences one forward pass decodes at most (the built-in engine: all in flight)")
+
+
+def capped_local(request: EngineRequest) -> EngineThread:
+    from loopline.rollout.local_engine import LocalEngine  # (torch: only where an engine is built)
+
+    settings: CappedLocal = request.settings
+    return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=min(settings.max_batch, request.concurrency)))
+
+
+ENGINES.register("capped_local", settings=CappedLocal)(EngineKind(capped_local, in_process=True))

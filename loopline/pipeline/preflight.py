@@ -72,7 +72,7 @@ def require_fits(config: RunConfig, spec: EnvSpec, shape: plan.ModelShape) -> pl
 
 def refuse_unreachable_servers(config: RunConfig) -> None:
     """SGLang servers that do not answer (they left a `failed` run behind)."""
-    for url in config.engine.servers:
+    for url in config.engine.running_servers:
         try:
             with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10):
                 pass

@@ -1,21 +1,95 @@
 """Engines built by name: the run config's `engine.kind` is a name registered in `ENGINES`, so adding an engine
-touches its own module and nothing else (`ENGINES.register("name")(EngineKind(build, in_process))`)."""
+touches its own module and nothing else: `ENGINES.register("name", settings=MySettings)(EngineKind(build,
+in_process))`, where MySettings (an `EngineSettings` with the engine's own fields) validates its `engine:`
+section and reaches `build` as `request.settings`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
-from loopline.registry import Registry
+from pydantic import Field, model_validator
+
+from loopline.registry import Registry, RegistryName, Settings
+from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S
 from loopline.rollout.engine_thread import EngineThread
+
+
+ENGINES: Registry[EngineKind] = Registry("engine", "engine.kind", ())
+
+
+class EngineSettings(Settings):
+    """Where rollouts and evaluations are generated: the built-in CPU engine, SGLang, or an engine of your own.
+    An engine's own settings subclass this; what the rest of loopline asks of any engine is below."""
+
+    kind: Annotated[str, RegistryName(ENGINES)] = Field(
+        "local", description="local: the built-in CPU engine in the training process; sglang: SGLang servers (its settings "
+        "below); or an engine registered in rollout/engines.ENGINES",
+    )
+
+    @property
+    def in_process(self) -> bool:
+        """The engine serves from the learner's process (weight syncs from memory, no file per version)."""
+        return ENGINES[self.kind].in_process
+
+    @property
+    def running_servers(self) -> list[str]:
+        """Servers the run connects to rather than starts: checked before the run opens, and unable to load an
+        older version for an evaluation that is owed."""
+        return []
+
+    @property
+    def ships_adapters(self) -> bool:
+        """With learner.lora, each version reaches the engine as its adapter alone (the engine keeps the base)."""
+        return False
+
+
+class LaunchSettings(Settings):
+    """SGLang servers loopline starts for the run (on this machine), stops at its end and restarts if they die."""
+
+    replicas: int = Field(1, ge=1, description="servers to start (each a full copy of the model; requests are spread over them)")
+    args: list[str] = Field(default_factory=list, description="extra arguments to the server, e.g. [--mem-fraction-static, '0.6']")
+    module: str = Field("sglang.launch_server", description="the server's Python module (python -m MODULE --model-path ... --port ...)")
+    python: str | None = Field(None, description="the interpreter that has SGLang installed (default: this one)")
+    startup_timeout_s: float = Field(SGLANG_STARTUP_TIMEOUT_S, gt=0, description="how long a server may take to answer its health check after it starts")
+
+
+class SGLangSettings(EngineSettings):
+    """SGLang servers: started for the run (`launch`) or already running (`servers`)."""
+
+    servers: list[str] = Field(default_factory=list, description="connect to these servers (replicas or one router)")
+    launch: LaunchSettings | None = Field(None, description="start the servers for the run")
+    timeout_s: float = Field(SGLANG_REQUEST_TIMEOUT_S, gt=0, description="the longest one request may take")
+    lora_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="with learner.lora: each version ships as its adapter alone (the servers keep the base model; "
+        "started with --enable-lora) or as the merged model",
+    )
+
+    @property
+    def running_servers(self) -> list[str]:
+        return self.servers
+
+    @property
+    def ships_adapters(self) -> bool:
+        return self.lora_sync == "adapter"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SGLangSettings":
+        if bool(self.servers) == (self.launch is not None):
+            raise ValueError("kind: sglang needs exactly one of servers: [URL, ...] (connect) or launch: {...} (start them)")
+        for url in self.servers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server {url!r}: expected an http:// or https:// URL")
+        return self
 
 
 @dataclass(frozen=True)
 class EngineRequest:
     """What the run asks of its engine: serve `version`, whose weights are at `weights`."""
 
-    settings: Any  # the run config's `engine:` section (config.EngineSettings)
+    settings: Any  # the run config's `engine:` section: the engine's own settings (an EngineSettings)
     weights: str
     version: int
     initial: Path  # the run's initial weights (a LoRA run's servers keep them as the base)
@@ -80,6 +154,5 @@ def _sglang(request: EngineRequest) -> EngineThread:
     return engine
 
 
-ENGINES: Registry[EngineKind] = Registry("engine", "engine.kind", ())
 ENGINES.register("local")(EngineKind(_local, in_process=True))  # LocalEngine in this process (CPU)
-ENGINES.register("sglang")(EngineKind(_sglang, in_process=False))
+ENGINES.register("sglang", settings=SGLangSettings)(EngineKind(_sglang, in_process=False))

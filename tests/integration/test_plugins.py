@@ -18,16 +18,12 @@ import yaml
 from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
 
 EXAMPLE = ROOT / "examples" / "plugins" / "my_components.py"  # (the module docs/how-to/extend.md shows)
-# What the test adds to it: each process that uses a component notes itself, and an engine kind of the plugin's
-# own (a rollout worker uses it: the loss and the tracker are the trainer's).
+# What the test adds to it: each process that uses a component notes itself (a rollout worker uses the plugin's
+# engine, with its setting from the config; the loss and the tracker are the trainer's).
 OBSERVED = """
 
 import os as _os
 import sys as _sys
-
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.engines import ENGINES, EngineKind
-from loopline.rollout.local_engine import LocalEngine
 
 
 def _mark(component):
@@ -44,12 +40,12 @@ def _observed_cispo(*args):
     return _cispo(*args)
 
 
-def _engine(request):
-    _mark("engine")
-    return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=request.concurrency))
+def _observed_engine(request):
+    _mark(f"engine-max_batch={request.settings.max_batch}")
+    return capped_local(request)
 
 
-ENGINES.register("toy_plugin_local")(EngineKind(_engine, in_process=True))
+ENGINES.register("capped_local", settings=CappedLocal)(EngineKind(_observed_engine, in_process=True))
 """
 
 
@@ -59,7 +55,7 @@ def _plugin_run(tmp_path: Path, tiny, database_url: str) -> tuple[Path, dict, st
     name = f"plugin-{tmp_path.name[-10:]}".replace("_", "-")
     config, env = _small_run(tmp_path, name, tiny, database_url, mode="async", lease_seconds=600, backend="deepspeed", every=100)
     settings = yaml.safe_load(config.read_text())
-    settings |= {"imports": ["my_components"], "steps": 2, "engine": {"kind": "toy_plugin_local"}, "tracking": ["jsonl"]}
+    settings |= {"imports": ["my_components"], "steps": 2, "engine": {"kind": "capped_local", "max_batch": 3}, "tracking": ["jsonl"]}
     settings["rollout"] |= {"local_rollout": False}
     settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "cispo"}}
     config.write_text(yaml.safe_dump(settings))
@@ -102,7 +98,7 @@ def test_a_plugin_named_in_imports_trains_on_two_learner_ranks_and_a_rollout_wor
     marks = [line.split(" ", 3) for line in (tmp_path / "marks.txt").read_text().splitlines()]
     loss_ranks = {(pid, rank) for component, pid, rank, _ in marks if component == "loss"}
     assert {rank for _, rank in loss_ranks} == {"0", "1"} and len({pid for pid, _ in loss_ranks}) == 2, marks
-    assert any(component == "engine" and argv.startswith("worker") and int(pid) == worker.pid for component, pid, _, argv in marks), marks
+    assert any(component == "engine-max_batch=3" and argv.startswith("worker") and int(pid) == worker.pid for component, pid, _, argv in marks), marks
     run_id = _checked_run(db, name)
     lines = (Path(env["LOOPLINE_HOME"]) / "runs" / name / "metrics.jsonl").read_text().splitlines()
     assert {json.loads(line)["step"] for line in lines} == {0, 1, 2}  # (the plugin's tracker, in the trainer: v0's evaluation too)

@@ -109,7 +109,8 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
     assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
     assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
     assert "toy_reinforce" in schema["LossConfig"]["properties"]["policy_loss"]["enum"]
-    assert "toy_local" in schema["EngineSettings"]["properties"]["kind"]["enum"] and config.engine.in_process
+    engines = RunConfig.model_json_schema()["properties"]["engine"]["anyOf"]
+    assert {"const": "toy_local"} in [e["allOf"][1]["properties"]["kind"] for e in engines] and config.engine.in_process
     assert "toy_torch" in schema["LearnerSettings"]["properties"]["backend"]["enum"]
     assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["enum"]
 

@@ -436,7 +436,7 @@ def test_a_hugging_face_id_is_read_from_the_local_cache_and_a_missing_one_is_one
     found = plan("someone/tiny-calc")
     assert found.returncode == 0 and "fits" in found.stdout, found.stdout + found.stderr
     probe = (  # what the train flow starts from
-        "import sys\nfrom loopline.config import parse_config\nfrom loopline.flows.train import resolve_policy\n"
+        "import sys\nfrom loopline.config import parse_config\nfrom loopline.pipeline.opening import resolve_policy\n"
         "print(resolve_policy(parse_config({'name': 'hub', 'env': 'e.yaml', 'policy': sys.argv[1]}, 'run.yaml'), None, [], ''))"
     )
     resolved = subprocess.run([sys.executable, "-c", probe, "someone/tiny-calc"], env=env, capture_output=True, text=True, timeout=120)

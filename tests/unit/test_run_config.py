@@ -316,6 +316,10 @@ BAD_CONFIGS = {
     "misspelt_setting": ("stpes: 3\n", "run.yaml:3: stpes: unknown setting; did you mean steps?"),
     "misspelt_nested_setting": ("learner: {loss: {kl_coeff: 0.1}}\n", "did you mean kl_coef?"),
     "a_list": ("- 1\n", "expected a mapping of run settings"),
+    "setting_of_another_section": ("rollout: {lr: 0.1}\n", "run.yaml:3: rollout.lr: not a setting here; it is one of learner"),
+    "setting_of_another_engine": ("engine: {kind: local, servers: ['http://h:1']}\n",
+                                  "run.yaml:3: engine.servers: not a setting here; it is one of engine (kind: sglang)"),
+    "sglang_with_neither_source": ("engine: {kind: sglang}\n", "engine: kind: sglang needs exactly one of servers"),
     "fifty_megabytes": ("description: '" + "x" * (50 << 20) + "'\n", "a run config may be at most 1,048,576 bytes"),
 }
 
@@ -379,3 +383,37 @@ def test_every_run_config_and_env_spec_setting_says_what_it_is_for():
         line.split(" {#")[0] for line in page.splitlines()}
     assert "| `clip_high` | float | `0.28` |" in page
     settings_reference(EnvSpec, "Environment spec", "")
+
+
+def test_an_engine_brings_its_own_settings_and_a_config_stored_before_that_still_reads(monkeypatch):
+    """A registered engine's settings model validates its `engine:` section (errors keep their paths); the run's
+    code gets that model, and the reference and schema list its fields. A config stored before engines had
+    settings of their own (SGLang's fields at their defaults under every engine) reads as the same config."""
+    from pydantic import Field
+
+    from loopline.config import RunConfig, parse_config
+    from loopline.rollout import engines
+    from loopline.rollout.engines import ENGINES, EngineKind, EngineSettings
+
+    class Batched(EngineSettings):
+        max_batch: int = Field(4, ge=1, description="requests per forward")
+
+    monkeypatch.setattr(ENGINES, "names", [*ENGINES.names])
+    monkeypatch.setattr(ENGINES, "_implementations", dict(ENGINES._implementations))
+    monkeypatch.setattr(ENGINES, "_settings", dict(ENGINES._settings))
+    ENGINES.register("batched", settings=Batched)(EngineKind(engines._local, in_process=True))
+    base = {"name": "a", "env": "e.yaml"}
+    config = parse_config({**base, "engine": {"kind": "batched", "max_batch": 2}}, "run.yaml")
+    assert isinstance(config.engine, Batched) and config.engine.max_batch == 2 and config.engine.in_process
+    assert parse_config(config.model_dump(mode="json"), "stored") == config
+    with pytest.raises(LooplineError, match=r"run.yaml: engine.max_batch: Input should be greater than or equal to 1"):
+        parse_config({**base, "engine": {"kind": "batched", "max_batch": 0}}, "run.yaml")
+    with pytest.raises(LooplineError, match=r"engine.max_batch: not a setting here; it is one of .*engine \(kind: batched\)"):
+        parse_config({**base, "engine": {"kind": "local", "max_batch": 2}}, "run.yaml")
+    schema = RunConfig.model_json_schema()["properties"]["engine"]["anyOf"]
+    assert any("max_batch" in e["allOf"][0]["properties"] for e in schema)
+
+    stored = {**base, "engine": {"kind": "local", "servers": [], "launch": None, "timeout_s": 600.0, "lora_sync": "adapter"}}
+    assert parse_config(stored, "stored") == parse_config(base, "run.yaml")
+    with pytest.raises(LooplineError, match="engine.servers: not a setting here"):  # (not at its default: another engine's)
+        parse_config({**stored, "engine": {**stored["engine"], "servers": ["http://h:1"]}}, "stored")
