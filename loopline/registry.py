@@ -58,9 +58,9 @@ class Registry(Generic[T]):
         self.what, self.setting = what, setting
         self.names: list[str] = list(builtin)
         self._implementations: dict[str, T] = {}
-        self._settings: dict[str, type[Settings]] = {}
+        self._settings: dict[str, type[BaseModel]] = {}
 
-    def register(self, name: str, settings: type[Settings] | None = None) -> Callable[[T], T]:
+    def register(self, name: str, settings: type[BaseModel] | None = None) -> Callable[[T], T]:
         """`@REGISTRY.register("name")` on the implementation: the name becomes valid in every config. `settings`:
         the component's own section model (a subclass of the section's base, `RegistrySection`)."""
 
@@ -74,7 +74,12 @@ class Registry(Generic[T]):
 
         return add
 
-    def settings_models(self, base: type[Settings]) -> dict[str, type[Settings]]:
+    def declare_settings(self, name: str, settings: type[BaseModel]) -> None:
+        """A built-in's settings, declared where the config is (its implementation registers in a module that
+        loads its SDK only when one is used)."""
+        self._settings[name] = settings
+
+    def settings_models(self, base: type[BaseModel]) -> dict[str, type[BaseModel]]:
         """Each registered name's settings model (`base` for a component without settings of its own)."""
         return {name: self._settings.get(name, base) for name in self.names}
 
@@ -130,23 +135,25 @@ class RegistryName:
 
 class RegistrySection:
     """A config section whose settings are its component's own, `engine: Annotated[EngineSettings,
-    RegistrySection(ENGINES)]`: the section's `kind` (validated by the base, as a `RegistryName`) picks the model
+    RegistrySection(ENGINES)]`: the section's `kind` (or `key`; validated by the base, as a `RegistryName`) picks the model
     registered with that component, which validates the whole section; its errors keep their paths
     (`engine.servers`). The JSON Schema offers one alternative per registered component."""
 
     def __init__(self, registry: Registry, key: str = "kind") -> None:
         self.registry, self.key = registry, key
 
-    def __get_pydantic_core_schema__(self, source: type[Settings], handler: Any) -> Any:
+    def __get_pydantic_core_schema__(self, source: type[BaseModel], handler: Any) -> Any:
         from pydantic_core import core_schema
 
         self._base = source
 
-        def validate(value: object) -> Settings:
+        def validate(value: object) -> BaseModel:
             if isinstance(value, source):
                 return value
             if not isinstance(value, dict):
                 return source.model_validate(value)  # (the base's own error)
+            if self.key not in value and source.model_fields[self.key].is_required():
+                return source.model_validate(value)  # (the base's error: the name is required)
             name = value.get(self.key, source.model_fields[self.key].default)
             source.model_validate({self.key: name})  # an unknown name: the base's error, at `section.kind`
             model = self.registry.settings_models(source)[name]

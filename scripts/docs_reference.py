@@ -28,14 +28,16 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
 
 
-def _kinds_of(annotation: Any) -> dict[type, list[str]]:
-    """A component section's settings models -> the names registered with each."""
+def _kinds_of(annotation: Any) -> dict[type, str]:
+    """A component section's settings models -> the names registered with each, as its heading says them."""
     kinds: dict[type, list[str]] = {}
+    key = "kind"
     if typing.get_origin(annotation) is typing.Annotated:
         for section in (m for m in annotation.__metadata__ if isinstance(m, RegistrySection)):
+            key = section.key
             for name, model in section.registry.settings_models(typing.get_args(annotation)[0]).items():
                 kinds.setdefault(model, []).append(name)
-    return kinds
+    return {model: f"{key}: {' / '.join(names)}" for model, names in kinds.items()}
 
 
 def _models_in(annotation: Any) -> list[type]:
@@ -119,7 +121,7 @@ def settings_reference(root: type, title: str, intro: str) -> str:
                 kind = next((a for n, a, _, _ in _fields(inner) if n == "kind"), None)
                 tag = f" (kind: {typing.get_args(kind)[0]})" if kind is not None and len(nested) > 1 else ""
                 if inner in kinds:
-                    tag = f" (kind: {' / '.join(kinds[inner])})"
+                    tag = f" ({kinds[inner]})"
                 containers = {typing.get_origin(annotation), *(typing.get_origin(a) for a in typing.get_args(annotation))}
                 suffix = "[]" if containers & {list, tuple} else ".NAME" if dict in containers else ""
                 walk(inner, f"{path + '.' if path else ''}{name}{suffix}", tag)

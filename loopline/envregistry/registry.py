@@ -89,7 +89,7 @@ def prepare(path: str | Path) -> Prepared:
 
 def machine_problems(spec: EnvSpec) -> str | None:
     """What this machine lacks to run the spec safely (None if nothing)."""
-    if spec.sandbox.backend == "local" and spec.runs_commands() and not spec.sandbox.unsafe_host:
+    if spec.sandbox.needs_bubblewrap and spec.runs_commands():
         if shutil.which("bwrap") is None:
             return (
                 "the local backend runs commands inside bubblewrap, which is not installed "

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from loopline import plugins
 from loopline.errors import LooplineError
-from loopline.registry import Registry, RegistryName
+from loopline.registry import Registry, RegistryName, RegistrySection
 from loopline.yamlfile import line_index, read_text, read_yaml
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]{0,62}$"
@@ -162,21 +162,22 @@ class Resources(_Strict):
 
 
 class Sandbox(_Strict):
+    """Where the agent's commands run. Each backend's own settings subclass this (`DockerSettings`, ...; a backend
+    of your own declares its model with `SANDBOX_BACKENDS.register(name, settings=...)`)."""
+
     backend: Annotated[str, RegistryName(SANDBOX_BACKENDS)] = Field(
         description="docker: a container per episode; e2b: E2B's cloud sandbox; local: a bubblewrap-isolated directory on this host "
-        "(or a backend registered in sandbox/backends.SANDBOX_BACKENDS)"
+        "(or a backend registered in sandbox/backends.SANDBOX_BACKENDS); each has settings of its own below"
     )
-    image: str | None = Field(None, description="docker: image name (build with `envreg image build`)")
-    template: str | None = Field(None, description="e2b: template id")
     resources: Resources = Field(Resources(), description="limits on what the agent can hold: cpus, memory_mb, pids, disk_mb")
     network: bool = Field(False, description="network access inside the sandbox; off by default")
     workdir: str = Field("/workspace", description="docker/e2b: the agent's working directory (local: a private temp dir)")
     setup: tuple[str, ...] = Field((), description="commands run once after the sandbox starts")
-    unsafe_host: bool = Field(
-        False,
-        description="local only: allow commands to run on the host without bubblewrap isolation "
-        "(needed for `network: true` on the local backend); the agent can then reach the host and its own verifier",
-    )
+
+    @property
+    def needs_bubblewrap(self) -> bool:
+        """Its commands are isolated by bubblewrap on this host (which must have it)."""
+        return False
 
     @field_validator("workdir")
     @classmethod
@@ -189,27 +190,55 @@ class Sandbox(_Strict):
             raise ValueError(f"workdir {workdir!r} is {'the root' if normal == '/' else reserved + ', which the sandbox reserves'}; use e.g. /workspace")
         return normal
 
+
+class DockerSettings(Sandbox):
+    """A container per episode."""
+
+    image: str = Field(min_length=1, description="the image (build one with `envreg image build`)")
+
+
+class E2BSettings(Sandbox):
+    """An E2B cloud sandbox per episode."""
+
+    template: str = Field(min_length=1, description="the template's id (build one with `envreg e2b-template build`)")
+
+
+class LocalSettings(Sandbox):
+    """A bubblewrap-isolated directory on this host per episode."""
+
+    unsafe_host: bool = Field(
+        False,
+        description="allow commands to run on the host without bubblewrap isolation (needed for `network: true`); the "
+        "agent can then reach the host and its own verifier",
+    )
+
+    @property
+    def needs_bubblewrap(self) -> bool:
+        return not self.unsafe_host
+
     @model_validator(mode="after")
-    def _backend_needs(self) -> "Sandbox":
-        if self.backend == "docker" and not self.image:
-            raise ValueError("the docker backend needs `image`")
-        if self.backend == "e2b" and not self.template:
-            raise ValueError("the e2b backend needs `template`")
-        if self.backend != "local" and self.unsafe_host:
-            raise ValueError("`unsafe_host` is for the local backend only")
+    def _what_it_can_enforce(self) -> "LocalSettings":
         # (compared with the defaults, not "was it written": a registered spec is stored with every field)
         unenforced = [f for f in ("cpus",) if getattr(self.resources, f) != Resources.model_fields[f].default]
-        if self.backend == "local" and unenforced:
+        if unenforced:
             raise ValueError(
                 f"the local backend cannot enforce resources.{' or resources.'.join(unenforced)} (it enforces pids and "
                 "memory_mb per command, disk_mb for its workdir): remove it, or use docker or e2b"
             )
-        if self.backend == "local" and self.network and not self.unsafe_host:
+        if self.network and not self.unsafe_host:
             raise ValueError(
                 "the local backend isolates commands (bubblewrap) only without network; "
                 "`network: true` runs them on the host: use docker or e2b, or set `unsafe_host: true`"
             )
         return self
+
+
+SANDBOX_BACKENDS.declare_settings("docker", DockerSettings)
+SANDBOX_BACKENDS.declare_settings("e2b", E2BSettings)
+SANDBOX_BACKENDS.declare_settings("local", LocalSettings)
+# Before each backend had settings of its own, every spec held these (at their defaults for the other backends):
+# a stored spec is read without them, and a spec's hash is computed with them, so that it keeps its hash.
+_SHARED_SANDBOX_DEFAULTS = {"image": None, "template": None, "unsafe_host": False}
 
 
 class ArithmeticParams(_Strict):
@@ -437,7 +466,9 @@ class EnvSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN, description="the registry's name (`envreg add` makes NAME@VERSION)")
     description: str = Field("", description="what the environment is, for people")
     versions: Versions = Field(Versions(), description="behaviour versions, recorded on every trajectory")
-    sandbox: Sandbox = Field(description="where the agent's commands run and what they may hold")
+    sandbox: Annotated[Sandbox, RegistrySection(SANDBOX_BACKENDS, key="backend")] = Field(
+        description="where the agent's commands run and what they may hold: `backend`, then that backend's own settings"
+    )
     tasks: TaskSource = Field(description="where tasks come from: {kind: generator, ...} or {kind: jsonl, path}")
     tools: tuple[Tool, ...] = Field((), description="what the model may call (loopline's harness; an `agent` program brings its own)")
     tool_calls: Literal["tags", "hermes"] = Field(
@@ -450,6 +481,16 @@ class EnvSpec(_Strict):
     budgets: Budgets = Field(Budgets(), description="an episode's limits: turns, generated tokens, tool time")
     smoke_test: SmokeTest | None = Field(None, description="a scripted episode `envreg test` plays end to end")
     agent: Agent | None = Field(None, description="your own agent program, run in the sandbox instead of loopline's harness")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_stored_sandboxes(cls, data: object) -> object:
+        """A spec stored before each backend had settings of its own holds the others' at their defaults."""
+        if not isinstance(data, dict) or not isinstance(sandbox := data.get("sandbox"), dict):
+            return data
+        own = SANDBOX_BACKENDS.settings_models(Sandbox).get(sandbox.get("backend"), Sandbox).model_fields
+        kept = {k: v for k, v in sandbox.items() if k in own or k not in _SHARED_SANDBOX_DEFAULTS or v != _SHARED_SANDBOX_DEFAULTS[k]}
+        return {**data, "sandbox": kept}
 
     @field_validator("imports")
     @classmethod
@@ -514,6 +555,7 @@ class EnvSpec(_Strict):
         after specs were first registered is left out while at its default, so a spec that does not use it keeps
         its hash: its registered version, and the starter policy built for it."""
         data = self.model_dump(mode="json")
+        data["sandbox"] = _SHARED_SANDBOX_DEFAULTS | data["sandbox"]
         for key, default in _ADDED_LATER.items():
             if data.get(key) == default:
                 del data[key]
@@ -554,6 +596,9 @@ def _format_errors(file: Path, error: ValidationError, lines: dict[tuple, int]) 
         line = lines.get(probe, 1)
         field = ".".join(str(p) for p in path) or "(top level)"
         message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and path[:1] == ("sandbox",) and len(path) == 2:
+            backends = [name for name, model in SANDBOX_BACKENDS.settings_models(Sandbox).items() if path[1] in model.model_fields]
+            message = f"not a setting of this backend; it is {' and '.join(backends)}'s" if backends else message
         out.append(f"{file}:{line}: {field}: {message}")
     return "\n".join(out)
 

@@ -10,11 +10,11 @@ import pytest
 from loopline.envregistry.sandbox.backends import open_sandbox
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.docker import DockerSandbox, cleanup_orphans, _client
-from loopline.envregistry.spec import Sandbox
+from loopline.envregistry.spec import DockerSettings, Sandbox
 
 
 def _spec(image: str, **resources) -> Sandbox:
-    return Sandbox(backend="docker", image=image, resources=resources or {})
+    return DockerSettings(backend="docker", image=image, resources=resources or {})
 
 
 def _with_box(spec: Sandbox, body):
@@ -111,7 +111,7 @@ def test_fork_bomb_is_contained_by_the_pids_limit(docker_image):
 def test_setup_commands_run_once_at_start(docker_image):
     from loopline.envregistry.sandbox.backends import open_sandbox
 
-    spec = Sandbox(backend="docker", image=docker_image, setup=("echo ready > marker",))
+    spec = DockerSettings(backend="docker", image=docker_image, setup=("echo ready > marker",))
 
     async def go():
         box = await open_sandbox(spec)
@@ -121,14 +121,14 @@ def test_setup_commands_run_once_at_start(docker_image):
             await box.close()
 
     assert asyncio.run(go()) == "ready\n"
-    broken = Sandbox(backend="docker", image=docker_image, setup=("exit 7",))
+    broken = DockerSettings(backend="docker", image=docker_image, setup=("exit 7",))
     with pytest.raises(InfraFailure, match="setup command 'exit 7' failed"):
         asyncio.run(open_sandbox(broken))
 
 
 def test_commands_see_utf8_text_as_on_the_other_backends(docker_image):
     async def body():
-        box = await open_sandbox(Sandbox(backend="docker", image=docker_image))
+        box = await open_sandbox(DockerSettings(backend="docker", image=docker_image))
         try:
             return await box.exec("printf 'café' | wc -m", 10)
         finally:

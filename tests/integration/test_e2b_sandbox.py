@@ -16,11 +16,11 @@ from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.backends import open_sandbox
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.e2b import E2BSandbox
-from loopline.envregistry.spec import EnvSpec, Sandbox, load_spec
+from loopline.envregistry.spec import E2BSettings, EnvSpec, load_spec
 from loopline.envregistry.tasks import load_tasks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-E2B_SPEC = Sandbox(backend="e2b", template="loopline-python")
+E2B_SPEC = E2BSettings(backend="e2b", template="loopline-python")
 
 
 def _with_box(body):
@@ -84,7 +84,7 @@ def test_e2b_without_credentials_is_an_infra_failure(monkeypatch):
     for name in ("E2B_DEBUG", "E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InfraFailure, match="could not create an E2B sandbox .*API key"):
-        asyncio.run(open_sandbox(Sandbox(backend="e2b", template="anything")))
+        asyncio.run(open_sandbox(E2BSettings(backend="e2b", template="anything")))
 
 
 @pytest.fixture

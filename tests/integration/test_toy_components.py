@@ -10,7 +10,7 @@ import torch
 
 from loopline.config import TRACKERS
 from loopline.envregistry.sandbox.local import LocalSandbox
-from loopline.envregistry.spec import SANDBOX_BACKENDS
+from loopline.envregistry.spec import SANDBOX_BACKENDS, LocalSettings
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest
 from loopline.rollout.local_engine import LocalEngine
@@ -65,7 +65,7 @@ def _toy_engine(request: EngineRequest) -> EngineThread:
 ENGINES.register("toy_local")(EngineKind(_toy_engine, in_process=True))
 
 
-@SANDBOX_BACKENDS.register("toy_dir")
+@SANDBOX_BACKENDS.register("toy_dir", settings=LocalSettings)  # (a plugin's backend brings its settings: here the local one's)
 async def _toy_sandbox(spec, labels, model) -> LocalSandbox:
     CALLED.add("sandbox")
     return LocalSandbox(spec)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from loopline.envregistry.episode import Episode, ToolCall
-from loopline.envregistry.spec import Sandbox, load_spec
+from loopline.envregistry.spec import E2BSettings, LocalSettings, load_spec
 from loopline.envregistry.tasks import load_tasks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -340,7 +340,7 @@ def test_attack_scores_its_true_value_in_docker(attack, coding_spec, docker_imag
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_its_true_value_in_e2b_sdk_against_local_envd(attack, coding_spec, local_envd):
     spec, task = coding_spec
-    _check(spec.model_copy(update={"sandbox": Sandbox(backend="e2b", template="loopline-python")}), task, attack)
+    _check(spec.model_copy(update={"sandbox": E2BSettings(backend="e2b", template="loopline-python")}), task, attack)
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -348,7 +348,7 @@ def test_attack_scores_its_true_value_in_local_bubblewrap(attack, coding_spec):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     spec, task = coding_spec
-    _check(spec.model_copy(update={"sandbox": Sandbox(backend="local")}), task, attack)
+    _check(spec.model_copy(update={"sandbox": LocalSettings(backend="local")}), task, attack)
 
 
 def test_e2b_template_as_e2b_provisions_it_is_refused_and_would_be_ruled(coding_spec, local_envd, monkeypatch):
@@ -360,7 +360,7 @@ def test_e2b_template_as_e2b_provisions_it_is_refused_and_would_be_ruled(coding_
     from loopline.envregistry.sandbox.base import InfraFailure
 
     spec, task = coding_spec
-    raw = spec.model_copy(update={"sandbox": Sandbox(backend="e2b", template="e2b-as-provisioned")})
+    raw = spec.model_copy(update={"sandbox": E2BSettings(backend="e2b", template="e2b-as-provisioned")})
     with pytest.raises(InfraFailure) as refused:
         _play(raw, task, ATTACKS["correct_solution"][0])
     said = str(refused.value)
@@ -384,7 +384,7 @@ def test_local_disk_filler_leaves_a_concurrent_episode_and_the_host_whole(coding
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     spec, task = coding_spec
-    spec = spec.model_copy(update={"sandbox": Sandbox(backend="local")})
+    spec = spec.model_copy(update={"sandbox": LocalSettings(backend="local")})
     free_before = shutil.disk_usage(tempfile.gettempdir()).free
     fill = run("dd if=/dev/zero of=fill bs=1M count=400 2>&1; df -k . | tail -n 1")
 

@@ -97,7 +97,7 @@ CASES: dict[str, tuple[str | bytes, str | bytes | None, str]] = {
     "unclosed_brace_in_command": (CMD.replace("sh -c {cmd}", "sh -c {cmd"), jsonl(ROWS), "literal brace"),
     "cpu_quota_on_local_backend": (GEN.replace("backend: local}", "backend: local, resources: {cpus: 2}}"), None, "cannot enforce resources.cpus"),
     "network_on_local_backend": (GEN.replace("backend: local}", "backend: local, network: true}"), None, "unsafe_host"),
-    "unsafe_host_on_docker": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, unsafe_host: true}"), jsonl(ROWS), "local backend only"),
+    "unsafe_host_on_docker": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, unsafe_host: true}"), jsonl(ROWS), "sandbox.unsafe_host: not a setting of this backend; it is local's"),
     "memory_1e20": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, resources: {memory_mb: 1e20}}"), jsonl(ROWS), "sandbox.resources.memory_mb"),
     "memory_beyond_a_tebibyte": (CMD.replace("image: loopline-python:bookworm}", "image: loopline-python:bookworm, resources: {memory_mb: 100000000000000000000}}"), jsonl(ROWS), "less than or equal"),
     "absolute_hidden_file_path": (CMD + "  hidden_files: {/tmp/tests.py: answer}\n", jsonl(ROWS), "relative path"),

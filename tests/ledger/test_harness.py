@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from loopline.envregistry.spec import load_spec
+from loopline.envregistry.spec import LocalSettings, load_spec
 from loopline.envregistry.tasks import Task
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import EngineError, Generation, SamplingParams, VersionSpan
@@ -277,10 +277,9 @@ def test_an_evaluation_episode_that_fails_for_infra_reasons_is_played_again(chat
 def test_a_cancelled_tool_call_leaves_no_process_behind():
     """A rollout worker that stops cancels its episodes; the local backend's command must die with the call."""
     from loopline.envregistry.sandbox.backends import open_sandbox
-    from loopline.envregistry.spec import Sandbox
 
     async def go():
-        box = await open_sandbox(Sandbox(backend="local"))
+        box = await open_sandbox(LocalSettings(backend="local"))
         call = asyncio.create_task(box.exec("sleep 37.5", timeout_s=60))
         await asyncio.sleep(1.0)
         call.cancel()

@@ -21,7 +21,7 @@ from loopline.envregistry.episode import Episode, ToolCall
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.sandbox.local import AGENT_UID, LocalSandbox
 from loopline.envregistry.sandbox.local import cleanup_orphans as local_cleanup_orphans
-from loopline.envregistry.spec import Sandbox, load_spec
+from loopline.envregistry.spec import LocalSettings, load_spec
 from loopline.envregistry.tasks import EVAL_TEMPLATES, TRAIN_TEMPLATES, Task, load_tasks
 from loopline.envregistry.verifiers import evaluate_expression, parse_verdict, verify_arithmetic
 from loopline.errors import LooplineError
@@ -59,6 +59,25 @@ def test_malformed_yaml_and_unknown_fields_are_reported(tmp_path):
     assert "colour: Extra inputs are not permitted" in message
 
 
+def test_each_sandbox_backend_has_its_own_settings_and_a_spec_stored_before_keeps_its_hash(tmp_path):
+    """`image` is docker's, `template` e2b's, `unsafe_host` local's: elsewhere each is refused by name, at its line. A
+    spec stored before the backends had settings of their own (each holding the others' at their defaults) reads as
+    the same spec, with the same hash (its registered version, and the starter built for it)."""
+    from loopline.envregistry.spec import DockerSettings, EnvSpec, LocalSettings, spec_hash
+
+    text = ARITHMETIC.read_text()
+    assert "bad.yaml:10: sandbox.image: not a setting of this backend; it is docker's" in _error(
+        tmp_path, text.replace("  backend: local ", "  image: python:3.12\n  backend: local "))
+    (tmp_path / "docker.yaml").write_text(text.replace("  backend: local ", "  image: python:3.12\n  backend: docker "))
+    docker = load_spec(tmp_path / "docker.yaml")
+    assert isinstance(docker.sandbox, DockerSettings) and docker.sandbox.image == "python:3.12"
+    spec = load_spec(ARITHMETIC)
+    assert isinstance(spec.sandbox, LocalSettings) and not spec.sandbox.unsafe_host and spec.sandbox.needs_bubblewrap
+    stored = spec.canonical()
+    assert {"image": None, "template": None, "unsafe_host": False}.items() <= stored["sandbox"].items()
+    assert EnvSpec.model_validate(stored) == spec and spec_hash(EnvSpec.model_validate(stored).canonical()) == spec_hash(stored)
+
+
 def test_a_sandbox_backend_of_a_module_in_imports_is_valid_and_a_missing_module_is_one_line(tmp_path, monkeypatch):
     """`imports:` is imported before the rest is checked (a plugin's backend name is valid); a spec without it keeps
     its hash; a module that cannot be imported is refused at its line."""
@@ -79,7 +98,7 @@ def test_a_sandbox_backend_of_a_module_in_imports_is_valid_and_a_missing_module_
 
 def test_docker_backend_needs_an_image(tmp_path):
     message = _error(tmp_path, ARITHMETIC.read_text().replace("backend: local", "backend: docker"))
-    assert "sandbox:" in message and "needs `image`" in message
+    assert "bad.yaml:9: sandbox.image: Field required" in message
 
 
 def test_tool_template_must_use_declared_args(tmp_path):
@@ -230,16 +249,16 @@ def test_bad_tool_calls_are_observations_not_crashes():
 
 
 def _local(**resources) -> LocalSandbox:
-    return LocalSandbox(Sandbox(backend="local", resources=resources or {}))
+    return LocalSandbox(LocalSettings(backend="local", resources=resources or {}))
 
 
 AS_A_USER = """
 import asyncio, json, sys
 from loopline.envregistry.sandbox.local import LocalSandbox
-from loopline.envregistry.spec import Sandbox
+from loopline.envregistry.spec import LocalSettings
 
 async def go():
-    box = LocalSandbox(Sandbox(backend="local", resources=json.loads(sys.argv[1])))
+    box = LocalSandbox(LocalSettings(backend="local", resources=json.loads(sys.argv[1])))
     try:
         result = await box.exec(sys.argv[2], timeout_s=60)
         owner = (box.files / "mine").stat().st_uid if (box.files / "mine").exists() else None
@@ -402,7 +421,7 @@ def test_local_sandbox_enforces_pids_per_command():
 
 
 def _hold_local_sandbox(out) -> None:
-    box = LocalSandbox(Sandbox(backend="local"))
+    box = LocalSandbox(LocalSettings(backend="local"))
     out.put(str(box.root))
     time.sleep(600)
 
@@ -415,7 +434,7 @@ def test_local_sandbox_of_a_crashed_process_is_cleaned_up():
     root = Path(out.get(timeout=60))
     proc.kill()
     proc.join(timeout=10)
-    mine = LocalSandbox(Sandbox(backend="local"))  # a live owner's sandbox must survive
+    mine = LocalSandbox(LocalSettings(backend="local"))  # a live owner's sandbox must survive
     try:
         assert root.exists()
         assert str(root) in local_cleanup_orphans()
@@ -447,8 +466,8 @@ def test_local_backend_refuses_unisolated_commands_unless_unsafe_host(monkeypatc
             await box.close()
 
     with pytest.raises(InfraFailure, match="needs bubblewrap"):
-        asyncio.run(run(Sandbox(backend="local")))
-    assert asyncio.run(run(Sandbox(backend="local", unsafe_host=True))).stdout == "42\n"
+        asyncio.run(run(LocalSettings(backend="local")))
+    assert asyncio.run(run(LocalSettings(backend="local", unsafe_host=True))).stdout == "42\n"
 
 
 def test_an_environment_version_beyond_the_ledgers_integers_is_one_line():
@@ -650,10 +669,10 @@ def test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint(tmp_path, monkey
 def test_an_optional_argument_left_out_is_empty_and_bytes_no_sandbox_can_carry_are_told_to_the_model():
     """Each was an exception out of the episode (KeyError, ValueError: embedded null byte, UnicodeEncodeError),
     recorded as an infrastructure failure: a policy's way out of its zero."""
-    from loopline.envregistry.spec import Tool, ToolArg
+    from loopline.envregistry.spec import LocalSettings, Tool, ToolArg
 
     greet = Tool(name="greet", description="d", command="printf '[%s|%s]' {name} {title}", args={"name": ToolArg(), "title": ToolArg(required=False)})
-    spec = load_spec(ARITHMETIC).model_copy(update={"tools": (greet,), "sandbox": Sandbox(backend="local")})
+    spec = load_spec(ARITHMETIC).model_copy(update={"tools": (greet,), "sandbox": LocalSettings(backend="local")})
 
     async def play():
         episode = await Episode.start(spec, TASK)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from loopline.envregistry.episode import MAX_COMMAND_BYTES, MAX_OBSERVATION_CHARS, Episode, Observation, ToolCall
-from loopline.envregistry.spec import Sandbox, Tool, ToolArg
+from loopline.envregistry.spec import LocalSettings, Tool, ToolArg
 from loopline.envregistry.tasks import Task
 from loopline.rollout.actions import parse_action
 from loopline.rollout.openai_server import OpenAIServer
@@ -78,7 +78,7 @@ def test_any_tool_call_is_an_observation_in_a_real_sandbox(calls):
     from loopline.envregistry.spec import load_spec
 
     spec = load_spec(ARITHMETIC)
-    spec = spec.model_copy(update={"tools": (*spec.tools, *TOOLS), "sandbox": Sandbox(backend="local")})
+    spec = spec.model_copy(update={"tools": (*spec.tools, *TOOLS), "sandbox": LocalSettings(backend="local")})
 
     async def play():
         episode = await Episode.start(spec, Task("t", "train", "p", {"expression": "1 + 1", "answer": 2}))

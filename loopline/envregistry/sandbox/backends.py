@@ -1,7 +1,8 @@
 """The sandbox backends by the name a spec's `sandbox.backend` gives, and opening one. Apart from `base` (the
 interface every backend implements) so that the backends import `base` and nothing imports them back; each
 backend's module (and its SDK: docker, e2b) is imported only when its backend is used. A backend defined
-elsewhere registers itself: `@SANDBOX_BACKENDS.register("name")` on an async (spec, labels, model) -> Sandbox."""
+elsewhere registers itself: `@SANDBOX_BACKENDS.register("name", settings=...)` on an async (spec, labels, model) ->
+Sandbox, where `spec` is the spec's `sandbox:` section as its settings (a subclass of `spec.Sandbox`) read it."""
 
 from __future__ import annotations
 
@@ -11,21 +12,21 @@ from loopline.envregistry.sandbox.base import InfraFailure, ModelEndpoint, Sandb
 
 
 @SANDBOX_BACKENDS.register("local")
-async def _local(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
+async def _local(spec: env_spec.LocalSettings, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.local import LocalSandbox
 
     return LocalSandbox(spec)  # (an agent program's socket is bound in when the program starts)
 
 
 @SANDBOX_BACKENDS.register("docker")
-async def _docker(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
+async def _docker(spec: env_spec.DockerSettings, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.docker import DockerSandbox
 
     return await DockerSandbox.create(spec, labels, model.socket if model else None)
 
 
 @SANDBOX_BACKENDS.register("e2b")
-async def _e2b(spec: env_spec.Sandbox, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
+async def _e2b(spec: env_spec.E2BSettings, labels: dict[str, str] | None, model: ModelEndpoint | None) -> Sandbox:
     from loopline.envregistry.sandbox.e2b import E2BSandbox
 
     return await E2BSandbox.create(spec, labels, model)

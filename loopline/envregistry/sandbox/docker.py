@@ -92,7 +92,7 @@ def _client():
 
 
 class DockerSandbox:
-    def __init__(self, spec: env_spec.Sandbox, container, client, model_socket: str | None, agent_uid: int):
+    def __init__(self, spec: env_spec.DockerSettings, container, client, model_socket: str | None, agent_uid: int):
         self.spec, self.container, self.client, self.model_socket = spec, container, client, model_socket
         self.agent = f"{agent_uid}:{agent_uid}"
         self.agent_exec = ["setpriv", f"--reuid={agent_uid}", f"--regid={agent_uid}", "--clear-groups", "--"]  # util-linux, in minbase
@@ -102,16 +102,16 @@ class DockerSandbox:
         self._oom_baseline = self._oom_kills()
 
     @classmethod
-    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "DockerSandbox":
+    async def create(cls, spec: env_spec.DockerSettings, labels: dict[str, str] | None = None, model_socket: str | None = None) -> "DockerSandbox":
         return await blocking(cls._create, spec, labels or {}, model_socket)
 
     @classmethod
-    def _create(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
+    def _create(cls, spec: env_spec.DockerSettings, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
         with _creations.started():
             return cls._create_now(spec, labels, model_socket)
 
     @classmethod
-    def _create_now(cls, spec: env_spec.Sandbox, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
+    def _create_now(cls, spec: env_spec.DockerSettings, labels: dict[str, str], model_socket: str | None) -> "DockerSandbox":
         _import_sdk()
         from docker.errors import APIError, ImageNotFound
         from docker.types import Ulimit

@@ -58,12 +58,12 @@ found=$(as_user find $(echo "$PATH" | tr ':' ' ') /usr /etc /opt /bin /sbin /lib
 
 
 class E2BSandbox:
-    def __init__(self, spec: env_spec.Sandbox, sandbox, verifies: bool = False):
+    def __init__(self, spec: env_spec.E2BSettings, sandbox, verifies: bool = False):
         self.spec, self.sandbox, self.verifies = spec, sandbox, verifies
         self.agent_ids: tuple[str, str] | None = None  # the agent's uid and gid, read as root on first need
 
     @classmethod
-    async def create(cls, spec: env_spec.Sandbox, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "E2BSandbox":
+    async def create(cls, spec: env_spec.E2BSettings, labels: dict[str, str] | None = None, model: ModelEndpoint | None = None) -> "E2BSandbox":
         from e2b import ALL_TRAFFIC, AsyncSandbox
         from e2b.exceptions import AuthenticationException, SandboxException, ServiceBusyException
 

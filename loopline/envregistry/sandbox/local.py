@@ -48,7 +48,7 @@ VERIFY_PREFIX = "loopline-verify-"
 
 
 class LocalSandbox:
-    def __init__(self, spec: env_spec.Sandbox):
+    def __init__(self, spec: env_spec.LocalSettings):
         self.spec = spec
         self.isolated = not spec.network and shutil.which("bwrap") is not None
         # The owner's pid in the name lets `cleanup_orphans` find directories of processes that crashed.
