@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from loopline import plugins
 from loopline.errors import LooplineError
@@ -85,17 +85,21 @@ def _trainer_setting(name: str, **bounds):
 
 
 class LearnerSettings(Settings):
+    """The learner: optimizer, loss, advantage, batches, checkpoints. Its backend's own settings subclass this
+    (DeepSpeed's ranks, precision and ZeRO stage); a backend of your own registers its model with it."""
+
     lr: float = _trainer_setting("lr", gt=0)
     warmup_steps: int = _trainer_setting("warmup_steps", ge=0)
     lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
     min_lr_ratio: float = _trainer_setting("min_lr_ratio", ge=0.0, le=1.0)
     weight_decay: float = _trainer_setting("weight_decay", ge=0.0)
-    backend: Annotated[str, RegistryName(BACKENDS)] = Field("deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16) or torch (a plain AdamW loop in this process)")
-    zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
+    backend: Annotated[str, RegistryName(BACKENDS)] = Field(
+        "deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16: its settings below) or torch (a plain AdamW loop "
+        "in this process, fp32)",
+    )
     micro_batch_tokens: int = _trainer_setting("micro_batch_tokens", ge=64)
     minibatches: int = _trainer_setting("minibatches", ge=1)
     share_prefix: bool = _trainer_setting("share_prefix")
-    dtype: Dtype = _trainer_setting("dtype")
     gradient_checkpointing: bool = _trainer_setting("gradient_checkpointing")
     checkpoint_every: int = Field(
         4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
@@ -114,19 +118,34 @@ class LearnerSettings(Settings):
         None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
         "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
     )
+
+    @property
+    def ranks(self) -> RankLaunch | None:
+        """Several data-parallel ranks to launch (rank 0 runs the flow); None: this process alone."""
+        return None
+
+
+class DeepSpeedSettings(LearnerSettings):
+    """DeepSpeed: ZeRO, several ranks, bf16 / fp16 mixed precision."""
+
+    zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
+    dtype: Dtype = _trainer_setting("dtype")
     launch: RankLaunch | None = Field(
         None, description="train on several data-parallel ranks (DeepSpeed's launcher; rank 0 runs the flow); unset: this process alone",
     )
 
+    @property
+    def ranks(self) -> RankLaunch | None:
+        return self.launch
+
     @model_validator(mode="after")
-    def _ranks_need_deepspeed(self) -> "LearnerSettings":
-        if self.launch is not None and self.backend != "deepspeed":
-            raise ValueError("launch: several learner ranks need backend: deepspeed")
-        if self.dtype != "fp32" and self.backend != "deepspeed":
-            raise ValueError(f"dtype: {self.dtype} needs backend: deepspeed (the torch backend trains in fp32)")
+    def _fp16_under_zero(self) -> "DeepSpeedSettings":
         if self.dtype == "fp16" and self.zero_stage == 0:
             raise ValueError("dtype: fp16 runs under ZeRO (zero_stage: 1 or more, the default with fp16): ZeRO's gradient norm is the unscaled one")
         return self
+
+
+BACKENDS.declare_settings("deepspeed", DeepSpeedSettings)  # (torch: the base, fp32 in this process)
 
 
 class EvalSettings(Settings):
@@ -222,7 +241,9 @@ class RunConfig(Settings):
     steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
     rollout: RolloutSettings = Field(RolloutSettings(), description="the batches: their size, sync or async, sampling, failed episodes")
-    learner: LearnerSettings = Field(LearnerSettings(), description="the learner: optimizer, loss, advantage, precision, ranks")
+    learner: Annotated[LearnerSettings, RegistrySection(BACKENDS, key="backend")] = Field(
+        DeepSpeedSettings(), description="the learner: optimizer, loss, advantage, then its backend's own settings (precision, ranks)",
+    )
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
     engine: Annotated[EngineSettings, RegistrySection(ENGINES)] = Field(
         EngineSettings(), description="where rollouts and evaluations are generated: `kind`, then that engine's own settings",
@@ -237,7 +258,7 @@ class RunConfig(Settings):
     @model_validator(mode="before")
     @classmethod
     def _read_earlier_layouts(cls, data: object) -> object:
-        return _engine_fields_upgraded(flat_layout_upgraded(data)[0])
+        return _component_fields_upgraded(flat_layout_upgraded(data)[0])
 
     @field_validator("imports")
     @classmethod
@@ -293,7 +314,7 @@ class RunConfig(Settings):
         loss = learner.loss
         if loss.aggregation == "seq_mean_token_sum_norm" and loss.norm_length is None:
             loss = dataclasses.replace(loss, norm_length=self.rollout.sampling.max_new_tokens)  # Dr. GRPO's constant L
-        shared = {f.name: getattr(learner, f.name) for f in dataclasses.fields(LearnerConfig) if f.name in LearnerSettings.model_fields}
+        shared = {f.name: getattr(learner, f.name) for f in dataclasses.fields(LearnerConfig) if f.name in type(learner).model_fields}
         return LearnerConfig(**shared | dict(
             loss=loss, temperature=self.rollout.sampling.temperature, seed=self.seed,
             decay_steps=self.steps * learner.minibatches if learner.lr_schedule != "constant" else None,
@@ -328,17 +349,25 @@ def flat_layout_upgraded(data: object) -> tuple[object, dict[str, str]]:
     return upgraded, moved
 
 
-# Before each engine had settings of its own, a run's stored config held SGLang's fields whatever its engine
-# (at their defaults for any other): they are dropped there, so that such a run resumes.
-_SHARED_ENGINE_DEFAULTS = {name: SGLangSettings.model_fields[name].get_default(call_default_factory=True)
-                           for name in ("servers", "launch", "timeout_s", "lora_sync")}
+# Before engines and learner backends had settings of their own, a run's stored config held SGLang's and
+# DeepSpeed's fields whatever its engine and backend (at their defaults for the others): they are dropped there,
+# so that such a run resumes.
+_SHARED_DEFAULTS = {
+    ("engine", "kind", "local"): ({name: SGLangSettings.model_fields[name].get_default(call_default_factory=True)
+                                   for name in ("servers", "launch", "timeout_s", "lora_sync")}, lambda: ENGINES.settings_models(EngineSettings)),
+    ("learner", "backend", "deepspeed"): ({name: DeepSpeedSettings.model_fields[name].get_default() for name in ("zero_stage", "dtype", "launch")},
+                                          lambda: BACKENDS.settings_models(LearnerSettings)),
+}
 
 
-def _engine_fields_upgraded(data: object) -> object:
-    if not isinstance(data, dict) or not isinstance(engine := data.get("engine"), dict) or engine.get("kind", "local") == "sglang":
+def _component_fields_upgraded(data: object) -> object:
+    if not isinstance(data, dict):
         return data
-    kept = {k: v for k, v in engine.items() if k not in _SHARED_ENGINE_DEFAULTS or v != _SHARED_ENGINE_DEFAULTS[k]}
-    return {**data, "engine": kept}
+    for (section, key, default_name), (defaults, models) in _SHARED_DEFAULTS.items():
+        if isinstance(values := data.get(section), dict) and (model := models().get(values.get(key, default_name))) is not None:
+            own = model.model_fields
+            data = {**data, section: {k: v for k, v in values.items() if k in own or k not in defaults or v != defaults[k]}}
+    return data
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a run config is settings; a 50 MB one took 84 s to refuse
@@ -386,8 +415,9 @@ def _problem(error, where: str, lines: dict[tuple, int]) -> str:
 
 def _sections() -> dict[str, set[str]]:
     """Each section's setting names, by where they go (for "did you mean", and "it is one of learner")."""
-    models: dict[str, type[Settings]] = {"(top level)": RunConfig, "rollout": RolloutSettings, "rollout.sampling": SamplingConfig, "learner": LearnerSettings,
-              "learner.launch": RankLaunch, "eval": EvalSettings, "weights": WeightsSettings}
+    models: dict[str, type[BaseModel]] = {"(top level)": RunConfig, "rollout": RolloutSettings, "rollout.sampling": SamplingConfig,
+                                          "learner.launch": RankLaunch, "eval": EvalSettings, "weights": WeightsSettings}
+    models |= {f"learner (backend: {name})": model for name, model in BACKENDS.settings_models(LearnerSettings).items()}
     models |= {f"engine (kind: {kind})": model for kind, model in ENGINES.settings_models(EngineSettings).items()}
     sections = {path: set(model.model_fields) for path, model in models.items()}
     sections["engine.launch"] = set(LaunchSettings.model_fields)

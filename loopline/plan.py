@@ -321,13 +321,13 @@ def _largest(fits, high: int = 1 << 30) -> int:
 
 def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
     """The Workload of a run config (`config.RunConfig`) and its environment's budgets."""
-    learner = config.learner
+    learner, trainer, ranks = config.learner, config.learner_config(), config.learner.ranks
     new_tokens = min(budgets.max_generated_tokens, budgets.max_turns * config.rollout.sampling.max_new_tokens)
     sequence = prompt_tokens + new_tokens
-    dp = learner.launch.ranks if learner.launch is not None else (hw.devices if hw.gpu else 1)
-    stage = learner.zero_stage if learner.zero_stage is not None else (0 if dp == 1 else 1)
+    dp = ranks.ranks if ranks is not None else (hw.devices if hw.gpu else 1)
+    stage = trainer.zero_stage if trainer.zero_stage is not None else (0 if dp == 1 else 1)
     return Workload(
-        dtype_bytes=2 if (hw.gpu and learner.dtype in ("bf16", "fp16")) else 4,
+        dtype_bytes=2 if (hw.gpu and trainer.dtype in ("bf16", "fp16")) else 4,
         zero_stage=stage,
         data_parallel=dp,
         gradient_checkpointing=learner.gradient_checkpointing,
@@ -340,7 +340,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
         sequence_tokens=sequence,
         engine_dtype_bytes=2 if hw.gpu else 4,
         colocated=not hw.gpu or hw.devices == 1,
-        ranks_per_device=learner.launch.ranks_per_node if (learner.launch is not None and not hw.gpu) else 1,
+        ranks_per_device=ranks.ranks_per_node if (ranks is not None and not hw.gpu) else 1,
     )
 
 

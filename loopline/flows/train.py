@@ -89,9 +89,9 @@ def train(
     if steps is not None:
         assembly.extend_run(config_path, resume, steps)
     config, base = run_config(config_path, resume)
-    if config.learner.launch is not None and not learner_launch.launched():
-        log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", config.learner.launch.ranks)
-        return learner_launch.run(config.learner.launch, config_path, resume, fork)
+    if (ranks := config.learner.ranks) is not None and not learner_launch.launched():
+        log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", ranks.ranks)
+        return learner_launch.run(ranks, config_path, resume, fork)
     # the run's status records how this ends, whatever the way (a stop signal even if its exception is lost)
     with stop_signals.noted(), contextlib.ExitStack() as lifecycle:
         return _train(config, base, fork, lifecycle)

@@ -47,9 +47,10 @@ def refuse_what_cannot_run(config: RunConfig, tasks: list[Task]) -> None:
             f"run {config.name}: rollout.groups_per_step: {config.rollout.groups_per_step} is more than the {train} train tasks of "
             f"{config.env}; set it to at most {train}"
         )
-    if config.learner.dtype == "bf16" and not _gpu_has("bf16"):
+    dtype = config.learner_config().dtype
+    if dtype == "bf16" and not _gpu_has("bf16"):
         raise LooplineError(f"run {config.name}: learner.dtype: bf16 needs a GPU with bf16, and this machine has none; use fp32")
-    if config.learner.dtype == "fp16" and not _gpu_has("fp16"):
+    if dtype == "fp16" and not _gpu_has("fp16"):
         raise LooplineError(f"run {config.name}: learner.dtype: fp16 needs a CUDA GPU, and this machine has none; use fp32")
 
 

@@ -137,7 +137,7 @@ def test_a_config_this_environment_or_machine_cannot_run_is_refused_before_the_r
         ({"rollout": {**data["rollout"], "groups_per_step": 100000}}, "rollout.groups_per_step: 100000 is more than the"),
         ({"learner": {**data["learner"], "dtype": "bf16", "backend": "deepspeed"}}, "learner.dtype: bf16 needs a GPU with bf16"),
         ({"learner": {**data["learner"], "dtype": "fp16", "backend": "deepspeed"}}, "learner.dtype: fp16 needs a CUDA GPU"),
-        ({"learner": {**data["learner"], "dtype": "bf16"}}, "dtype: bf16 needs backend: deepspeed"),
+        ({"learner": {**data["learner"], "dtype": "bf16"}}, "learner.dtype: not a setting here; it is one of learner (backend: deepspeed)"),
         # (each of these left a `failed` run behind, the first with a 264-line traceback)
         ({"learner": {**data["learner"], "lora": {"rank": 4, "target_modules": ["nope_proj"]}}}, "Target modules {'nope_proj'} not found"),
         ({"engine": {"kind": "sglang", "servers": ["http://127.0.0.1:9"]}}, "the SGLang server http://127.0.0.1:9 does not answer"),

@@ -111,7 +111,8 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
     assert "toy_reinforce" in schema["LossConfig"]["properties"]["policy_loss"]["enum"]
     engines = RunConfig.model_json_schema()["properties"]["engine"]["anyOf"]
     assert {"const": "toy_local"} in [e["allOf"][1]["properties"]["kind"] for e in engines] and config.engine.in_process
-    assert "toy_torch" in schema["LearnerSettings"]["properties"]["backend"]["enum"]
+    learners = RunConfig.model_json_schema()["properties"]["learner"]["anyOf"]
+    assert {"const": "toy_torch"} in [e["allOf"][1]["properties"]["backend"] for e in learners]
     assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["enum"]
 
     learner_config = LearnerConfig(lr=1e-3, micro_batch_tokens=64, advantage=config.learner.advantage, loss=config.learner.loss)

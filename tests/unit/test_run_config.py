@@ -73,10 +73,16 @@ def test_the_layout_before_sections_is_read_as_the_sections_and_a_file_in_it_say
 
 
 def test_mixed_precision_is_deepspeeds_and_fp16_runs_under_zero():
-    """The torch backend trains in fp32: a dtype there would be dropped silently, so it is refused; fp16's
-    loss scaler needs ZeRO's unscaled gradient norm, so stage 0 is refused with it."""
-    with pytest.raises(LooplineError, match="learner: dtype: bf16 needs backend: deepspeed"):
+    """The torch backend trains in fp32 in one process: precision and ranks are DeepSpeed's settings, refused
+    elsewhere by name (a dtype there was dropped silently once); fp16's loss scaler needs ZeRO's unscaled gradient
+    norm, so stage 0 is refused with it."""
+    with pytest.raises(LooplineError, match=r"learner.dtype: not a setting here; it is one of learner \(backend: deepspeed\)"):
         _config(learner={"dtype": "bf16", "backend": "torch"})
+    with pytest.raises(LooplineError, match=r"learner.launch: not a setting here; it is one of learner \(backend: deepspeed\)"):
+        _config(learner={"launch": {"ranks_per_node": 2}, "backend": "torch"})
+    stored = _config(learner={"backend": "torch"}).model_dump(mode="json")
+    stored["learner"] |= {"dtype": "fp32", "zero_stage": None, "launch": None}  # (as stored before: a torch run resumes)
+    assert parse_config(stored, "stored") == _config(learner={"backend": "torch"})
     with pytest.raises(LooplineError, match="dtype: fp16 runs under ZeRO"):
         _config(learner={"dtype": "fp16", "zero_stage": 0})
     config = _config(learner={"dtype": "fp16"}).learner_config()
