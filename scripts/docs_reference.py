@@ -28,21 +28,21 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
 
 
-def _kinds_of(annotation: Any) -> dict[type, str]:
-    """A component section's settings models -> the names registered with each, as its heading says them."""
-    kinds: dict[type, list[str]] = {}
-    key = "kind"
+def _component_section(annotation: Any) -> tuple[str, type, dict[type, list[str]]] | None:
+    """A section whose component brings its settings: its key, its base model, each model -> its names."""
     if typing.get_origin(annotation) is typing.Annotated:
         for section in (m for m in annotation.__metadata__ if isinstance(m, RegistrySection)):
-            key = section.key
-            for name, model in section.registry.settings_models(typing.get_args(annotation)[0]).items():
-                kinds.setdefault(model, []).append(name)
-    return {model: f"{key}: {' / '.join(names)}" for model, names in kinds.items()}
+            base, models = typing.get_args(annotation)[0], {}
+            for name, model in section.registry.settings_models(base).items():
+                models.setdefault(model, []).append(name)
+            return section.key, base, models
+    return None
 
 
 def _models_in(annotation: Any) -> list[type]:
-    if kinds := _kinds_of(annotation):  # a section whose component brings its settings: each one's
-        return list(kinds)
+    if component := _component_section(annotation):  # the base (what every component shares), then each one's own
+        _, base, models = component
+        return [base, *(m for m in models if m is not base)]
     if _is_section(annotation):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
@@ -107,24 +107,34 @@ def settings_reference(root: type, title: str, intro: str) -> str:
     sections: list[tuple[str, type]] = []  # (heading, section)
     anchors: dict[type, str] = {}
     missing: list[str] = []
+    inherited: dict[type, set[str]] = {}  # a component's settings: the base's fields are in the base's table
 
-    def walk(model: type, path: str, tag: str = "") -> None:
+    def shown(model: type) -> list[tuple[str, Any, str, str | None]]:
+        return [f for f in _fields(model) if f[0] not in inherited.get(model, set())]
+
+    def walk(model: type, path: str, tag: str = "", anchor: str | None = None) -> None:
         if model in anchors:
             return
-        anchors[model] = re.sub(r"[^a-z0-9_]+", "-", f"{path}{tag}".lower()).strip("-") or "top-level"
+        anchors[model] = re.sub(r"[^a-z0-9_]+", "-", (f"{path}{tag}" if anchor is None else anchor).lower()).strip("-") or "top-level"
         sections.append((f"`{path}`{tag}" if path else "Top level", model))
-        for name, annotation, _, description in _fields(model):
+        for name, annotation, _, description in shown(model):
             if not description:
                 missing.append(f"{path}.{name}" if path else name)
-            nested, kinds = _models_in(annotation), _kinds_of(annotation)
+            nested, component = _models_in(annotation), _component_section(annotation)
             for inner in nested:
                 kind = next((a for n, a, _, _ in _fields(inner) if n == "kind"), None)
                 tag = f" (kind: {typing.get_args(kind)[0]})" if kind is not None and len(nested) > 1 else ""
-                if inner in kinds:
-                    tag = f" ({kinds[inner]})"
+                if component is not None:
+                    key, base, models = component
+                    names = " / ".join(models.get(inner, []))
+                    if inner is base:
+                        tag = f" (every {key}" + (f"; {names}: these alone" if names else "") + ")"
+                    else:
+                        tag, inherited[inner] = f" ({key}: {names}: these as well)", {n for n, *_ in _fields(base)}
                 containers = {typing.get_origin(annotation), *(typing.get_origin(a) for a in typing.get_args(annotation))}
                 suffix = "[]" if containers & {list, tuple} else ".NAME" if dict in containers else ""
-                walk(inner, f"{path + '.' if path else ''}{name}{suffix}", tag)
+                where = f"{path + '.' if path else ''}{name}{suffix}"
+                walk(inner, where, tag, None if component is None else where if inner is component[1] else f"{where} {names}")
 
     walk(root, "")
     if missing:
@@ -135,7 +145,7 @@ def settings_reference(root: type, title: str, intro: str) -> str:
         if model.__doc__ and model is not root and not model.__doc__.startswith(model.__name__ + "("):
             out += [" ".join(model.__doc__.split()), ""]
         out += ["| setting | type | default | what it is for |", "|---|---|---|---|"]
-        for name, annotation, default, description in _fields(model):
+        for name, annotation, default, description in shown(model):
             out.append(f"| `{name}` | {_cell(_type(annotation, anchors))} | {_cell(default)} | {_cell(description or '')} |")
         out.append("")
     return "\n".join(out)
