@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from loopline.pipeline.policies import SHIPPED_STARTERS
+    from loopline.policies.sources import SHIPPED_STARTERS
     from loopline.trainer.learner import Learner, LearnerConfig
 
     model = Path(args.model) if args.model else next(SHIPPED_STARTERS.glob("tiny-*"))

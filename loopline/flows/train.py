@@ -19,7 +19,7 @@ from loopline import stop_signals
 from loopline.pipeline import assembly, learner_launch
 from loopline.pipeline.assembly import run_config
 from loopline.config import RunConfig, config_file
-from loopline.pipeline.tracking import Trackers
+from loopline.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
 from loopline.store import ledger, queries

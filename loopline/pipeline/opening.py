@@ -20,10 +20,10 @@ from loopline.pipeline import assembly
 from loopline.pipeline import lifecycle as lifecycle_
 from loopline.pipeline.assembly import FORKED_FROM
 from loopline.pipeline.learner_side import LearnerSide
-from loopline.pipeline.policies import HUB_ID, hub_policy, unknown_policy
+from loopline.policies.sources import HUB_ID, hub_policy, unknown_policy
 from loopline.pipeline.preflight import refuse_unreachable_servers, refuse_what_cannot_run, require_fits
 from loopline.pipeline.stages import LoopContext
-from loopline.pipeline.starter import Progress, ensure_tiny_policy, pull_smollm2
+from loopline.policies.starter import Progress, ensure_tiny_policy, pull_smollm2
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.errors import LedgerConflict

@@ -17,7 +17,7 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
-from loopline.pipeline.policies import policy_shape
+from loopline.policies.sources import policy_shape
 from loopline.store import db as store_db
 from loopline.store import migrate
 

@@ -209,7 +209,7 @@ def _refused(setup, reset, calls: AgentEpisode, result, started: float, start_se
 class ScriptedModel:
     """A model that answers each call with the next of `replies` (its chat's tokens, then the end of turn) and
     refuses a prompt past `max_context` as the engines do: `envreg test`'s model, and the tiny starter's
-    teacher (`pipeline.starter`). `said`: what it answered, call by call."""
+    teacher (`policies.starter`). `said`: what it answered, call by call."""
 
     def __init__(self, chat: ChatFormat, replies: list[str], max_context: int):
         self.chat, self.replies, self.max_context = chat, list(replies), max_context

@@ -100,7 +100,7 @@ def test_the_tiny_starters_demonstrations_are_the_ids_the_endpoint_gives_the_age
     program's own calls, and each must be, id for id and mask for mask, what the endpoint builds when the program
     plays that task (a demonstration that differs teaches the policy a conversation it never sees)."""
     from loopline.envregistry.smoke import fill
-    from loopline.pipeline.starter import ProgramDemonstrations
+    from loopline.policies.starter import ProgramDemonstrations
     from loopline.rollout.agent_program import ScriptedModel
     from loopline.trainer.tiny import train_tokenizer
 
@@ -125,7 +125,7 @@ def test_the_tiny_starters_demonstrations_are_the_ids_the_endpoint_gives_the_age
 
 def test_a_program_whose_calls_differ_beyond_the_tasks_fields_is_refused_one_line(tmp_path):
     from loopline.errors import LooplineError
-    from loopline.pipeline.starter import ProgramDemonstrations
+    from loopline.policies.starter import ProgramDemonstrations
 
     env_file = _env(tmp_path, "openai-sdk")
     program = tmp_path / "varying_agent.py"  # (a system prompt that changes with each run: a time, a random id)
@@ -177,7 +177,7 @@ def test_the_tools_example_has_its_starter_shipped():
     """`policy: tiny` on examples/agents/arithmetic_tools_env.yaml finds its starter in the package (a changed
     example is another env: its starter would be built on first use, ~15 min, and CI's training test with it)."""
     from loopline.envregistry.registry import content_hash
-    from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
+    from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_name
 
     assert (SHIPPED_STARTERS / tiny_policy_name(content_hash(TOOLS_ENV), 0) / "config.json").is_file(), (
         "rebuild it: loopline models build-tiny --env examples/agents/arithmetic_tools_env.yaml --ship"
@@ -189,7 +189,7 @@ def test_a_pydantic_ai_agent_trains_its_native_tool_calls_and_the_ledger_holds_t
     """The example pydantic-ai agent trained with `policy: tiny` (the starter taught its own calls): the trained
     tokens hold the policy's <tool_call> blocks, which reached pydantic-ai's tool as OpenAI tool_calls."""
     from loopline.envregistry.registry import content_hash
-    from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
+    from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_name
     from tests.integration.test_chaos import _checked_run, _rows
 
     name = f"pydantic-ai-{tmp_path.name[-12:]}".replace("_", "-")

@@ -372,7 +372,7 @@ def test_a_step_gives_the_same_weights_every_time_while_other_processes_load_the
     """Issue 29: a resume rebuilds unexported versions by replaying steps and compares digests, so a CPU step
     must be bit-exact under load with the default thread count. The shared-prompt gradient was summed with
     atomic float adds in a thread-dependent order: 2-3 different digests in 3 runs under load (3 here)."""
-    from loopline.pipeline.policies import SHIPPED_STARTERS
+    from loopline.policies.sources import SHIPPED_STARTERS
     from tests.helpers import cpu_load
 
     starter = sorted(SHIPPED_STARTERS.glob("tiny-*"))[0]  # trained: real, non-trivial gradients

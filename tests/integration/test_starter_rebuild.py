@@ -20,8 +20,8 @@ import pytest
 from loopline.envregistry.registry import content_hash
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
-from loopline.pipeline.starter import LOSS_WINDOW, TinyRecipe, success_rate, warm_start
+from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_name
+from loopline.policies.starter import LOSS_WINDOW, TinyRecipe, success_rate, warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = ROOT / "examples" / "arithmetic_env.yaml"

@@ -1,4 +1,4 @@
-"""Trackers are projections of the ledger (loopline/pipeline/tracking.py): a tracker that hangs or is down never
+"""Trackers are projections of the ledger (loopline/tracking.py): a tracker that hangs or is down never
 holds up the run, and on the next start each gets what it lacks from the ledger, in order, none twice.
 
 Measured before: an MLflow server killed mid-run froze the run for 4 min 8 s and steps 3-6 never reached it;
@@ -19,8 +19,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from loopline.pipeline import tracking
-from loopline.pipeline.tracking import Trackers
+from loopline import tracking
+from loopline.tracking import Trackers
 from loopline.ports import free_port
 from loopline.store.db import session as new_session
 

@@ -167,7 +167,7 @@ def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the
 
     from mlflow.tracking import MlflowClient
 
-    from loopline.pipeline.tracking import MLflow
+    from loopline.tracking import MLflow
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # (nothing may land in the current directory either)

@@ -18,7 +18,7 @@ from loopline.store.uris import WeightsURI, path_on_publisher
 from loopline.envregistry.registry import content_hash
 from loopline.errors import LooplineError
 from loopline.config import load_config
-from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
+from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_name
 from loopline.store import ledger
 from loopline.store.db import make_engine
 from loopline.trainer.checkpoint import weights_sha256

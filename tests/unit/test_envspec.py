@@ -483,7 +483,7 @@ def test_a_field_added_later_at_its_default_leaves_a_specs_hash_as_it_was(tmp_pa
     """`tool_calls: tags` (the default) is not in the canonical form: the examples keep the hash they were
     registered under, and the shipped starter its name; another value is part of it."""
     from loopline.envregistry.registry import content_hash
-    from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_name
+    from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_name
 
     assert (SHIPPED_STARTERS / tiny_policy_name(content_hash(ARITHMETIC), 0) / "config.json").is_file()
     text = ARITHMETIC.read_text()

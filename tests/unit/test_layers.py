@@ -22,10 +22,14 @@ ALLOWED = {
     "trainer": set(),  # (its records are `loopline.types`; the tasks load them from the ledger)
     "plan": set(),  # memory before launch: arithmetic on a model's shape and a run's workload
     "config": {"rollout", "trainer"},  # the run config: its sections name their engines and learner settings
-    # the loop's plain code: its stages, the learner's side, a run's assembly, policies, trackers (no Prefect)
-    "pipeline": {"store", "envregistry", "rollout", "trainer", "config", "plan"},
+    # where a run's starting policy comes from: model directories, pulls, the tiny starter's builder
+    "policies": {"store", "envregistry", "rollout", "trainer", "plan"},
+    # the experiment trackers: projections of the ledger's metrics
+    "tracking": {"store", "config"},
+    # the loop's plain code: its stages, the learner's side, opening and assembling a run (no Prefect)
+    "pipeline": {"store", "envregistry", "rollout", "trainer", "config", "plan", "policies"},
     "tasks": {"store", "envregistry", "rollout", "trainer", "config", "pipeline"},
-    "flows": {"store", "envregistry", "rollout", "trainer", "tasks", "config", "plan", "pipeline"},
+    "flows": {"store", "envregistry", "rollout", "trainer", "tasks", "config", "plan", "pipeline", "tracking"},
     # the Prefect server, deployments and work pools, a launched learner rank's entry point
     "orchestration": {"store", "config", "trainer", "pipeline", "flows"},
     # The inspector reads the store; it also shows specs and diffs with the registry's pure helpers.

@@ -173,7 +173,7 @@ def test_a_stop_string_ends_an_sglang_generation_at_the_token_that_completes_it(
     there is what comes back."""
     from transformers import AutoTokenizer
 
-    from loopline.pipeline.policies import SHIPPED_STARTERS
+    from loopline.policies.sources import SHIPPED_STARTERS
     from tests.fakes.sglang_protocol_server import serving
 
     model = next(p for p in SHIPPED_STARTERS.iterdir() if (p / "config.json").is_file())

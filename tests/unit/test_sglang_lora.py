@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopline.pipeline.policies import SHIPPED_STARTERS
+from loopline.policies.sources import SHIPPED_STARTERS
 from loopline.rollout.engine import EngineError, SamplingParams, VersionSpan
 from loopline.rollout.sglang_engine import SGLangEngine
 from loopline.rollout.weights import BadWeights, read_layout

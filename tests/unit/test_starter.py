@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.pipeline.starter import _text_corpus, transcript
+from loopline.policies.starter import _text_corpus, transcript
 from loopline.rollout.chat import ChatFormat
 from loopline.rollout.engine import Generation, VersionSpan
 from loopline.rollout.harness import EpisodeSetup, run_episode

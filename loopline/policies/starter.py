@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from loopline import aio
 from loopline.errors import LooplineError
-from loopline.pipeline.policies import SHIPPED_STARTERS, tiny_policy_dir
+from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_dir
 from loopline.envregistry.smoke import fill
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
