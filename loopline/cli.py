@@ -102,6 +102,13 @@ def train(
     """Train (or resume) a run: embedded Postgres, LocalEngine and a starter policy by default. The terminal
     shows the live bar and a line per evaluation; everything else goes to $LOOPLINE_HOME/runs/NAME/train.log."""
     path = str(config) if config is not None else None
+    if fork is not None:
+        from loopline.config import run_name
+
+        try:
+            run_name(fork)
+        except ValueError as exc:
+            raise LooplineError(f"--fork: {exc}") from None
     if steps is not None and (resume is None or path is not None):
         raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
     if path is not None and resume is None:  # refused in a second or two, before Prefect and torch load (was 8-28 s)
@@ -502,6 +509,8 @@ def delete(
     if forks:
         raise LooplineError(f"run {shown.name}: forks start from its weights ({', '.join(forks)}); delete them first")
     workdir = store_db.loopline_home() / "runs" / shown.name
+    if not workdir.resolve().is_relative_to((store_db.loopline_home() / "runs").resolve()):  # (a name stored before names were checked)
+        raise LooplineError(f"run {shown.name!r}: its directory {workdir.resolve()} is outside {store_db.loopline_home() / 'runs'}; not deleting it")
     what = f"run {shown.name}: {shown.consumed} trajectories trained, {shown.policy_version} versions" + (f", {workdir}" if workdir.exists() else "")
     if not yes and not typer.confirm(f"delete {what}?"):
         raise typer.Exit(1)

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import re
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -22,6 +23,17 @@ from loopline.rollout.engines import ENGINES, EngineSettings, LaunchSettings, SG
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
 
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
+
+
+def run_name(name: str) -> str:
+    """A run's name is a directory under the loopline home (its log, checkpoints, weights) and an argument of
+    every command: no path separator, nothing that climbs out of it, nothing a shell would split."""
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(f"{name[:120]!r} is not a run name: 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return name
 
 
 class Tracker(Protocol):
@@ -235,7 +247,7 @@ class RunConfig(Settings):
         "rollout workers): your components register their names there (`@POLICY_LOSSES.register(\"mine\")`). Each must be "
         "importable wherever the run has a process (pip install, or PYTHONPATH); LOOPLINE_IMPORTS adds modules for every command",
     )
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$", description="the run's name in the ledger (`loopline train` again resumes it)")
+    name: str = Field(description="the run's name in the ledger (`loopline train` again resumes it): 1-100 letters, digits, '.', '_' or '-'")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
     policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
     steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
@@ -265,6 +277,11 @@ class RunConfig(Settings):
     def _import_first(cls, modules: list[str]) -> list[str]:
         plugins.load(modules)
         return modules
+
+    @field_validator("name")
+    @classmethod
+    def _a_run_name(cls, name: str) -> str:
+        return run_name(name)
 
     @field_validator("tracking")
     @classmethod

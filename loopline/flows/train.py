@@ -18,7 +18,7 @@ from prefect.utilities.annotations import quote
 from loopline import stop_signals
 from loopline.pipeline import assembly, learner_launch
 from loopline.pipeline.assembly import run_config
-from loopline.config import RunConfig, config_file
+from loopline.config import RunConfig, config_file, run_name
 from loopline.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
 from loopline.store import db as store_db
@@ -85,6 +85,11 @@ def train(
     `resume` and no config file) extends the run to that many learner steps. From Python the config may be a
     path, a dict or a RunConfig."""
     log = get_run_logger()
+    if fork is not None:
+        try:
+            run_name(fork)
+        except ValueError as exc:
+            raise LooplineError(f"fork: {exc}") from None
     config_path = config_file(config_path, store_db.loopline_home() / "configs")
     if steps is not None:
         assembly.extend_run(config_path, resume, steps)

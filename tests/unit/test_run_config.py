@@ -423,3 +423,22 @@ def test_an_engine_brings_its_own_settings_and_a_config_stored_before_that_still
     assert parse_config(stored, "stored") == parse_config(base, "run.yaml")
     with pytest.raises(LooplineError, match="engine.servers: not a setting here"):  # (not at its default: another engine's)
         parse_config({**stored, "engine": {**stored["engine"], "servers": ["http://h:1"]}}, "stored")
+
+
+@pytest.mark.parametrize("fork", ["../../x", "a/b", "x" * 300])
+def test_a_fork_name_that_is_no_run_name_is_one_line_before_anything_starts(fork, tmp_path):
+    """`--fork ../../x` trained a run whose log, checkpoints and weights went outside LOOPLINE_HOME (and
+    `loopline delete` then deleted that outside directory); `a/b` nested directories; 300 characters ended in a
+    102-line traceback. A fork's name is checked as a config's `name:` is, before the server or the ledger."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LOOPLINE_HOME": str(tmp_path / "home"), "LOOPLINE_DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none"}
+    done = subprocess.run([sys.executable, "-m", "loopline.cli", "train", "examples/arithmetic_quickstart.yaml", "--fork", fork],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 1 and len(said) == 1 and said[0].startswith("error: --fork: ") and "is not a run name" in said[0], said
+    assert {p.name for p in tmp_path.iterdir()} <= {"home"} and not (tmp_path / "home" / "runs").exists()
+    with pytest.raises(LooplineError, match=r"run.yaml: name: '\.\./\.\./x' is not a run name: 1-100 letters"):  # (as a config's name:)
+        parse_config({"name": "../../x", "env": "e.yaml"}, "run.yaml")
