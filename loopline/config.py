@@ -369,21 +369,20 @@ def flat_layout_upgraded(data: object) -> tuple[object, dict[str, str]]:
 # Before engines and learner backends had settings of their own, a run's stored config held SGLang's and
 # DeepSpeed's fields whatever its engine and backend (at their defaults for the others): they are dropped there,
 # so that such a run resumes.
-_SHARED_DEFAULTS = {
-    ("engine", "kind", "local"): ({name: SGLangSettings.model_fields[name].get_default(call_default_factory=True)
-                                   for name in ("servers", "launch", "timeout_s", "lora_sync")}, lambda: ENGINES.settings_models(EngineSettings)),
-    ("learner", "backend", "deepspeed"): ({name: DeepSpeedSettings.model_fields[name].get_default() for name in ("zero_stage", "dtype", "launch")},
-                                          lambda: BACKENDS.settings_models(LearnerSettings)),
+_SHARED_DEFAULTS = {  # section -> (its registry, the key naming its component, the default name, its base, the moved fields' defaults)
+    "engine": (ENGINES, "kind", "local", EngineSettings,
+               {name: SGLangSettings.model_fields[name].get_default(call_default_factory=True) for name in ("servers", "launch", "timeout_s", "lora_sync")}),
+    "learner": (BACKENDS, "backend", "deepspeed", LearnerSettings,
+                {name: DeepSpeedSettings.model_fields[name].get_default() for name in ("zero_stage", "dtype", "launch")}),
 }
 
 
 def _component_fields_upgraded(data: object) -> object:
     if not isinstance(data, dict):
         return data
-    for (section, key, default_name), (defaults, models) in _SHARED_DEFAULTS.items():
-        if isinstance(values := data.get(section), dict) and (model := models().get(values.get(key, default_name))) is not None:
-            own = model.model_fields
-            data = {**data, section: {k: v for k, v in values.items() if k in own or k not in defaults or v != defaults[k]}}
+    for section, (registry, key, default_name, base, shared) in _SHARED_DEFAULTS.items():
+        if isinstance(values := data.get(section), dict):
+            data = {**data, section: registry.stored_section_read(values, values.get(key, default_name), base, shared)}
     return data
 
 

@@ -83,6 +83,12 @@ class Registry(Generic[T]):
         """Each registered name's settings model (`base` for a component without settings of its own)."""
         return {name: self._settings.get(name, base) for name in self.names}
 
+    def stored_section_read(self, values: dict, name: str, base: type[BaseModel], shared: dict[str, Any]) -> dict:
+        """A section stored before its components had settings of their own held every component's fields (`shared`:
+        those that moved, at their defaults): the ones `name`'s settings lack are dropped while at their defaults."""
+        own = self.settings_models(base).get(name, base).model_fields
+        return {k: v for k, v in values.items() if k in own or k not in shared or v != shared[k]}
+
     def __getitem__(self, name: str) -> T:
         if name not in self._implementations:
             raise UnregisteredComponent(

@@ -488,9 +488,7 @@ class EnvSpec(_Strict):
         """A spec stored before each backend had settings of its own holds the others' at their defaults."""
         if not isinstance(data, dict) or not isinstance(sandbox := data.get("sandbox"), dict):
             return data
-        own = SANDBOX_BACKENDS.settings_models(Sandbox).get(sandbox.get("backend"), Sandbox).model_fields
-        kept = {k: v for k, v in sandbox.items() if k in own or k not in _SHARED_SANDBOX_DEFAULTS or v != _SHARED_SANDBOX_DEFAULTS[k]}
-        return {**data, "sandbox": kept}
+        return {**data, "sandbox": SANDBOX_BACKENDS.stored_section_read(sandbox, sandbox.get("backend"), Sandbox, _SHARED_SANDBOX_DEFAULTS)}
 
     @field_validator("imports")
     @classmethod

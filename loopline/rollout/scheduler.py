@@ -139,9 +139,9 @@ class _LedgerCalls:
 
 
 async def _play(engine: Engine, binding: Binding, lease: Lease, db: _LedgerCalls, stats: RolloutStats) -> None:
-    """One leased slot, start to commit. Nothing escapes but a cancellation: an episode task is never awaited
-    for its result, so an error left in it was printed as "Task exception was never retrieved" when the process
-    ended (seen on a worker whose network was cut while it committed)."""
+    """One leased slot, start to commit. An outage does not escape: an episode task is never awaited for its
+    result, so an error left in it was printed as "Task exception was never retrieved" when the process ended
+    (seen on a worker whose network was cut while it committed); the other failures are recorded in `_play_slot`."""
     try:
         await _play_slot(engine, binding, lease, db, stats)
     except Exception as exc:
