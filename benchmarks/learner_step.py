@@ -58,9 +58,9 @@ def child(model: str, variant: str, steps: int, backend: str) -> None:
 
     from loopline.trainer import learner as learner_module
     from loopline.trainer.learner import Learner, LearnerConfig
-    from loopline.trainer.losses import LossConfig
+    from loopline.trainer.losses import loss_settings
 
-    loss = LossConfig()
+    loss = loss_settings()
     if variant == "before":
         _before(learner_module)
         loss = dataclasses.replace(loss, correction="mis", correction_cap=1e30)  # keeps the separate π_old pass, rejects nothing

@@ -21,7 +21,10 @@ from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engine import InFlightPolicy
 from loopline.rollout.engines import ENGINES, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
-from loopline.trainer.config import BACKENDS, AdvantageConfig, Dtype, LearnerConfig, LoraConfig, LossConfig, LRSchedule  # (no torch: a config is checked before it loads)
+from loopline.trainer.config import (  # (no torch: a config is checked before it loads)
+    ADVANTAGE_SECTION, BACKENDS, LOSS_SECTION, AdvantageSettings, Dtype, LearnerConfig, LoraConfig, LossSettings, LRSchedule,
+    advantage_settings, loss_settings,
+)
 
 
 
@@ -124,8 +127,14 @@ class LearnerSettings(Settings):
     )
     keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
     keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
-    advantage: AdvantageConfig = Field(AdvantageConfig(), description="the group advantage: {estimator: grpo | dr_grpo | rloo, std: sample | population, eps, degenerate: zero | drop}")
-    loss: LossConfig = Field(LossConfig(), description="the policy loss: clip_low / clip_high (0.2 / 0.28), clip_ratio_c (dual clip, 3), the off-policy correction (tis, cap 2), aggregation (token_mean), kl_coef (0)")
+    advantage: Annotated[AdvantageSettings, ADVANTAGE_SECTION] = Field(
+        default_factory=advantage_settings, description="the group advantage: {estimator: grpo | dr_grpo | rloo, degenerate: zero | drop}, "
+        "then the estimator's own settings (GRPO's std and eps)",
+    )
+    loss: Annotated[LossSettings, LOSS_SECTION] = Field(
+        default_factory=loss_settings, description="the policy loss: clip_low / clip_high (0.2 / 0.28), the off-policy correction (tis, "
+        "cap 2), aggregation (token_mean), kl_coef (0), then the chosen components' own settings (vanilla's dual clip, 3)",
+    )
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
         "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
@@ -158,6 +167,8 @@ class DeepSpeedSettings(LearnerSettings):
 
 
 BACKENDS.declare_settings("deepspeed", DeepSpeedSettings)  # (torch: the base, fp32 in this process)
+LEARNER_SECTION = RegistrySection(BACKENDS, key="backend")
+ENGINE_SECTION = RegistrySection(ENGINES)
 
 
 class EvalSettings(Settings):
@@ -253,11 +264,11 @@ class RunConfig(Settings):
     steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
     rollout: RolloutSettings = Field(RolloutSettings(), description="the batches: their size, sync or async, sampling, failed episodes")
-    learner: Annotated[LearnerSettings, RegistrySection(BACKENDS, key="backend")] = Field(
+    learner: Annotated[LearnerSettings, LEARNER_SECTION] = Field(
         DeepSpeedSettings(), description="the learner: optimizer, loss, advantage, then its backend's own settings (precision, ranks)",
     )
     eval: EvalSettings = Field(EvalSettings(), description="held-out evaluations during the run")
-    engine: Annotated[EngineSettings, RegistrySection(ENGINES)] = Field(
+    engine: Annotated[EngineSettings, ENGINE_SECTION] = Field(
         EngineSettings(), description="where rollouts and evaluations are generated: `kind`, then that engine's own settings",
     )
     weights: WeightsSettings = Field(WeightsSettings(), description="how each version's weights reach other hosts")
@@ -328,9 +339,7 @@ class RunConfig(Settings):
         """The trainer's settings: the `learner:` section's shared ones as they are (one name each, see
         `_trainer_setting`), and what the trainer derives from the rest of the run."""
         learner = self.learner
-        loss = learner.loss
-        if loss.aggregation == "seq_mean_token_sum_norm" and loss.norm_length is None:
-            loss = dataclasses.replace(loss, norm_length=self.rollout.sampling.max_new_tokens)  # Dr. GRPO's constant L
+        loss = learner.loss.for_run(max_new_tokens=self.rollout.sampling.max_new_tokens)
         shared = {f.name: getattr(learner, f.name) for f in dataclasses.fields(LearnerConfig) if f.name in type(learner).model_fields}
         return LearnerConfig(**shared | dict(
             loss=loss, temperature=self.rollout.sampling.temperature, seed=self.seed,
@@ -366,24 +375,27 @@ def flat_layout_upgraded(data: object) -> tuple[object, dict[str, str]]:
     return upgraded, moved
 
 
-# Before engines and learner backends had settings of their own, a run's stored config held SGLang's and
-# DeepSpeed's fields whatever its engine and backend (at their defaults for the others): they are dropped there,
-# so that such a run resumes.
-_SHARED_DEFAULTS = {  # section -> (its registry, the key naming its component, the default name, its base, the moved fields' defaults)
-    "engine": (ENGINES, "kind", "local", EngineSettings,
-               {name: SGLangSettings.model_fields[name].get_default(call_default_factory=True) for name in ("servers", "launch", "timeout_s", "lora_sync")}),
-    "learner": (BACKENDS, "backend", "deepspeed", LearnerSettings,
-                {name: DeepSpeedSettings.model_fields[name].get_default() for name in ("zero_stage", "dtype", "launch")}),
+# Before components had settings of their own, a run's stored config held every engine's, learner backend's, loss
+# component's and estimator's fields whatever it chose (the others' at their defaults): they are dropped there, so
+# that such a run resumes (its stored config reads as the same config).
+_SHARED_DEFAULTS: dict[tuple[str, ...], tuple[RegistrySection, type[BaseModel], dict[str, Any]]] = {  # path -> (its section, base, moved fields' defaults)
+    ("engine",): (ENGINE_SECTION, EngineSettings, {name: SGLangSettings.model_fields[name].get_default(call_default_factory=True)
+                                                  for name in ("servers", "launch", "timeout_s", "lora_sync")}),
+    ("learner",): (LEARNER_SECTION, LearnerSettings, {name: DeepSpeedSettings.model_fields[name].get_default() for name in ("zero_stage", "dtype", "launch")}),
+    ("learner", "loss"): (LOSS_SECTION, LossSettings, {"clip_ratio_c": 3.0, "correction_bounds": "upper", "norm_length": None}),
+    ("learner", "advantage"): (ADVANTAGE_SECTION, AdvantageSettings, {"std": "sample", "eps": 1e-6}),
 }
 
 
 def _component_fields_upgraded(data: object) -> object:
-    if not isinstance(data, dict):
-        return data
-    for section, (registry, key, default_name, base, shared) in _SHARED_DEFAULTS.items():
-        if isinstance(values := data.get(section), dict):
-            data = {**data, section: registry.stored_section_read(values, values.get(key, default_name), base, shared)}
-    return data
+    def upgraded(values: object, path: tuple[str, ...]) -> object:
+        if not isinstance(values, dict):
+            return values
+        found = _SHARED_DEFAULTS.get(path)
+        within = found[0].stored_read(found[1], values, found[2]) if found else values
+        return {k: upgraded(v, (*path, k)) if any(p[: len(path) + 1] == (*path, k) for p in _SHARED_DEFAULTS) else v for k, v in within.items()}
+
+    return upgraded(data, ())
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a run config is settings; a 50 MB one took 84 s to refuse
@@ -420,25 +432,36 @@ def _problem(error, where: str, lines: dict[tuple, int]) -> str:
     at = f"{where}:{lines[probe]}" if probe in lines else where
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument") and path:
-        homes = [section for section, names in _sections().items() if path[-1] in names]
+        homes = sorted((section for section, names in _sections().items() if path[-1] in names), key=lambda home: home.split(" ")[0] != path[0])  # (its own section's first)
         close = difflib.get_close_matches(str(path[-1]), sorted({n for names in _sections().values() for n in names}), n=1)
-        if homes:  # a setting of another section (`lr` under rollout:), or of another engine
-            message = f"not a setting here; it is one of {' and '.join(homes)}"
+        if homes:  # a setting of another section (`lr` under rollout:), or of another component
+            message = f"not a setting here; it is one of {_homes(homes)}"
         else:
             message = "unknown setting" + (f"; did you mean {close[0]}?" if close else "")
     return f"{at}: {'.'.join(str(p) for p in path) or '(top level)'}: {message}"
 
 
+def _homes(homes: list[str]) -> str:
+    """`learner.loss (correction: mis)`, `learner.loss (correction: rejection)` -> `learner.loss (correction: mis / rejection)`."""
+    grouped: dict[str, list[str]] = {}
+    for home in homes:
+        where, _, name = home.rstrip(")").rpartition(": ") if home.endswith(")") else (home, "", "")
+        grouped.setdefault(where, []).append(name)
+    return " and ".join(f"{where}: {' / '.join(names)})" if names != [""] else where for where, names in grouped.items())
+
+
 def _sections() -> dict[str, set[str]]:
-    """Each section's setting names, by where they go (for "did you mean", and "it is one of learner")."""
+    """Each section's setting names, by where they go (for "did you mean", and "it is one of learner"); a section's
+    components' own settings under `PATH (KEY: NAME)`."""
     models: dict[str, type[BaseModel]] = {"(top level)": RunConfig, "rollout": RolloutSettings, "rollout.sampling": SamplingConfig,
-                                          "learner.launch": RankLaunch, "eval": EvalSettings, "weights": WeightsSettings}
-    models |= {f"learner (backend: {name})": model for name, model in BACKENDS.settings_models(LearnerSettings).items()}
-    models |= {f"engine (kind: {kind})": model for kind, model in ENGINES.settings_models(EngineSettings).items()}
+                                          "learner.launch": RankLaunch, "engine.launch": LaunchSettings, "eval": EvalSettings, "weights": WeightsSettings}
     sections = {path: set(model.model_fields) for path, model in models.items()}
-    sections["engine.launch"] = set(LaunchSettings.model_fields)
-    sections |= {f"learner.{name}": {f.name for f in dataclasses.fields(model)}
-                 for name, model in (("advantage", AdvantageConfig), ("loss", LossConfig), ("lora", LoraConfig))}
+    for path, (section, base, _) in _SHARED_DEFAULTS.items():
+        sections[".".join(path)] = set(base.model_fields)
+        for key, registry in section.registries.items():
+            sections |= {f"{'.'.join(path)} ({key}: {name})": set(model.model_fields) - set(base.model_fields)
+                         for name, model in registry.settings_models(base).items() if model is not base}
+    sections["learner.lora"] = {f.name for f in dataclasses.fields(LoraConfig)}
     return sections
 
 

@@ -15,10 +15,10 @@ component's fields or branches on a name.
 from __future__ import annotations
 
 import difflib
-from dataclasses import field
+import functools
 from typing import Any, Callable, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
 from loopline.errors import LooplineError
 
@@ -83,12 +83,6 @@ class Registry(Generic[T]):
         """Each registered name's settings model (`base` for a component without settings of its own)."""
         return {name: self._settings.get(name, base) for name in self.names}
 
-    def stored_section_read(self, values: dict, name: str, base: type[BaseModel], shared: dict[str, Any]) -> dict:
-        """A section stored before its components had settings of their own held every component's fields (`shared`:
-        those that moved, at their defaults): the ones `name`'s settings lack are dropped while at their defaults."""
-        own = self.settings_models(base).get(name, base).model_fields
-        return {k: v for k, v in values.items() if k in own or k not in shared or v != shared[k]}
-
     def __getitem__(self, name: str) -> T:
         if name not in self._implementations:
             raise UnregisteredComponent(
@@ -109,12 +103,6 @@ class Registry(Generic[T]):
         missing = [n for n in self.names if n not in self._implementations]
         if missing:  # (loopline's own defect: a built-in declared in a config module and never implemented)
             raise RuntimeError(f"{self.setting}: declared but not registered: {', '.join(missing)}")
-
-    def setting_field(self, default: str, description: str) -> Any:
-        """A dataclass field choosing from this registry: its description, and its names as the JSON Schema's
-        enum when the schema is made (so a registered component shows in an editor too)."""
-        return field(default=default, metadata={"description": description, "registry": self,
-                                                "json_schema_extra": lambda schema: schema.update(enum=list(self.names))})
 
 
 class RegistryName:
@@ -140,36 +128,70 @@ class RegistryName:
 
 
 class RegistrySection:
-    """A config section whose settings are its component's own, `engine: Annotated[EngineSettings,
+    """A config section whose settings are its components' own, `engine: Annotated[EngineSettings,
     RegistrySection(ENGINES)]`: the section's `kind` (or `key`; validated by the base, as a `RegistryName`) picks the model
     registered with that component, which validates the whole section; its errors keep their paths
-    (`engine.servers`). The JSON Schema offers one alternative per registered component."""
+    (`engine.servers`). A section naming several components (`learner.loss`: its policy loss, correction and
+    aggregation, `also`) is validated by their models combined. The JSON Schema offers one alternative per
+    registered component (a section of several: every component's settings)."""
 
-    def __init__(self, registry: Registry, key: str = "kind") -> None:
+    def __init__(self, registry: Registry, key: str = "kind", **also: Registry) -> None:
         self.registry, self.key = registry, key
+        self.registries = {key: registry, **also}
+
+    def model(self, base: type[BaseModel], values: dict) -> type[BaseModel]:
+        """The settings model of the components `values` names (validated names: see `validate`)."""
+        own: list[type[BaseModel]] = []
+        for key, registry in self.registries.items():
+            name = values.get(key, base.model_fields[key].default)
+            model = registry.settings_models(base)[name]
+            if not issubclass(model, base):
+                raise TypeError(f"{registry.setting} {name!r}: its settings {model.__name__} must subclass {base.__name__}")
+            if model is not base and model not in own:
+                own.append(model)
+        return _combined(tuple(own)) if len(own) > 1 else own[0] if own else base
+
+    def validate(self, base: type[BaseModel], value: object) -> BaseModel:
+        """`value` (a mapping of settings) as its components' settings; `base`'s own errors first (a missing or
+        unknown name, at `section.kind`)."""
+        if isinstance(value, base):
+            return value
+        if not isinstance(value, dict) or any(key not in value and base.model_fields[key].is_required() for key in self.registries):
+            return base.model_validate(value)
+        base.model_validate({key: value[key] for key in self.registries if key in value})
+        return self.model(base, value).model_validate(value)
+
+    def stored_read(self, base: type[BaseModel], values: dict, shared: dict[str, Any]) -> dict:
+        """A section stored before its components had settings of their own held every component's fields (`shared`:
+        those that moved, at their defaults): the ones its components' settings lack are dropped while at their defaults."""
+        try:
+            own = self.model(base, values).model_fields
+        except KeyError:  # (a name registered nowhere: the section's validation says so)
+            return values
+        return {k: v for k, v in values.items() if k in own or k not in shared or v != shared[k]}
 
     def __get_pydantic_core_schema__(self, source: type[BaseModel], handler: Any) -> Any:
         from pydantic_core import core_schema
 
         self._base = source
-
-        def validate(value: object) -> BaseModel:
-            if isinstance(value, source):
-                return value
-            if not isinstance(value, dict):
-                return source.model_validate(value)  # (the base's own error)
-            if self.key not in value and source.model_fields[self.key].is_required():
-                return source.model_validate(value)  # (the base's error: the name is required)
-            name = value.get(self.key, source.model_fields[self.key].default)
-            source.model_validate({self.key: name})  # an unknown name: the base's error, at `section.kind`
-            model = self.registry.settings_models(source)[name]
-            if not issubclass(model, source):
-                raise TypeError(f"{self.registry.setting} {name!r}: its settings {model.__name__} must subclass {source.__name__}")
-            return model.model_validate(value)
-
-        return core_schema.no_info_plain_validator_function(validate)
+        return core_schema.no_info_plain_validator_function(lambda value: self.validate(source, value))
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> Any:
+        if len(self.registries) > 1:  # (every combination would be too many alternatives: one model with every field)
+            models = {m for registry in self.registries.values() for m in registry.settings_models(self._base).values()} - {self._base}
+            return handler(_combined(tuple(sorted(models, key=lambda m: m.__name__))).__pydantic_core_schema__ if models else self._base.__pydantic_core_schema__)
         models = self.registry.settings_models(self._base)
         return {"anyOf": [{"allOf": [handler(model.__pydantic_core_schema__), {"properties": {self.key: {"const": name}}}]}
                           for name, model in models.items()]}
+
+
+@functools.cache
+def _combined(models: tuple[type[BaseModel], ...]) -> type[BaseModel]:
+    """One model with the settings of several components (each a subclass of their section's base), made once per
+    combination (a config compares equal only to one of the same model); named in this module, so it pickles."""
+    if len(models) == 1:
+        return models[0]
+    name = "_".join(m.__name__ for m in models)
+    combined = create_model(name, __base__=models, __module__=__name__)
+    globals()[name] = combined
+    return combined

@@ -28,14 +28,19 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
 
 
-def _component_section(annotation: Any) -> tuple[str, type, dict[type, list[str]]] | None:
-    """A section whose component brings its settings: its key, its base model, each model -> its names."""
+def _component_section(annotation: Any) -> tuple[str, type, dict[type, str]] | None:
+    """A section whose components bring their settings: what the base is shared by (`every kind; local: these
+    alone`), its base model, and each component's model -> which names bring it (`correction: mis / rejection`)."""
     if typing.get_origin(annotation) is typing.Annotated:
         for section in (m for m in annotation.__metadata__ if isinstance(m, RegistrySection)):
             base, models = typing.get_args(annotation)[0], {}
-            for name, model in section.registry.settings_models(base).items():
-                models.setdefault(model, []).append(name)
-            return section.key, base, models
+            for key, registry in section.registries.items():
+                for name, model in registry.settings_models(base).items():
+                    models.setdefault(model, {}).setdefault(key, []).append(name)
+            labels = {model: "; ".join(f"{key}: {' / '.join(names)}" for key, names in keys.items()) for model, keys in models.items()}
+            alone = models.get(base, {}).get(section.key) if len(section.registries) == 1 else None
+            shared = f"every {', '.join(section.registries)}" + (f"; {' / '.join(alone)}: these alone" if alone else "")
+            return shared, base, {model: label for model, label in labels.items() if model is not base} | {base: ""}
     return None
 
 
@@ -57,9 +62,6 @@ def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
                  _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
                 for name, f in model.model_fields.items()]
     hints = typing.get_type_hints(model)
-    for f in dataclasses.fields(model):  # a name chosen from a registry: its names, as a Literal shows them
-        if "registry" in f.metadata:
-            hints[f.name] = Literal[tuple(f.metadata["registry"].names)]
     return [(f.name, hints[f.name], _default(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
                                             lambda f=f: f.default if f.default is not dataclasses.MISSING else f.default_factory()),
              f.metadata.get("description")) for f in dataclasses.fields(model)]
@@ -125,16 +127,16 @@ def settings_reference(root: type, title: str, intro: str) -> str:
                 kind = next((a for n, a, _, _ in _fields(inner) if n == "kind"), None)
                 tag = f" (kind: {typing.get_args(kind)[0]})" if kind is not None and len(nested) > 1 else ""
                 if component is not None:
-                    key, base, models = component
-                    names = " / ".join(models.get(inner, []))
+                    shared, base, models = component
+                    names = models[inner]
                     if inner is base:
-                        tag = f" (every {key}" + (f"; {names}: these alone" if names else "") + ")"
+                        tag = f" ({shared})"
                     else:
-                        tag, inherited[inner] = f" ({key}: {names}: these as well)", {n for n, *_ in _fields(base)}
+                        tag, inherited[inner] = f" ({names}: these as well)", {n for n, *_ in _fields(base)}
                 containers = {typing.get_origin(annotation), *(typing.get_origin(a) for a in typing.get_args(annotation))}
                 suffix = "[]" if containers & {list, tuple} else ".NAME" if dict in containers else ""
                 where = f"{path + '.' if path else ''}{name}{suffix}"
-                walk(inner, where, tag, None if component is None else where if inner is component[1] else f"{where} {names}")
+                walk(inner, where, tag, None if component is None else where if inner is component[1] else f"{where} {re.sub(r'[a-z_]+: ', '', names)}")
 
     walk(root, "")
     if missing:

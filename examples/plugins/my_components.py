@@ -1,9 +1,9 @@
-"""Components of your own, in a module of your own: a policy loss (CISPO), a tracker (JSON lines) and an engine
-with settings of its own (the built-in CPU engine, its batch capped).
+"""Components of your own, in a module of your own: a policy loss (CISPO) and an engine with settings of their
+own (the built-in CPU engine, its batch capped), and a tracker (JSON lines).
 
 Name the module in the run config's `imports:` and put its folder on PYTHONPATH (or pip install its package)
 wherever the run has a process; each component is then chosen by name like a built-in
-(`learner.loss.policy_loss: cispo`, `tracking: [jsonl]`, `engine: {kind: capped_local, max_batch: 8}`).
+(`learner.loss: {policy_loss: cispo, lower_bound: false}`, `tracking: [jsonl]`, `engine: {kind: capped_local, max_batch: 8}`).
 docs/how-to/extend.md walks through it.
 """
 
@@ -20,16 +20,23 @@ from pydantic import Field
 from loopline.config import TRACKERS
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest, EngineSettings
-from loopline.trainer.config import POLICY_LOSSES, LossConfig, Surrogate
+from loopline.trainer.config import POLICY_LOSSES, LossSettings, Surrogate
 
 
-@POLICY_LOSSES.register("cispo")
-def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+class CispoSettings(LossSettings):
+    """The loss's own settings, beside the ones every loss shares (`clip_low`, `clip_high`, the correction, ...)."""
+
+    lower_bound: bool = Field(True, description="bound the weight below at 1 - clip_low, as verl's cispo; false: above only, as MiniMax-M1 (its ε_low large)")
+
+
+@POLICY_LOSSES.register("cispo", settings=CispoSettings)
+def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: CispoSettings) -> Surrogate:
     """CISPO (MiniMax-M1; verl's `cispo`): the ratio is clipped and detached, a weight on -A log π_θ, so a clipped
     token keeps its gradient (PPO's clip drops it)."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
-    weight = ratio.clamp(1 - config.clip_low, 1 + config.clip_high).detach()
-    clipped = (ratio < 1 - config.clip_low) | (ratio > 1 + config.clip_high)
+    low = 1 - config.clip_low if config.lower_bound else 0.0
+    weight = ratio.clamp(low, 1 + config.clip_high).detach()
+    clipped = (ratio < low) | (ratio > 1 + config.clip_high)
     return Surrogate(-weight * advantages * logp, ratio, clipped, torch.zeros_like(clipped))
 
 

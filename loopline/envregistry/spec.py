@@ -457,6 +457,9 @@ class SmokeTest(_Strict):
     expect_reward: float = Field(1.0, description="within the verifier's reward_range")
 
 
+SANDBOX_SECTION = RegistrySection(SANDBOX_BACKENDS, key="backend")
+
+
 class EnvSpec(_Strict):
     # (first: pydantic validates fields in order, so a plugin's sandbox backend is registered before it is checked)
     imports: tuple[str, ...] = Field(
@@ -466,7 +469,7 @@ class EnvSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN, description="the registry's name (`envreg add` makes NAME@VERSION)")
     description: str = Field("", description="what the environment is, for people")
     versions: Versions = Field(Versions(), description="behaviour versions, recorded on every trajectory")
-    sandbox: Annotated[Sandbox, RegistrySection(SANDBOX_BACKENDS, key="backend")] = Field(
+    sandbox: Annotated[Sandbox, SANDBOX_SECTION] = Field(
         description="where the agent's commands run and what they may hold: `backend`, then that backend's own settings"
     )
     tasks: TaskSource = Field(description="where tasks come from: {kind: generator, ...} or {kind: jsonl, path}")
@@ -488,7 +491,7 @@ class EnvSpec(_Strict):
         """A spec stored before each backend had settings of its own holds the others' at their defaults."""
         if not isinstance(data, dict) or not isinstance(sandbox := data.get("sandbox"), dict):
             return data
-        return {**data, "sandbox": SANDBOX_BACKENDS.stored_section_read(sandbox, sandbox.get("backend"), Sandbox, _SHARED_SANDBOX_DEFAULTS)}
+        return {**data, "sandbox": SANDBOX_SECTION.stored_read(Sandbox, sandbox, _SHARED_SANDBOX_DEFAULTS)}
 
     @field_validator("imports")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from loopline.trainer.config import ESTIMATORS, AdvantageConfig, DegenerateHandling, Estimator, StdKind  # noqa: F401 (re-exported)
+from loopline.trainer.config import ESTIMATORS, AdvantageSettings, GRPOSettings, advantage_settings
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Advantages:
         return Advantages(self.values[i], self.keep[i], self.degenerate_groups, self.groups, self.group_mean[i], self.group_std[i], self.degenerate[i])
 
 
-def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], config: AdvantageConfig = AdvantageConfig()) -> Advantages:
+def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], config: AdvantageSettings | None = None) -> Advantages:
+    config = config or advantage_settings()
     r = torch.as_tensor(list(rewards), dtype=torch.float64)
     if r.numel() == 0:
         raise ValueError("no rewards: an empty batch has no advantages")
@@ -67,18 +68,18 @@ def compute_advantages(rewards: Sequence[float], group_ids: Sequence[object], co
 # Each estimator: a group's rewards (at least 2, not all equal) -> (advantages, the std it divided by, 0 if none).
 
 @ESTIMATORS.register("grpo")
-def _grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _grpo(group: torch.Tensor, config: GRPOSettings) -> tuple[torch.Tensor, torch.Tensor]:
     std = group.std(correction=0 if config.std == "population" else 1)
     return (group - group.mean()) / (std + config.eps), std
 
 
 @ESTIMATORS.register("dr_grpo")
-def _dr_grpo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _dr_grpo(group: torch.Tensor, config: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     return group - group.mean(), group.new_zeros(())  # mean-only: no division by the std
 
 
 @ESTIMATORS.register("rloo")
-def _rloo(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _rloo(group: torch.Tensor, config: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     # each sample's baseline is the mean of the OTHER samples of its group
     return group - (group.sum() - group) / (group.numel() - 1), group.new_zeros(())
 

@@ -8,12 +8,13 @@ trainer/advantages.py, trainer/losses.py and trainer/backends.py."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Protocol, TypeAlias
 
-from loopline.registry import Registry
+from pydantic import Field, model_validator
+
+from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +26,7 @@ class AdvantageEstimator(Protocol):
     """`learner.advantage.estimator`: one group's rewards (at least 2, not all equal) -> each sample's advantage,
     and the standard deviation it divided by (0: none)."""
 
-    def __call__(self, group: torch.Tensor, config: AdvantageConfig, /) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, group: torch.Tensor, config: AdvantageSettings, /) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -44,27 +45,31 @@ class PolicyLoss(Protocol):
     micro-batch's rows, each token's advantage and the 0/1 mask of the tokens in the loss, all [B, T] ->
     the per-token surrogate. Values off the mask are meaningless (0 here) and must stay out of the math."""
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig, /) -> Surrogate: ...
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossSettings, /) -> Surrogate: ...
 
 
 class LossAggregation(Protocol):
     """`learner.loss.aggregation`: per-token losses (0 off the mask) -> the micro-batch's share of the step's loss,
-    given the step's token and trajectory counts, the constant length L, and each row's trajectory's tokens."""
+    given the step's token and trajectory counts, each row's trajectory's tokens, and the loss settings."""
 
     def __call__(
         self, per_token: torch.Tensor, mask: torch.Tensor, total_tokens: float | None, total_sequences: float | None,
-        norm_length: int | None, sequence_tokens: torch.Tensor | None, /,
+        sequence_tokens: torch.Tensor | None, config: LossSettings, /,
     ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
 class CorrectionRule:
-    """`learner.loss.correction`, one off-policy correction: whether it rejects tokens (or sequences) whose ρ is
-    outside the bounds (then they leave the loss, and its denominators must be known before the first gradient
-    step), and the weight it gives each kept token from ρ = π_old/μ and the cap."""
+    """`learner.loss.correction`, one off-policy correction: the weight it gives each kept token from ρ = π_old/μ
+    (per token or per sequence: `correction_level`) and the loss settings, and which tokens it rejects (they leave
+    the loss, and its denominators must be known before the first gradient step); None: it rejects none."""
 
-    rejects: bool
-    weight: Callable[[torch.Tensor, float], torch.Tensor]
+    weight: Callable[[torch.Tensor, LossSettings], torch.Tensor]
+    outside: Callable[[torch.Tensor, LossSettings], torch.Tensor] | None = None
+
+    @property
+    def rejects(self) -> bool:
+        return self.outside is not None
 
 
 class KLEstimate(Protocol):
@@ -121,12 +126,6 @@ AGGREGATIONS: Registry[LossAggregation] = Registry(
 CORRECTIONS: Registry[CorrectionRule] = Registry("off-policy correction", "learner.loss.correction", ("none", "tis", "mis", "rejection"))
 KL_ESTIMATORS: Registry[KLEstimate] = Registry("KL estimator", "learner.loss.kl_estimator", ("k1", "k3"))
 BACKENDS: Registry[BuildBackend] = Registry("learner backend", "learner.backend", ("deepspeed", "torch"))
-# (each a registered name)
-Estimator: TypeAlias = str
-PolicyLossName: TypeAlias = str
-Aggregation: TypeAlias = str
-OffPolicyCorrection: TypeAlias = str
-KLEstimator: TypeAlias = str
 StdKind = Literal["population", "sample"]
 DegenerateHandling = Literal["drop", "zero"]
 CorrectionLevel = Literal["token", "sequence"]
@@ -141,53 +140,51 @@ def setting(default, description: str):
     return field(default=default, metadata={"description": description})
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    estimator: Estimator = ESTIMATORS.setting_field("grpo", "grpo: (r - group mean) / (std + eps); dr_grpo: r - group mean (no std); rloo: leave-one-out baseline")
-    std: StdKind = setting("sample", "GRPO's divisor: the sample standard deviation (1/(n-1), as verl's torch.std and TRL) or the population one (1/n)")
-    eps: float = setting(1e-6, "added to the standard deviation (verl 1e-6; TRL 1e-4)")
-    degenerate: DegenerateHandling = setting("zero", "a group whose samples all scored the same: zero (advantage 0: trained on, no signal) or drop (left out)")
+class AdvantageSettings(Settings):
+    """`learner.advantage`: what every estimator shares; an estimator's own settings subclass this (GRPO's divisor)."""
 
-    def __post_init__(self) -> None:
-        ESTIMATORS.check(self.estimator)
+    estimator: Annotated[str, RegistryName(ESTIMATORS)] = Field(
+        "grpo", description="grpo: (r - group mean) / (std + eps); dr_grpo: r - group mean (no std); rloo: leave-one-out baseline",
+    )
+    degenerate: DegenerateHandling = Field(
+        "zero", description="a group whose samples all scored the same: zero (advantage 0: trained on, no signal) or drop (left out)",
+    )
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    policy_loss: PolicyLossName = POLICY_LOSSES.setting_field(
-        "vanilla", "vanilla: PPO's clipped token ratio π_θ/π_old (dual-clipped, as verl's vanilla); gspo: GSPO's sequence ratio, "
+class GRPOSettings(AdvantageSettings):
+    std: StdKind = Field("sample", description="GRPO's divisor: the sample standard deviation (1/(n-1), as verl's torch.std and TRL) or the population one (1/n)")
+    eps: float = Field(1e-6, ge=0, le=1, description="added to the standard deviation (verl 1e-6; TRL 1e-4)")
+
+
+class LossSettings(Settings):
+    """`learner.loss`: what every policy loss, correction and aggregation shares; each may bring settings of its own
+    (the vanilla loss's dual clip, the rejecting corrections' bounds, Dr. GRPO's constant length), which subclass this."""
+
+    policy_loss: Annotated[str, RegistryName(POLICY_LOSSES)] = Field(
+        "vanilla", description="vanilla: PPO's clipped token ratio π_θ/π_old (dual-clipped, as verl's vanilla); gspo: GSPO's sequence ratio, "
         "the geometric mean of the row's token ratios, clipped (verl gspo, TRL importance_sampling_level=sequence; its recipe "
         "clips at 3e-4 / 4e-4 with seq_mean_token_mean)",
     )
-    clip_low: float = setting(0.2, "the ratio π_θ/π_old is clipped below at 1 - clip_low (verl clip_ratio_low, TRL epsilon)")
-    clip_high: float = setting(0.28, "... and above at 1 + clip_high: asymmetric, DAPO's clip-higher (verl clip_ratio_high, TRL epsilon_high)")
-    clip_ratio_c: float | None = setting(3.0, "dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off "
-        "(policy_loss vanilla; gspo has none, as verl's)")
+    clip_low: float = Field(0.2, description="the ratio π_θ/π_old is clipped below at 1 - clip_low (verl clip_ratio_low, TRL epsilon)")
+    clip_high: float = Field(0.28, description="... and above at 1 + clip_high: asymmetric, DAPO's clip-higher (verl clip_ratio_high, TRL epsilon_high)")
     # Rejected tokens leave the loss entirely (its denominators and the KL term too).
-    correction: OffPolicyCorrection = CORRECTIONS.setting_field(
-        "tis", "the π_old/μ correction of an off-policy rollout (verl's rollout correction): tis: weight min(ρ, cap); mis: "
+    correction: Annotated[str, RegistryName(CORRECTIONS)] = Field(
+        "tis", description="the π_old/μ correction of an off-policy rollout (verl's rollout correction): tis: weight min(ρ, cap); mis: "
         "weight ρ, tokens (or sequences) outside the bounds rejected; rejection: weight 1, outside the bounds rejected; none: weight 1",
     )
-    correction_level: CorrectionLevel = setting("token", "token: ρ per token; sequence: ρ is the product of the sequence's token ratios")
-    correction_cap: float = setting(2.0, "C: the truncation (tis) or the upper rejection bound (mis, rejection)")
-    correction_bounds: CorrectionBounds = setting("upper", "upper: reject ρ > C; two_sided: also ρ < 1/C")
-    aggregation: Aggregation = AGGREGATIONS.setting_field(
-        "token_mean", "how per-token losses become the loss: token_mean (every token weighs the same; verl token-mean, TRL bnpo), "
+    correction_level: CorrectionLevel = Field("token", description="token: ρ per token; sequence: ρ is the product of the sequence's token ratios")
+    correction_cap: float = Field(2.0, description="C: the truncation (tis) or the upper rejection bound (mis, rejection)")
+    aggregation: Annotated[str, RegistryName(AGGREGATIONS)] = Field(
+        "token_mean", description="how per-token losses become the loss: token_mean (every token weighs the same; verl token-mean, TRL bnpo), "
         "seq_mean_token_sum, seq_mean_token_mean (TRL grpo), seq_mean_token_sum_norm (Dr. GRPO)",
     )
-    norm_length: int | None = setting(None, "seq_mean_token_sum_norm's constant length L (default: sampling.max_new_tokens)")
-    kl_coef: float = setting(0.0, "> 0 adds a KL penalty to the frozen reference policy (the run's initial weights; TRL beta)")
-    kl_estimator: KLEstimator = KL_ESTIMATORS.setting_field("k3", "k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)")
+    kl_coef: float = Field(0.0, description="> 0 adds a KL penalty to the frozen reference policy (the run's initial weights; TRL beta)")
+    kl_estimator: Annotated[str, RegistryName(KL_ESTIMATORS)] = Field(
+        "k3", description="k3 (low variance, capped at 10 a token as verl's low_var_kl) or k1 (the log-ratio)",
+    )
 
-    def __post_init__(self) -> None:
-        POLICY_LOSSES.check(self.policy_loss)
-        CORRECTIONS.check(self.correction)
-        AGGREGATIONS.check(self.aggregation)
-        KL_ESTIMATORS.check(self.kl_estimator)
-        for name in ("clip_low", "clip_high", "correction_cap", "kl_coef", "clip_ratio_c"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
+    @model_validator(mode="after")
+    def _in_range(self) -> LossSettings:  # (said with what the setting is, where pydantic's bounds would say only "Input should be ...")
         if not 0 <= self.clip_low < 1:
             raise ValueError(f"clip_low must be in [0, 1) (the ratio's floor is 1 - clip_low; verl's default 0.2), got {self.clip_low}")
         if self.clip_high < 0:
@@ -196,12 +193,57 @@ class LossConfig:
             raise ValueError(f"kl_coef must be >= 0 (a negative one rewards moving away from the reference), got {self.kl_coef}")
         if self.correction_cap <= 0:
             raise ValueError(f"correction_cap must be > 0, got {self.correction_cap}")
+        return self
+
+    def for_run(self, max_new_tokens: int) -> LossSettings:
+        """These settings with what a component derives from the run filled in (`sampling.max_new_tokens`)."""
+        return self
+
+
+class DualClipSettings(LossSettings):
+    clip_ratio_c: float | None = Field(3.0, description="dual clip (verl's clip_ratio_c): for A < 0 the loss is capped at c * |A|, no gradient beyond; null: off")
+
+    @model_validator(mode="after")
+    def _above_one(self) -> DualClipSettings:
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3), got {self.clip_ratio_c}")
-        if self.correction_cap <= 1.0 and self.correction in ("mis", "rejection") and self.correction_bounds == "two_sided":
+        return self
+
+
+class RejectionSettings(LossSettings):
+    correction_bounds: CorrectionBounds = Field("upper", description="upper: reject ρ > C; two_sided: also ρ < 1/C")
+
+    @model_validator(mode="after")
+    def _two_sided_needs_room(self) -> RejectionSettings:
+        if self.correction_bounds == "two_sided" and self.correction_cap <= 1.0:
             raise ValueError("a two-sided rejection needs correction_cap > 1 (the bounds are [1/C, C])")
-        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is not None and self.norm_length < 1:
-            raise ValueError("norm_length must be a positive number of tokens")
+        return self
+
+
+class NormLengthSettings(LossSettings):
+    norm_length: int | None = Field(None, ge=1, description="seq_mean_token_sum_norm's constant length L (default: sampling.max_new_tokens)")
+
+    def for_run(self, max_new_tokens: int) -> LossSettings:
+        return self if self.norm_length is not None else self.model_copy(update={"norm_length": max_new_tokens})  # Dr. GRPO's L
+
+
+ESTIMATORS.declare_settings("grpo", GRPOSettings)
+POLICY_LOSSES.declare_settings("vanilla", DualClipSettings)
+CORRECTIONS.declare_settings("mis", RejectionSettings)
+CORRECTIONS.declare_settings("rejection", RejectionSettings)
+AGGREGATIONS.declare_settings("seq_mean_token_sum_norm", NormLengthSettings)
+ADVANTAGE_SECTION = RegistrySection(ESTIMATORS, key="estimator")
+LOSS_SECTION = RegistrySection(POLICY_LOSSES, key="policy_loss", correction=CORRECTIONS, aggregation=AGGREGATIONS, kl_estimator=KL_ESTIMATORS)
+
+
+def advantage_settings(**values: Any) -> AdvantageSettings:
+    """`learner.advantage` from its settings, as its estimator's own model (`advantage_settings(estimator="rloo")`)."""
+    return ADVANTAGE_SECTION.validate(AdvantageSettings, values)  # type: ignore[return-value]
+
+
+def loss_settings(**values: Any) -> LossSettings:
+    """`learner.loss` from its settings, as its components' own models combined."""
+    return LOSS_SECTION.validate(LossSettings, values)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -261,8 +303,8 @@ class LearnerConfig:
         "bf16 (V100, T4), with dynamic loss scaling: a step whose gradients overflow is skipped (metric fp16_skipped_steps)",
     )
     seed: int = 0
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageSettings = field(default_factory=advantage_settings)
+    loss: LossSettings = field(default_factory=loss_settings)
     lora: LoraConfig | None = None  # train adapters only (trainer/lora.py); None: every weight
 
     def __post_init__(self) -> None:

@@ -108,7 +108,7 @@ class _Step:
     advantages: torch.Tensor  # [len(seqs)]
     micro: list[Padded]
     reuse: bool  # π_old is the loss's own forward, detached (one optimizer step, no rejection)
-    loss: losses.LossConfig
+    loss: losses.LossSettings
     device: torch.device
     old: dict[int, torch.Tensor] = field(default_factory=dict)  # id(micro-batch) -> π_old
     corrections: dict[int, Correction] = field(default_factory=dict)
@@ -116,7 +116,7 @@ class _Step:
 
     @classmethod
     def empty(cls, adv: Advantages) -> "_Step":
-        return cls(adv, {}, [], [], [], torch.zeros(0), [], False, losses.LossConfig(), torch.device("cpu"))
+        return cls(adv, {}, [], [], [], torch.zeros(0), [], False, losses.loss_settings(), torch.device("cpu"))
 
     def anchor(self, batch: Padded, logp: torch.Tensor) -> None:
         """π_old of one micro-batch, and its π_old/μ correction."""

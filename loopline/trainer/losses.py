@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from loopline.trainer.config import (  # noqa: F401 (re-exported)
-    AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Aggregation, CorrectionBounds, CorrectionLevel, CorrectionRule, KLEstimator, LossConfig,
-    OffPolicyCorrection, Surrogate,
+    AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, CorrectionRule, LossSettings, Surrogate, loss_settings,
 )
 
 
@@ -43,7 +42,7 @@ TOKEN_MEANS = (
 
 
 @AGGREGATIONS.register("token_mean")
-def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, sequence_tokens, config) -> torch.Tensor:
     """Every action token weighs the same: long trajectories weigh more."""
     return per_token.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
 
@@ -57,14 +56,14 @@ def _sequences(per_token: torch.Tensor, mask: torch.Tensor, total_sequences) -> 
 
 
 @AGGREGATIONS.register("seq_mean_token_sum")
-def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
+def _seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, sequence_tokens, config) -> torch.Tensor:
     """Each trajectory weighs its token count (unnormalised length bias)."""
     sums, _, count = _sequences(per_token, mask, total_sequences)
     return sums.sum() / count
 
 
 @AGGREGATIONS.register("seq_mean_token_mean")
-def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
+def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, sequence_tokens, config) -> torch.Tensor:
     """Each trajectory weighs the same, whatever its length (and its number of chains: a chain's token sum is
     divided by all its trajectory's tokens, `sequence_tokens`, where the caller gives them)."""
     sums, tokens, count = _sequences(per_token, mask, total_sequences)
@@ -74,12 +73,12 @@ def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, total_toke
 
 
 @AGGREGATIONS.register("seq_mean_token_sum_norm")
-def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, norm_length, sequence_tokens=None) -> torch.Tensor:
+def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, total_tokens, total_sequences, sequence_tokens, config) -> torch.Tensor:
     """Dr. GRPO: token sums over a constant length (TRL: B * max_completion_length)."""
-    if norm_length is None:
+    if config.norm_length is None:
         raise ValueError("seq_mean_token_sum_norm needs norm_length (a constant number of tokens)")
     sums, _, count = _sequences(per_token, mask, total_sequences)
-    return sums.sum() / (count * norm_length)
+    return sums.sum() / (count * config.norm_length)
 
 
 AGGREGATIONS.check_implemented()  # (`loss.aggregation` by name: the functions above, registered as the config declares them)
@@ -88,22 +87,23 @@ AGGREGATIONS.check_implemented()  # (`loss.aggregation` by name: the functions a
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
-    how: Aggregation,
+    how: LossSettings | str,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
-    norm_length: int | None = None,
     sequence_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar; how each trajectory is weighted differs (see tests).
+    """Reduce a [B, T] loss to a scalar as the settings' aggregation does (`how`: its name alone); how each
+    trajectory is weighted differs (see tests).
 
     With `total_tokens` / `total_sequences` (the whole step's counts) a micro-batch's result is its
     share of the step's loss, so the shares of all micro-batches add up to the loss of the whole batch.
     A trajectory trained as several sequences (its chains) weighs as one: `total_sequences` then counts
     trajectories, and `sequence_tokens` [B] gives each row its trajectory's tokens over all its chains.
     """
+    config = loss_settings(aggregation=how) if isinstance(how, str) else how
     per_token = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))  # padding may hold anything
     mask = mask.to(per_token.dtype)
-    return AGGREGATIONS[how](per_token, mask, total_tokens, total_sequences, norm_length, sequence_tokens)
+    return AGGREGATIONS[config.aggregation](per_token, mask, total_tokens, total_sequences, sequence_tokens, config)
 
 
 # k3 per token is capped at 10, as verl's `low_var_kl` (kl_penalty in core_algos.py): unbounded it reaches e^20
@@ -116,7 +116,7 @@ KL_ESTIMATORS.register("k3")(lambda log_ratio: (torch.exp(log_ratio) - log_ratio
 KL_ESTIMATORS.check_implemented()
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(π_θ || π_ref) from samples of π_θ."""
     return KL_ESTIMATORS[estimator]((ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
@@ -131,27 +131,28 @@ class Correction:
 
 
 # `loss.correction` by name (verl's rollout correction; trainer/config.CORRECTIONS declares the built-ins).
-CORRECTIONS.register("none")(CorrectionRule(False, lambda rho, cap: torch.ones_like(rho)))
-CORRECTIONS.register("tis")(CorrectionRule(False, lambda rho, cap: rho.clamp(max=cap)))  # truncated importance sampling
-CORRECTIONS.register("mis")(CorrectionRule(True, lambda rho, cap: rho))  # masked: weight ρ, rejected outside the bounds
-CORRECTIONS.register("rejection")(CorrectionRule(True, lambda rho, cap: torch.ones_like(rho)))  # verl's rollout_rs alone
+def _outside_bounds(rho: torch.Tensor, config: LossSettings) -> torch.Tensor:
+    """ρ above the cap C, or (two_sided) below 1/C: `RejectionSettings`."""
+    outside = rho > config.correction_cap
+    return outside | (rho < 1.0 / config.correction_cap) if config.correction_bounds == "two_sided" else outside
+
+
+CORRECTIONS.register("none")(CorrectionRule(lambda rho, config: torch.ones_like(rho)))
+CORRECTIONS.register("tis")(CorrectionRule(lambda rho, config: rho.clamp(max=config.correction_cap)))  # truncated importance sampling
+CORRECTIONS.register("mis")(CorrectionRule(lambda rho, config: rho, _outside_bounds))  # masked: weight ρ, rejected outside the bounds
+CORRECTIONS.register("rejection")(CorrectionRule(lambda rho, config: torch.ones_like(rho), _outside_bounds))  # verl's rollout_rs alone
 CORRECTIONS.check_implemented()
 
 
-def off_policy_correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Correction:
+def off_policy_correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, config: LossSettings) -> Correction:
     m = mask.bool()
     log_rho = torch.where(m, old_logp - behaviour_logp, torch.zeros_like(old_logp)).detach()
     if config.correction_level == "sequence":
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(old_logp)
     rho = torch.exp(log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     rule = CORRECTIONS[config.correction]
-    kept = m.clone()
-    if rule.rejects:
-        outside = rho > config.correction_cap
-        if config.correction_bounds == "two_sided":
-            outside |= rho < 1.0 / config.correction_cap
-        kept &= ~outside
-    weight = rule.weight(rho, config.correction_cap)
+    kept = m & ~rule.outside(rho, config) if rule.outside is not None else m.clone()
+    weight = rule.weight(rho, config)
     return Correction(torch.where(kept, weight, torch.zeros_like(weight)), kept, torch.where(m, rho, torch.ones_like(rho)))
 
 
@@ -166,7 +167,7 @@ class LossOutput:
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-def _clip(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig, dual_clip: float | None) -> Surrogate:
+def _clip(ratio: torch.Tensor, advantages: torch.Tensor, config: LossSettings, dual_clip: float | None) -> Surrogate:
     """PPO's pessimistic clip of a ratio r: max(-r A, -clip(r, 1 - low, 1 + high) A), and for A < 0 at most
     `dual_clip` |A| (no gradient beyond)."""
     per_token = torch.maximum(-ratio * advantages, -ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * advantages)
@@ -180,13 +181,13 @@ def _clip(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig, dua
 
 
 @POLICY_LOSSES.register("vanilla")
-def _vanilla(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+def _vanilla(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossSettings) -> Surrogate:
     """Each token's own ratio π_θ/π_old, clipped and dual-clipped (verl's `vanilla`, TRL's token level)."""
     return _clip(torch.exp((logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), advantages, config, config.clip_ratio_c)
 
 
 @POLICY_LOSSES.register("gspo")
-def _gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+def _gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossSettings) -> Surrogate:
     """GSPO (Zheng et al. 2025; verl's `gspo`): a row's ratio s is the geometric mean of its tokens' ratios,
     exp(mean log π_θ/π_old over its masked tokens), one value for the whole row, so one token far off-policy
     cannot clip or inflate alone. Each token carries s with its own gradient (GSPO-token: s · π_θ/sg(π_θ)),
@@ -207,7 +208,7 @@ def policy_loss(
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    config: LossConfig = LossConfig(),
+    config: LossSettings | None = None,
     ref_logp: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
@@ -219,6 +220,7 @@ def policy_loss(
     correction keeps. `advantages` is [B] or [B, T].
     `correction` (from `off_policy_correction`) may be computed once per micro-batch by the caller, whose
     `total_tokens` / `total_sequences` must then count the kept tokens and the sequences that have any."""
+    config = config or loss_settings()
     for name, t in (("logp", logp), ("old_logp", old_logp), ("behaviour_logp", behaviour_logp)):
         if not torch.isfinite(t[mask.bool()]).all():
             raise ValueError(f"{name} has NaN or inf on action tokens; refusing the update")
@@ -238,7 +240,7 @@ def policy_loss(
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         kl = kl_penalty(logp, ref_logp, config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-    loss = aggregate(per_token, kept, config.aggregation, total_tokens, total_sequences, config.norm_length, sequence_tokens)
+    loss = aggregate(per_token, kept, config, total_tokens, total_sequences, sequence_tokens)
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)

@@ -17,7 +17,7 @@ from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.checkpoint import weights_sha256
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
-from loopline.trainer.losses import LossConfig
+from loopline.trainer.losses import loss_settings
 from tests.factories import kept_for_backward
 
 PROMPTS = [[1, 87, 85, 261, 201], [1, 67, 85, 85, 277, 86], [1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55]]
@@ -139,8 +139,8 @@ def test_reusing_the_loss_forward_as_pi_old_makes_the_same_update(tiny_dirs, bat
     reject nothing and TIS with a cap no ratio reaches compute the same loss; MIS keeps the separate pass."""
 
     wide = dict(correction_cap=1e9)
-    reused = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=LossConfig(correction="tis", **wide)), backend="torch")
-    separate = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=LossConfig(correction="mis", **wide)), backend="torch")
+    reused = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=loss_settings(correction="tis", **wide)), backend="torch")
+    separate = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, micro_batch_tokens=64, loss=loss_settings(correction="mis", **wide)), backend="torch")
     a, b = reused.rl_step(batch), separate.rl_step(batch)
     assert torch.allclose(reused.parameters_vector(), separate.parameters_vector(), atol=1e-7)
     assert a.metrics["logprob_abs_diff"] == pytest.approx(b.metrics["logprob_abs_diff"], abs=1e-6)
@@ -217,7 +217,7 @@ def test_gspo_moves_the_policy_as_vanilla_on_its_first_optimizer_step_and_apart_
     gradient, so GSPO's update is vanilla PPO's to the bit. From the second minibatch on, π_θ has moved: GSPO's
     ratios are its sequences' geometric means, vanilla's each token's own, and the updates differ."""
     def trained(mode: str, minibatches: int) -> tuple[torch.Tensor, dict]:
-        config = LearnerConfig(lr=1e-2, micro_batch_tokens=30, minibatches=minibatches, loss=LossConfig(policy_loss=mode, clip_low=3e-4, clip_high=4e-4))
+        config = LearnerConfig(lr=1e-2, micro_batch_tokens=30, minibatches=minibatches, loss=loss_settings(policy_loss=mode, clip_low=3e-4, clip_high=4e-4))
         learner = Learner(tiny_dirs["v0"], config, backend="torch")
         metrics = learner.rl_step(batch).metrics
         return learner.parameters_vector(), metrics
@@ -275,7 +275,7 @@ DS_WORKER = """
 import json, sys, torch
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
-from loopline.trainer.losses import LossConfig
+from loopline.trainer.losses import loss_settings
 model_dir, data, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
 batch = [TrainSequence(None, g, r, tuple(i), tuple(m), tuple(mu)) for g, r, i, m, mu in json.load(open(data))]
 learner = Learner(model_dir, LearnerConfig(lr=1e-3, micro_batch_tokens=64, zero_stage=2), backend="deepspeed")
@@ -394,10 +394,10 @@ def test_kl_to_the_reference_is_zero_at_first_then_the_hand_computed_k3_of_the_m
     from transformers import AutoModelForCausalLM
 
     from loopline.trainer.batch import pad
-    from loopline.trainer.losses import LossConfig
+    from loopline.trainer.losses import loss_settings
 
     seqs = shared_prompt_batch()
-    learner = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.05)), backend="torch")
+    learner = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-2, loss=loss_settings(kl_coef=0.05)), backend="torch")
     assert learner.rl_step(seqs).metrics["kl_ref"] == 0.0  # π_θ = π_ref until the first update
 
     b = pad(seqs, list(range(len(seqs))))

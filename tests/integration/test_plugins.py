@@ -19,7 +19,7 @@ from tests.integration.test_chaos import ROOT, _checked_run, _rows, _small_run
 
 EXAMPLE = ROOT / "examples" / "plugins" / "my_components.py"  # (the module docs/how-to/extend.md shows)
 # What the test adds to it: each process that uses a component notes itself (a rollout worker uses the plugin's
-# engine, with its setting from the config; the loss and the tracker are the trainer's).
+# engine, the learner ranks its loss, each with its setting from the config; the tracker is the trainer's).
 OBSERVED = """
 
 import os as _os
@@ -34,9 +34,9 @@ def _mark(component):
 _cispo = POLICY_LOSSES["cispo"]
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", settings=CispoSettings)
 def _observed_cispo(*args):
-    _mark("loss")
+    _mark(f"loss-lower_bound={args[-1].lower_bound}")
     return _cispo(*args)
 
 
@@ -57,7 +57,7 @@ def _plugin_run(tmp_path: Path, tiny, database_url: str) -> tuple[Path, dict, st
     settings = yaml.safe_load(config.read_text())
     settings |= {"imports": ["my_components"], "steps": 2, "engine": {"kind": "capped_local", "max_batch": 3}, "tracking": ["jsonl"]}
     settings["rollout"] |= {"local_rollout": False}
-    settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "cispo"}}
+    settings["learner"] |= {"zero_stage": 1, "launch": {"ranks_per_node": 2}, "loss": {"policy_loss": "cispo", "lower_bound": False}}
     config.write_text(yaml.safe_dump(settings))
     env |= {"TOY_PLUGIN_MARKS": str(tmp_path / "marks.txt")}
     return config, env, name
@@ -96,7 +96,7 @@ def test_a_plugin_named_in_imports_trains_on_two_learner_ranks_and_a_rollout_wor
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=60)
     marks = [line.split(" ", 3) for line in (tmp_path / "marks.txt").read_text().splitlines()]
-    loss_ranks = {(pid, rank) for component, pid, rank, _ in marks if component == "loss"}
+    loss_ranks = {(pid, rank) for component, pid, rank, _ in marks if component == "loss-lower_bound=False"}  # (its setting from the config)
     assert {rank for _, rank in loss_ranks} == {"0", "1"} and len({pid for pid, _ in loss_ranks}) == 2, marks
     assert any(component == "engine-max_batch=3" and argv.startswith("worker") and int(pid) == worker.pid for component, pid, _, argv in marks), marks
     run_id = _checked_run(db, name)

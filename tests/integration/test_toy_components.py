@@ -15,7 +15,7 @@ from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest
 from loopline.rollout.local_engine import LocalEngine
 from loopline.trainer.backends import BACKENDS, TorchBackend
-from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, LossConfig, Surrogate
+from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageSettings, LossSettings, Surrogate
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.trainer.losses import CorrectionRule
 from tests.integration.test_learner import rollout_sequences
@@ -24,13 +24,13 @@ CALLED: set[str] = set()
 
 
 @ESTIMATORS.register("toy_sign")
-def _sign(group: torch.Tensor, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _sign(group: torch.Tensor, config: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     CALLED.add("estimator")
     return torch.sign(group - group.mean()), group.new_zeros(())
 
 
 @POLICY_LOSSES.register("toy_reinforce")
-def _reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> Surrogate:
+def _reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossSettings) -> Surrogate:
     CALLED.add("policy loss")
     ratio = torch.exp(logp - old_logp)  # (unclipped: REINFORCE with importance weights)
     nothing = torch.zeros_like(mask, dtype=torch.bool)
@@ -38,7 +38,7 @@ def _reinforce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
 
 
 @AGGREGATIONS.register("toy_sum")
-def _sum(per_token, mask, total_tokens, total_sequences, norm_length, sequence_tokens=None):
+def _sum(per_token, mask, total_tokens, total_sequences, sequence_tokens, config):
     CALLED.add("aggregation")
     return per_token.sum() / 1000.0
 
@@ -49,12 +49,12 @@ def _half_square(log_ratio: torch.Tensor) -> torch.Tensor:
     return 0.5 * log_ratio**2
 
 
-def _unit(rho: torch.Tensor, cap: float) -> torch.Tensor:
+def _unit(rho: torch.Tensor, config: LossSettings) -> torch.Tensor:
     CALLED.add("correction")
     return torch.ones_like(rho)
 
 
-CORRECTIONS.register("toy_unit")(CorrectionRule(False, _unit))
+CORRECTIONS.register("toy_unit")(CorrectionRule(_unit))
 
 
 def _toy_engine(request: EngineRequest) -> EngineThread:
@@ -105,10 +105,10 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
 
     config = parse_config({"name": "toys", "env": "env.yaml", "learner": TOY_LEARNER, "engine": TOY_ENGINE, "tracking": TOY_TRACKING}, "run.yaml")
     assert (config.learner.advantage.estimator, config.learner.loss.correction) == ("toy_sign", "toy_unit")
-    schema = RunConfig.model_json_schema()["$defs"]
-    assert "toy_sign" in schema["AdvantageConfig"]["properties"]["estimator"]["enum"]
-    assert "toy_half_square" in schema["LossConfig"]["properties"]["kl_estimator"]["enum"]
-    assert "toy_reinforce" in schema["LossConfig"]["properties"]["policy_loss"]["enum"]
+    learner = RunConfig.model_json_schema()["properties"]["learner"]["anyOf"][0]["allOf"][0]["properties"]  # (an editor's view)
+    assert "toy_sign" in learner["advantage"]["anyOf"][0]["allOf"][0]["properties"]["estimator"]["enum"]
+    assert "toy_half_square" in learner["loss"]["properties"]["kl_estimator"]["enum"]
+    assert "toy_reinforce" in learner["loss"]["properties"]["policy_loss"]["enum"]
     engines = RunConfig.model_json_schema()["properties"]["engine"]["anyOf"]
     assert {"const": "toy_local"} in [e["allOf"][1]["properties"]["kind"] for e in engines] and config.engine.in_process
     learners = RunConfig.model_json_schema()["properties"]["learner"]["anyOf"]

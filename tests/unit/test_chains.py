@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from loopline.trainer.advantages import AdvantageConfig, compute_advantages
+from loopline.trainer.advantages import advantage_settings, compute_advantages
 from loopline.trainer.batch import TrainSequence, batch_metrics, sequences_from_trajectory, trajectory_index
 from loopline.trainer.losses import aggregate
 from loopline.types import StoredSegment, StoredTrajectory, TrainedSample, chains, first_chain_break
@@ -48,7 +48,7 @@ def test_each_chain_is_one_sequence_with_its_own_tokens_masks_and_logprobs():
 def test_a_trajectorys_advantage_is_computed_once_whatever_its_chains():
     # group g: rewards 1 (two chains) and 0 (one chain). Per trajectory: mean 0.5, population std 0.5: +1 and -1.
     # Counting chains as samples would give mean 2/3 and other advantages.
-    adv = compute_advantages([1.0, 0.0], ["g", "g"], AdvantageConfig(std="population")).per_sequence([0, 0, 1])
+    adv = compute_advantages([1.0, 0.0], ["g", "g"], advantage_settings(std="population")).per_sequence([0, 0, 1])
     assert adv.values.tolist() == pytest.approx([1.0, 1.0, -1.0], abs=1e-5)  # (std + eps)
     assert adv.group_mean.tolist() == [0.5, 0.5, 0.5] and adv.groups == 1
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loopline.trainer.advantages import AdvantageConfig, compute_advantages
-from loopline.trainer.losses import LossConfig, aggregate, kl_penalty, policy_loss
+from loopline.trainer.advantages import advantage_settings, compute_advantages
+from loopline.trainer.losses import aggregate, loss_settings, kl_penalty, policy_loss
 
 B, T = 6, 9
 
@@ -56,7 +56,7 @@ def test_ppo_loss_with_dual_clip_equals_verl_vanilla_policy_loss(ours, verl, see
     """= verl `policy_loss.loss_mode=vanilla`, clip_ratio_low 0.2, clip_ratio_high 0.28, clip_ratio_c 3,
     `loss_agg_mode` as named, no rollout correction; tolerance 1e-12."""
     logp, old, behaviour, adv, mask = _inputs(seed)
-    out = policy_loss(logp, old, behaviour, adv, mask, LossConfig(correction="none", aggregation=ours))
+    out = policy_loss(logp, old, behaviour, adv, mask, loss_settings(correction="none", aggregation=ours))
     assert float(out.loss) == pytest.approx(float(_verl_agg(_verl_pg_losses(logp, old, adv), mask, verl)), abs=1e-12)
 
 
@@ -79,7 +79,7 @@ def test_gspo_equals_verl_gspo_loss_and_gradient(clip, seed):
     correction. The loss and its gradient with respect to every log π_θ; tolerance 1e-12."""
     logp, old, behaviour, adv, mask = _inputs(seed)
     logp = (old + (logp - old) * 0.05).requires_grad_()  # sequence ratios about 1 ± 0.03: some clipped, some not
-    ours = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="gspo", correction="none", aggregation="seq_mean_token_mean",
+    ours = policy_loss(logp, old, behaviour, adv, mask, loss_settings(policy_loss="gspo", correction="none", aggregation="seq_mean_token_mean",
                                                                clip_low=clip[0], clip_high=clip[1]))
     (grad,) = torch.autograd.grad(ours.loss, logp)
     theirs = _verl_gspo(logp, old, adv, mask, *clip)
@@ -106,7 +106,7 @@ def test_gspo_equals_trl_sequence_level_importance_sampling(ours, trl, seed):
         theirs = (per_token * m).sum() / m.sum().clamp(min=1.0)
     else:
         theirs = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    ours_out = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="gspo", correction="none", aggregation=ours))
+    ours_out = policy_loss(logp, old, behaviour, adv, mask, loss_settings(policy_loss="gspo", correction="none", aggregation=ours))
     (grad,) = torch.autograd.grad(ours_out.loss, logp)
     (reference,) = torch.autograd.grad(theirs, logp)
     assert float(ours_out.loss) == pytest.approx(float(theirs), abs=1e-12)
@@ -120,7 +120,7 @@ def test_tis_equals_verl_token_level_truncated_importance_sampling(seed):
     logp, old, behaviour, adv, mask = _inputs(seed)
     weights = torch.exp((old - behaviour).clamp(-20, 20)).clamp(max=2.0)
     reference = _verl_agg(_verl_pg_losses(logp, old, adv) * weights, mask, "token-mean")
-    out = policy_loss(logp, old, behaviour, adv, mask, LossConfig(correction="tis", correction_cap=2.0))
+    out = policy_loss(logp, old, behaviour, adv, mask, loss_settings(correction="tis", correction_cap=2.0))
     assert float(out.loss) == pytest.approx(float(reference), abs=1e-12)
 
 
@@ -137,7 +137,7 @@ def test_two_sided_mis_equals_verl_is_weights_with_rejection(level, seed):
     rho = torch.exp(log_rho.clamp(-20, 20))
     kept = mask.bool() & (rho >= 0.5) & (rho <= 2.0)
     reference = _verl_agg(_verl_pg_losses(logp, old, adv) * rho, kept, "token-mean")
-    cfg = LossConfig(correction="mis", correction_level=level, correction_cap=2.0, correction_bounds="two_sided")
+    cfg = loss_settings(correction="mis", correction_level=level, correction_cap=2.0, correction_bounds="two_sided")
     out = policy_loss(logp, old, behaviour, adv, mask, cfg)
     assert kept.any() and float(out.loss) == pytest.approx(float(reference), abs=1e-12)
 
@@ -150,8 +150,8 @@ def test_grpo_advantage_equals_verl_grpo_outcome_advantage(seed):
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 3, (24,), generator=g).double().tolist()
     groups = [i // 6 for i in range(24)]
-    ours = compute_advantages(rewards, groups, AdvantageConfig()).values
-    mean_only = compute_advantages(rewards, groups, AdvantageConfig(estimator="dr_grpo")).values
+    ours = compute_advantages(rewards, groups, advantage_settings()).values
+    mean_only = compute_advantages(rewards, groups, advantage_settings(estimator="dr_grpo")).values
     r = torch.tensor(rewards, dtype=torch.float64).view(4, 6)
     for k in range(4):
         row = r[k]
@@ -169,7 +169,7 @@ def test_seq_mean_token_sum_norm_equals_trl_dr_grpo_loss(seed):
     _, _, _, _, mask = _inputs(seed)
     per_token = torch.randn(B, T, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     trl = (per_token * mask).sum() / (B * 32)
-    assert float(aggregate(per_token, mask, "seq_mean_token_sum_norm", norm_length=32)) == pytest.approx(float(trl), abs=1e-12)
+    assert float(aggregate(per_token, mask, loss_settings(aggregation="seq_mean_token_sum_norm", norm_length=32))) == pytest.approx(float(trl), abs=1e-12)
 
 
 def test_k3_kl_equals_verl_low_var_kl_and_trl_per_token_kl():
@@ -198,8 +198,12 @@ def test_the_extend_pages_cispo_equals_verl_cispo_loss_and_gradient(seed, monkey
     logp = logp.clone().requires_grad_()
     ratio = torch.exp((logp - old).clamp(-20, 20))
     theirs = _verl_agg(-ratio.clamp(1 - 0.2, 1 + 0.28).detach() * adv[:, None] * logp, mask, "token-mean")
-    ours = policy_loss(logp, old, behaviour, adv, mask, LossConfig(policy_loss="cispo", correction="none"))
+    ours = policy_loss(logp, old, behaviour, adv, mask, loss_settings(policy_loss="cispo", correction="none"))
     assert float(ours.loss) == pytest.approx(float(theirs), abs=1e-12)
     (grad,) = torch.autograd.grad(ours.loss, logp)
     (reference,) = torch.autograd.grad(theirs, logp)
     assert torch.allclose(grad, reference, atol=1e-12, rtol=0) and ours.metrics["clip_fraction"] > 0
+    # its own setting: lower_bound false bounds the weight above only (MiniMax-M1's ε_low large)
+    above_only = policy_loss(logp, old, behaviour, adv, mask, loss_settings(policy_loss="cispo", correction="none", lower_bound=False))
+    expected = _verl_agg(-ratio.clamp(max=1 + 0.28).detach() * adv[:, None] * logp, mask, "token-mean")
+    assert float(above_only.loss) == pytest.approx(float(expected), abs=1e-12) and bool((ratio[mask.bool()] < 0.8).any())

@@ -373,7 +373,8 @@ def test_loopline_schema_prints_the_run_configs_json_schema_that_validates_the_e
 def test_every_run_config_and_env_spec_setting_says_what_it_is_for():
     """`loopline schema`, `envreg schema` (an editor's completion) and the docs' reference show each setting's
     description: one without reaches users unexplained. The reference generator refuses it; here it walks every
-    section, the trainer's dataclasses (`learner.loss`, `learner.advantage`, `learner.lora`) included."""
+    section, each component's own settings (`learner.loss`'s vanilla and mis / rejection, `learner.advantage`'s grpo)
+    and the trainer's dataclass (`learner.lora`) included."""
     import sys
 
     from loopline.config import RunConfig
@@ -385,9 +386,10 @@ def test_every_run_config_and_env_spec_setting_says_what_it_is_for():
     finally:
         sys.path.pop(0)
     page = settings_reference(RunConfig, "Run config", "")
-    assert {"## `learner.loss`", "## `learner.advantage`", "## `learner.lora`", "## `engine.launch`"} <= {
-        line.split(" {#")[0] for line in page.splitlines()}
-    assert "| `clip_high` | float | `0.28` |" in page
+    assert {"## `learner.loss` (every policy_loss, correction, aggregation, kl_estimator)", "## `learner.loss` (policy_loss: vanilla: these as well)",
+            "## `learner.loss` (correction: mis / rejection: these as well)", "## `learner.advantage` (estimator: grpo: these as well)",
+            "## `learner.lora`", "## `engine.launch`"} <= {line.split(" {#")[0] for line in page.splitlines()}
+    assert "| `clip_high` | float | `0.28` |" in page and "| `correction_bounds` | `upper` / `two_sided` | `\"upper\"` |" in page
     settings_reference(EnvSpec, "Environment spec", "")
 
 
@@ -414,7 +416,7 @@ def test_an_engine_brings_its_own_settings_and_a_config_stored_before_that_still
     assert parse_config(config.model_dump(mode="json"), "stored") == config
     with pytest.raises(LooplineError, match=r"run.yaml: engine.max_batch: Input should be greater than or equal to 1"):
         parse_config({**base, "engine": {"kind": "batched", "max_batch": 0}}, "run.yaml")
-    with pytest.raises(LooplineError, match=r"engine.max_batch: not a setting here; it is one of .*engine \(kind: batched\)"):
+    with pytest.raises(LooplineError, match=r"engine.max_batch: not a setting here; it is one of .*engine \(kind: (.* / )?batched\)"):
         parse_config({**base, "engine": {"kind": "local", "max_batch": 2}}, "run.yaml")
     schema = RunConfig.model_json_schema()["properties"]["engine"]["anyOf"]
     assert any("max_batch" in e["allOf"][0]["properties"] for e in schema)
@@ -423,6 +425,31 @@ def test_an_engine_brings_its_own_settings_and_a_config_stored_before_that_still
     assert parse_config(stored, "stored") == parse_config(base, "run.yaml")
     with pytest.raises(LooplineError, match="engine.servers: not a setting here"):  # (not at its default: another engine's)
         parse_config({**stored, "engine": {**stored["engine"], "servers": ["http://h:1"]}}, "stored")
+
+
+def test_a_loss_an_estimator_a_correction_and_an_aggregation_bring_their_own_settings():
+    """`learner.loss` is validated by the models of the loss, correction and aggregation it names, combined;
+    `learner.advantage` by its estimator's. A setting of a component the section does not choose is refused naming
+    the one it belongs to (GSPO has no dual clip; RLOO divides by no std): it was accepted and ignored. A config
+    stored before (every component's fields, at their defaults) reads as the same config."""
+    config = _config(learner={"loss": {"correction": "mis", "correction_bounds": "two_sided", "aggregation": "seq_mean_token_sum_norm"}})
+    loss = config.learner_config().loss
+    assert (loss.clip_ratio_c, loss.correction_bounds, loss.norm_length) == (3.0, "two_sided", 48)  # (L: sampling.max_new_tokens)
+    assert config.learner.loss.norm_length is None and config == _config(learner={"loss": dict(config.learner.loss)})
+    for learner, message in (
+        ({"loss": {"policy_loss": "gspo", "clip_ratio_c": None}}, r"loss.clip_ratio_c: not a setting here; it is one of learner.loss \(policy_loss: vanilla\)"),
+        ({"loss": {"correction_bounds": "two_sided"}}, r"loss.correction_bounds: not a setting here; it is one of learner.loss \(correction: mis / rejection\)"),
+        ({"loss": {"norm_length": 64}}, r"loss.norm_length: not a setting here; it is one of learner.loss \(aggregation: seq_mean_token_sum_norm\)"),
+        ({"advantage": {"estimator": "rloo", "eps": 1e-4}}, r"advantage.eps: not a setting here; it is one of learner.advantage \(estimator: grpo\)"),
+        ({"advantage": {"eps": -1}}, r"learner.advantage.eps: Input should be greater than or equal to 0"),
+        ({"loss": {"correction": "rejection", "correction_bounds": "two_sided", "correction_cap": 0.5}}, "a two-sided rejection needs correction_cap > 1"),
+    ):
+        with pytest.raises(LooplineError, match=message):
+            _config(learner=learner)
+    stored = _config(learner={"loss": {"policy_loss": "gspo"}, "advantage": {"estimator": "rloo"}}).model_dump(mode="json")
+    stored["learner"]["loss"] |= {"clip_ratio_c": 3.0, "correction_bounds": "upper", "norm_length": None}  # (as stored before)
+    stored["learner"]["advantage"] |= {"std": "sample", "eps": 1e-6}
+    assert parse_config(stored, "stored") == _config(learner={"loss": {"policy_loss": "gspo"}, "advantage": {"estimator": "rloo"}})
 
 
 @pytest.mark.parametrize("fork", ["../../x", "a/b", "x" * 300])

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from loopline.trainer.advantages import AdvantageConfig, compute_advantages
-from loopline.trainer.losses import LossConfig, aggregate, kl_penalty, logprob_gap, policy_loss
+from loopline.trainer.advantages import advantage_settings, compute_advantages
+from loopline.trainer.losses import aggregate, kl_penalty, logprob_gap, loss_settings, policy_loss
 
 
 def _adv(rewards, groups=None, **kw):
-    return compute_advantages(rewards, groups or ["g"] * len(rewards), AdvantageConfig(**kw))
+    return compute_advantages(rewards, groups or ["g"] * len(rewards), advantage_settings(**kw))
 
 
 def test_grpo_seed_case_population_std():
@@ -53,19 +53,19 @@ def test_behaviour_policy_is_kept_apart_from_the_recomputed_one():
     """μ = 0.20, π_θ = 0.24: the off-policy ratio is 1.2. A recomputed 0.23 in the denominator gives 1.043."""
     logp, old, mu, mask, adv = _t(math.log(0.24)), _t(math.log(0.23)), _t(math.log(0.20)), _t(1), torch.tensor([1.0], dtype=torch.float64)
     wide = dict(clip_low=0.9, clip_high=9.0, correction_cap=100.0)
-    right = policy_loss(logp, old, mu, adv, mask, LossConfig(correction="tis", **wide))
+    right = policy_loss(logp, old, mu, adv, mask, loss_settings(correction="tis", **wide))
     assert float(right.loss) == pytest.approx(-1.2)  # (π_old/μ)·(π_θ/π_old) = π_θ/μ
-    bug = policy_loss(logp, old, old, adv, mask, LossConfig(correction="none", **wide))
+    bug = policy_loss(logp, old, old, adv, mask, loss_settings(correction="none", **wide))
     assert float(bug.loss) == pytest.approx(-0.24 / 0.23) and float(bug.loss) == pytest.approx(-1.0435, abs=1e-4)
 
 
 def test_ppo_clip_is_asymmetric_and_pessimistic():
     mask = _t(1)
-    up = policy_loss(_t(math.log(1.5)), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, LossConfig(clip_high=0.28, correction="none"))
+    up = policy_loss(_t(math.log(1.5)), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, loss_settings(clip_high=0.28, correction="none"))
     assert float(up.loss) == pytest.approx(-1.28) and up.metrics["clip_fraction"] == 1.0
-    down = policy_loss(_t(math.log(0.5)), _t(0.0), _t(0.0), torch.tensor([-1.0], dtype=torch.float64), mask, LossConfig(clip_low=0.2, correction="none"))
+    down = policy_loss(_t(math.log(0.5)), _t(0.0), _t(0.0), torch.tensor([-1.0], dtype=torch.float64), mask, loss_settings(clip_low=0.2, correction="none"))
     assert float(down.loss) == pytest.approx(0.8)  # min(-0.5, -0.8) = -0.8 -> loss 0.8
-    inside = policy_loss(_t(math.log(1.1)), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, LossConfig(correction="none"))
+    inside = policy_loss(_t(math.log(1.1)), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, loss_settings(correction="none"))
     assert float(inside.loss) == pytest.approx(-1.1) and inside.metrics["clip_fraction"] == 0.0
 
 
@@ -73,8 +73,8 @@ def test_tis_truncates_and_mis_masks_large_behaviour_ratios():
     logp = old = _t(math.log(0.3))
     mu = _t(math.log(0.1))  # π_old / μ = 3
     adv = torch.tensor([1.0], dtype=torch.float64)
-    tis = policy_loss(logp, old, mu, adv, _t(1), LossConfig(correction="tis", correction_cap=2.0))
-    mis = policy_loss(logp, old, mu, adv, _t(1), LossConfig(correction="mis", correction_cap=2.0))
+    tis = policy_loss(logp, old, mu, adv, _t(1), loss_settings(correction="tis", correction_cap=2.0))
+    mis = policy_loss(logp, old, mu, adv, _t(1), loss_settings(correction="mis", correction_cap=2.0))
     assert float(tis.loss) == pytest.approx(-2.0) and float(mis.loss) == pytest.approx(0.0)
     assert tis.metrics["correction_capped_fraction"] == 1.0
 
@@ -101,7 +101,7 @@ def test_kl_estimators():
 def test_masked_tokens_do_not_count_and_gradients_reach_only_the_policy():
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     mu = torch.tensor([[math.log(0.5), float("nan")]], dtype=torch.float64)  # NaN under mask 0 is ignored
-    out = policy_loss(logp, logp.detach(), mu, torch.tensor([2.0], dtype=torch.float64), torch.tensor([[1, 0]]), LossConfig())
+    out = policy_loss(logp, logp.detach(), mu, torch.tensor([2.0], dtype=torch.float64), torch.tensor([[1, 0]]), loss_settings())
     out.loss.backward()
     assert float(out.loss.detach()) == pytest.approx(-2.0) and logp.grad[0, 1] == 0 and logp.grad[0, 0] == pytest.approx(-2.0)
 
@@ -123,9 +123,10 @@ def test_micro_batch_shares_add_up_to_the_whole_batch_loss(how):
     per_token = torch.randn(5, 7, dtype=torch.float64)
     mask = (torch.rand(5, 7) > 0.3).long()
     mask[2] = 0  # a sequence without action tokens counts for nothing
-    whole = aggregate(per_token, mask, how, norm_length=16)
+    config = loss_settings(aggregation=how, **({"norm_length": 16} if how == "seq_mean_token_sum_norm" else {}))
+    whole = aggregate(per_token, mask, config)
     tokens, seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
-    parts = [aggregate(per_token[r], mask[r], how, tokens, seqs, norm_length=16) for r in (slice(0, 2), slice(2, 5))]
+    parts = [aggregate(per_token[r], mask[r], config, tokens, seqs) for r in (slice(0, 2), slice(2, 5))]
     assert float(sum(parts)) == pytest.approx(float(whole))
 
 
@@ -161,19 +162,19 @@ def _ratios(*rho):
 def test_mis_weights_kept_tokens_by_the_ratio_and_rejects_the_rest():
     old, mu = _ratios(1.5, 3.0)  # C = 2: the first is kept with weight 1.5, the second rejected
     mask = _t(1, 1)
-    mis = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="mis", correction_cap=2.0, clip_ratio_c=None))
+    mis = policy_loss(old, old, mu, ONE, mask, loss_settings(correction="mis", correction_cap=2.0, clip_ratio_c=None))
     assert float(mis.loss) == pytest.approx(-1.5)  # (-1 * 1.5) / 1 kept token: the rejected one left the denominator
     assert mis.metrics["rejected_fraction"] == 0.5 and mis.metrics["correction_weight_mean"] == pytest.approx(1.5)
-    pure = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="rejection", correction_cap=2.0))
+    pure = policy_loss(old, old, mu, ONE, mask, loss_settings(correction="rejection", correction_cap=2.0))
     assert float(pure.loss) == pytest.approx(-1.0)  # verl's pure rejection: kept tokens weigh 1
-    tis = policy_loss(old, old, mu, ONE, mask, LossConfig(correction="tis", correction_cap=2.0))
+    tis = policy_loss(old, old, mu, ONE, mask, loss_settings(correction="tis", correction_cap=2.0))
     assert float(tis.loss) == pytest.approx((-1.5 - 2.0) / 2)  # nothing rejected, 3 truncated to 2
 
 
 def test_two_sided_bounds_reject_ratios_below_one_over_c():
     old, mu = _ratios(0.4, 1.0)  # 1/C = 0.5
-    upper = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0))
-    both = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0, correction_bounds="two_sided"))
+    upper = policy_loss(old, old, mu, ONE, _t(1, 1), loss_settings(correction="mis", correction_cap=2.0))
+    both = policy_loss(old, old, mu, ONE, _t(1, 1), loss_settings(correction="mis", correction_cap=2.0, correction_bounds="two_sided"))
     assert float(upper.loss) == pytest.approx((-0.4 - 1.0) / 2) and float(both.loss) == pytest.approx(-1.0)
 
 
@@ -182,17 +183,17 @@ def test_sequence_level_mis_uses_the_product_of_the_token_ratios():
     old = torch.tensor([[math.log(1.5), math.log(1.5)], [math.log(1.2), math.log(0.9)]], dtype=torch.float64)
     mu = torch.zeros(2, 2, dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    cfg = LossConfig(correction="mis", correction_level="sequence", correction_cap=2.0)
+    cfg = loss_settings(correction="mis", correction_level="sequence", correction_cap=2.0)
     out = policy_loss(old, old, mu, adv, torch.ones(2, 2), cfg)
     assert float(out.loss) == pytest.approx(-1.08) and out.metrics["rejected_fraction"] == 0.5
-    seq_mean = policy_loss(old, old, mu, adv, torch.ones(2, 2), LossConfig(correction="mis", correction_level="sequence", aggregation="seq_mean_token_sum"))
+    seq_mean = policy_loss(old, old, mu, adv, torch.ones(2, 2), loss_settings(correction="mis", correction_level="sequence", aggregation="seq_mean_token_sum"))
     assert float(seq_mean.loss) == pytest.approx(-2 * 1.08)  # one sequence left: the rejected one is out of the count
 
 
 def test_rejected_tokens_carry_no_kl_term():
     old, mu = _ratios(1.0, 3.0)
     ref = _t(math.log(0.5), math.log(0.5))  # KL k1 per token = log π_θ - log π_ref = 0 - log 0.5 = log 2 on both
-    cfg = LossConfig(correction="mis", correction_cap=2.0, kl_coef=0.1, kl_estimator="k1")
+    cfg = loss_settings(correction="mis", correction_cap=2.0, kl_coef=0.1, kl_estimator="k1")
     out = policy_loss(old, old, mu, ONE, _t(1, 1), cfg, ref_logp=ref)
     assert float(out.loss) == pytest.approx(-1.0 + 0.1 * math.log(2))  # only the kept token: surrogate and KL
 
@@ -200,15 +201,15 @@ def test_rejected_tokens_carry_no_kl_term():
 def test_dual_clip_caps_the_loss_of_negative_advantages_with_no_gradient():
     logp = torch.tensor([[math.log(5.0)]], dtype=torch.float64, requires_grad=True)  # r = 5
     zero = _t(0.0)
-    out = policy_loss(logp, zero, zero, -ONE, _t(1), LossConfig(correction="none"))  # c = 3 by default (verl)
+    out = policy_loss(logp, zero, zero, -ONE, _t(1), loss_settings(correction="none"))  # c = 3 by default (verl)
     out.loss.backward()
     assert float(out.loss.detach()) == pytest.approx(3.0) and float(logp.grad) == 0.0 and out.metrics["dual_clip_fraction"] == 1.0
-    off = policy_loss(logp.detach(), zero, zero, -ONE, _t(1), LossConfig(correction="none", clip_ratio_c=None))
+    off = policy_loss(logp.detach(), zero, zero, -ONE, _t(1), loss_settings(correction="none", clip_ratio_c=None))
     assert float(off.loss) == pytest.approx(5.0)  # max(5, 1.28): the unbounded PPO loss
-    positive = policy_loss(logp.detach(), zero, zero, ONE, _t(1), LossConfig(correction="none"))
+    positive = policy_loss(logp.detach(), zero, zero, ONE, _t(1), loss_settings(correction="none"))
     assert float(positive.loss) == pytest.approx(-1.28)  # A > 0: the ordinary clip, dual clip does not apply
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        LossConfig(clip_ratio_c=1.0)
+        loss_settings(clip_ratio_c=1.0)
 
 
 def test_gspo_clips_the_geometric_mean_of_a_rows_token_ratios_by_hand():
@@ -219,7 +220,7 @@ def test_gspo_clips_the_geometric_mean_of_a_rows_token_ratios_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
     for mode, loss, grads in (("gspo", -1.1, [-0.55, -0.55]), ("vanilla", -1.105, [-0.605, -0.5])):
         logp = torch.tensor([[math.log(1.21), 0.0, 5.0]], dtype=torch.float64, requires_grad=True)
-        out = policy_loss(logp, old, old, ONE, mask, LossConfig(policy_loss=mode, correction="none"))
+        out = policy_loss(logp, old, old, ONE, mask, loss_settings(policy_loss=mode, correction="none"))
         out.loss.backward()
         assert float(out.loss.detach()) == pytest.approx(loss) and logp.grad[0, :2].tolist() == pytest.approx(grads), mode
         assert float(logp.grad[0, 2]) == 0.0
@@ -228,18 +229,18 @@ def test_gspo_clips_the_geometric_mean_of_a_rows_token_ratios_by_hand():
     # dual clip (loss 4, where vanilla's c = 3 caps each token at 3)
     logp = torch.tensor([[math.log(4.0), math.log(4.0)]], dtype=torch.float64, requires_grad=True)
     zeros, both = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
-    up = policy_loss(logp, zeros, zeros, ONE, both, LossConfig(policy_loss="gspo", correction="none"))
+    up = policy_loss(logp, zeros, zeros, ONE, both, loss_settings(policy_loss="gspo", correction="none"))
     (grad,) = torch.autograd.grad(up.loss, logp)
     assert float(up.loss.detach()) == pytest.approx(-1.28) and grad.abs().sum() == 0 and up.metrics["clip_fraction"] == 1.0
-    down = policy_loss(logp, zeros, zeros, -ONE, both, LossConfig(policy_loss="gspo", correction="none"))
+    down = policy_loss(logp, zeros, zeros, -ONE, both, loss_settings(policy_loss="gspo", correction="none"))
     assert float(down.loss.detach()) == pytest.approx(4.0) and down.metrics["dual_clip_fraction"] == 0.0
-    vanilla = policy_loss(logp, zeros, zeros, -ONE, both, LossConfig(correction="none"))
+    vanilla = policy_loss(logp, zeros, zeros, -ONE, both, loss_settings(correction="none"))
     assert float(vanilla.loss.detach()) == pytest.approx(3.0)
 
 
 def test_an_unknown_policy_loss_is_refused_with_the_names_there_are():
     with pytest.raises(ValueError, match="unknown policy loss 'gpso'; did you mean gspo"):
-        LossConfig(policy_loss="gpso")
+        loss_settings(policy_loss="gpso")
 
 
 @pytest.mark.parametrize("log_ratio", [25.0, -25.0, 100.0])
@@ -248,7 +249,7 @@ def test_extreme_log_ratios_give_finite_losses_and_gradients_in_float32(log_rati
     """exp(100) is inf in float32: unclamped, the gradient is NaN even where the loss is finite (clamp at ±20, as verl)."""
     logp = torch.tensor([[log_ratio]], dtype=torch.float32, requires_grad=True)
     zero = torch.zeros(1, 1, dtype=torch.float32)
-    for cfg in (LossConfig(correction="none", clip_ratio_c=None), LossConfig(correction="mis", kl_coef=0.1), LossConfig()):
+    for cfg in (loss_settings(correction="none", clip_ratio_c=None), loss_settings(correction="mis", kl_coef=0.1), loss_settings()):
         out = policy_loss(logp, zero, zero, torch.tensor([sign]), torch.ones(1, 1), cfg, ref_logp=zero)
         (grad,) = torch.autograd.grad(out.loss, logp)
         assert torch.isfinite(out.loss) and torch.isfinite(grad).all(), (cfg, float(out.loss), grad)
@@ -260,7 +261,7 @@ def test_seq_mean_token_sum_norm_divides_by_a_constant_length():
     per_token[0, :20], mask[0, :20] = 1.0, 1
     mask[1, :200] = 1
     # token sums 20 and 0 over (2 sequences x L = 400): whatever the batch's own lengths
-    assert float(aggregate(per_token, mask, "seq_mean_token_sum_norm", norm_length=400)) == pytest.approx(20 / 800)
+    assert float(aggregate(per_token, mask, loss_settings(aggregation="seq_mean_token_sum_norm", norm_length=400))) == pytest.approx(20 / 800)
     with pytest.raises(ValueError, match="needs norm_length"):
         aggregate(per_token, mask, "seq_mean_token_sum_norm")
 
@@ -275,9 +276,9 @@ def test_grpo_default_is_the_sample_std_of_verl_and_trl():
 
 def test_an_all_rejected_batch_has_zero_loss_and_no_nan():
     old, mu = _ratios(5.0, 6.0)
-    out = policy_loss(old, old, mu, ONE, _t(1, 1), LossConfig(correction="mis", correction_cap=2.0))
+    out = policy_loss(old, old, mu, ONE, _t(1, 1), loss_settings(correction="mis", correction_cap=2.0))
     assert float(out.loss) == 0.0 and out.metrics["rejected_fraction"] == 1.0
-    empty = policy_loss(_t(0.0), _t(0.0), _t(0.0), ONE, _t(0), LossConfig())  # a row without action tokens
+    empty = policy_loss(_t(0.0), _t(0.0), _t(0.0), ONE, _t(0), loss_settings())  # a row without action tokens
     assert float(empty.loss) == 0.0
 
 
@@ -327,7 +328,7 @@ def test_a_steps_metrics_combine_as_the_loss_declares_them_and_an_undeclared_one
         Learner._summarise(one_rank, [{**micro[0], "perplexity": 1.0}])
     # and what the loss returns is exactly what it declares
     mask = torch.tensor([[1.0]])
-    returned = policy_loss(_t(0.1), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, LossConfig(kl_coef=0.1), ref_logp=_t(0.0))
+    returned = policy_loss(_t(0.1), _t(0.0), _t(0.0), torch.tensor([1.0], dtype=torch.float64), mask, loss_settings(kl_coef=0.1), ref_logp=_t(0.0))
     assert set(returned.metrics) == {*losses.SUMMED, *losses.MAXIMA, *losses.TOKEN_MEANS}
 
 
