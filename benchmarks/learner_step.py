@@ -54,7 +54,6 @@ def _before(learner_module) -> None:
 
 
 def child(model: str, variant: str, steps: int, backend: str) -> None:
-    import dataclasses
 
     from loopline.trainer import learner as learner_module
     from loopline.trainer.learner import Learner, LearnerConfig
@@ -63,7 +62,7 @@ def child(model: str, variant: str, steps: int, backend: str) -> None:
     loss = loss_settings()
     if variant == "before":
         _before(learner_module)
-        loss = dataclasses.replace(loss, correction="mis", correction_cap=1e30)  # keeps the separate π_old pass, rejects nothing
+        loss = loss_settings(correction="mis", correction_cap=1e30)  # keeps the separate π_old pass, rejects nothing
     learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_tokens=16384, loss=loss), backend=backend)
     times, peak_gb = timed_steps(learner, steps)
     print(json.dumps({"variant": variant, "times": times, "peak_gb": peak_gb}))

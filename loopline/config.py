@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from loopline import plugins
 from loopline.errors import LooplineError
@@ -50,13 +50,44 @@ class Tracker(Protocol):
 
 
 class OpenTracker(Protocol):
-    """`tracking: [name]`: the run's name, id, directory and config (recorded as its parameters) -> its Tracker."""
+    """`tracking: [name]`: the run's name, id, directory and config (recorded as its parameters), and the tracker's
+    settings (`{kind: wandb, project: P}`) -> its Tracker."""
 
-    def __call__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], /) -> Tracker: ...
+    def __call__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackerSettings, /) -> Tracker: ...
 
 
 # the built-ins are tracking.py's
 TRACKERS: Registry[OpenTracker] = Registry("tracker", "tracking", ("tensorboard", "mlflow", "wandb", "trackio"))
+
+
+class TrackerSettings(Settings):
+    """One entry of `tracking:`, a name or `{kind: NAME, ...}`; a tracker's own settings subclass this."""
+
+    kind: Annotated[str, RegistryName(TRACKERS)] = Field(description="the tracker")
+
+
+class MLflowSettings(TrackerSettings):
+    experiment: str = Field("loopline", min_length=1, description="the MLflow experiment the run is logged under (made if missing)")
+
+
+class WandbSettings(TrackerSettings):
+    project: str = Field("loopline", min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user; default: the API key's")
+
+
+class TrackioSettings(TrackerSettings):
+    project: str = Field("loopline", min_length=1, description="the trackio project")
+
+
+TRACKERS.declare_settings("mlflow", MLflowSettings)
+TRACKERS.declare_settings("wandb", WandbSettings)
+TRACKERS.declare_settings("trackio", TrackioSettings)
+TRACKER_SECTION = RegistrySection(TRACKERS)
+
+
+def tracker_settings(entry: str | dict | TrackerSettings) -> TrackerSettings:
+    """One `tracking:` entry (a name: its defaults) as its tracker's settings."""
+    return TRACKER_SECTION.validate(TrackerSettings, {"kind": entry} if isinstance(entry, str) else entry)  # type: ignore[return-value]
 
 log = logging.getLogger(__name__)
 
@@ -273,9 +304,11 @@ class RunConfig(Settings):
     )
     weights: WeightsSettings = Field(WeightsSettings(), description="how each version's weights reach other hosts")
 
-    tracking: list[Annotated[str, RegistryName(TRACKERS)]] = Field(
+    tracking: list[Annotated[TrackerSettings, TRACKER_SECTION]] = Field(
         default_factory=list, description="experiment trackers that also get the ledger's numbers (TRL's report_to, verl's "
-        "trainer.logger); not part of the run's identity: a resume may change them",
+        "trainer.logger), each a name or {kind: NAME, its settings} ({kind: wandb, project: P}); not part of the run's "
+        "identity: a resume may change them",
+        json_schema_extra=lambda schema: schema["items"]["anyOf"].insert(0, {"type": "string", "enum": list(TRACKERS.names)}),  # (a name alone)
     )
 
     @model_validator(mode="before")
@@ -294,10 +327,23 @@ class RunConfig(Settings):
     def _a_run_name(cls, name: str) -> str:
         return run_name(name)
 
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _names_are_sections(cls, value: object) -> object:
+        return [{"kind": entry} if isinstance(entry, str) else entry for entry in value] if isinstance(value, list) else value
+
     @field_validator("tracking")
     @classmethod
-    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+    def _each_tracker_once(cls, value: list[TrackerSettings]) -> list[TrackerSettings]:
+        kinds = [entry.kind for entry in dict.fromkeys(value)]
+        if twice := next((kind for kind in kinds if kinds.count(kind) > 1), None):
+            raise ValueError(f"{twice} is named twice with different settings; keep one")
         return list(dict.fromkeys(value))
+
+    @field_serializer("tracking")
+    def _names_where_defaults(self, value: list[TrackerSettings]) -> list:
+        """A tracker at its defaults is written as its name (as configs were before trackers had settings)."""
+        return [entry.kind if entry.model_dump(exclude_defaults=True) == {"kind": entry.kind} else entry.model_dump() for entry in value]
 
     @model_validator(mode="after")
     def _every_version_on_disk_for_other_processes(self) -> "RunConfig":
@@ -462,6 +508,8 @@ def _sections() -> dict[str, set[str]]:
             sections |= {f"{'.'.join(path)} ({key}: {name})": set(model.model_fields) - set(base.model_fields)
                          for name, model in registry.settings_models(base).items() if model is not base}
     sections["learner.lora"] = {f.name for f in dataclasses.fields(LoraConfig)}
+    sections |= {f"tracking (kind: {name})": set(model.model_fields) - {"kind"}
+                 for name, model in TRACKERS.settings_models(TrackerSettings).items() if model is not TrackerSettings}
     return sections
 
 

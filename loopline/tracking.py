@@ -9,9 +9,9 @@ in the same tracker run, and each tracker first gets what it lacks (`Trackers`).
 installed, its server down) is one warning line and is tried again later: the run never waits or fails for it.
 
 Where they write: TensorBoard under the run's directory (`runs/NAME/tensorboard`); MLflow to
-MLFLOW_TRACKING_URI (default: a SQLite store, `runs/NAME/mlflow.db`), experiment `loopline`; W&B offline unless WANDB_API_KEY or
+MLFLOW_TRACKING_URI (default: a SQLite store, `runs/NAME/mlflow.db`), experiment `loopline` (its `experiment` setting); W&B offline unless WANDB_API_KEY or
 WANDB_MODE says otherwise (files under `runs/NAME/wandb`; `wandb sync` uploads them); trackio to its own
-local store (TRACKIO_DIR), project `loopline`.
+local store (TRACKIO_DIR), project `loopline`; W&B's and trackio's `project` settings say another.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from sqlmodel import Session
 
-from loopline.config import TRACKERS, Tracker  # noqa: F401 (re-exported)
+from loopline.config import TRACKERS, MLflowSettings, Tracker, TrackerSettings, TrackioSettings, WandbSettings, tracker_settings  # noqa: F401 (re-exported)
 from loopline.store import queries
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoard:
-    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
+    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackerSettings):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(workdir / "tensorboard"))
@@ -68,7 +68,7 @@ class MLflow:
     """Through `MlflowClient` (no global active run: the flow's threads share nothing). The tracker run is
     found again by its tag `loopline.run_id`, so a resume goes on in it."""
 
-    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
+    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: MLflowSettings):
         from mlflow.tracking import MlflowClient
 
         # A server that is down is found out in seconds, not after mlflow's default 7 retries over 2 minutes each
@@ -80,9 +80,9 @@ class MLflow:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name("loopline")
+        experiment = self.client.get_experiment_by_name(settings.experiment)
         artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (workdir / "mlartifacts").resolve().as_uri()
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("loopline", artifact_location=artifacts)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment, artifact_location=artifacts)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`loopline.run_id` = '{run_id}'", max_results=1)
         if found:
             self.run = found[0].info.run_id
@@ -108,14 +108,14 @@ class MLflow:
 
 
 class Wandb:
-    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
+    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: WandbSettings):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         (workdir / "wandb").mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
         self.run = wandb.init(
-            project="loopline", name=name, id=run_id.hex, resume="allow", dir=str(workdir), mode=mode, reinit="create_new", config=config,
+            project=settings.project, entity=settings.entity, name=name, id=run_id.hex, resume="allow", dir=str(workdir), mode=mode, reinit="create_new", config=config,
             settings=wandb.Settings(console="off"),  # (its copy of the terminal duplicated loopline's log)
         )
 
@@ -132,11 +132,11 @@ class Wandb:
 
 
 class Trackio:
-    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
+    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackioSettings):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project="loopline", name=name, resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
+        self.run = trackio.init(project=settings.project, name=name, resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
 
     def log(self, step, metrics):
         self.trackio.log(metrics, step=step)
@@ -148,7 +148,7 @@ class Trackio:
         self.trackio.finish()
 
 
-# a tracker is a class (or function) (run name, run id, run directory, config) -> Tracker, registered by name
+# a tracker is a class (or function) (run name, run id, run directory, config, its settings) -> Tracker, registered by name
 # in whatever module defines it; `tracking:` in a run config names it
 for _name, _tracker in {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": Wandb, "trackio": Trackio}.items():
     TRACKERS.register(_name)(_tracker)
@@ -177,16 +177,17 @@ class Trackers:
     run makes them: in version order.)"""
 
     def __init__(
-        self, names: list[str], run_name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any],
+        self, entries: list[str | TrackerSettings], run_name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any],
         session_factory: Callable[[], Session], warn: Callable[[str], None] | None = None,
     ):
         self.run_id, self.workdir = run_id, workdir
         self._marks_lock = threading.Lock()
         marks = self._read_marks()
+        trackers = [tracker_settings(entry) for entry in entries]
         self.projections = [
-            _Projection(self, name, lambda name=name: TRACKERS[name](run_name, run_id, workdir, config), session_factory,
-                        warn or log.warning, **marks.get(name, {}))
-            for name in names
+            _Projection(self, t.kind, lambda t=t: TRACKERS[t.kind](run_name, run_id, workdir, config, t), session_factory,
+                        warn or log.warning, **marks.get(t.kind, {}))
+            for t in trackers
         ]
         for projection in self.projections:
             projection.thread.start()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from loopline.config import TRACKERS
+from loopline.config import TRACKERS, TrackerSettings
 from loopline.rollout.engine_thread import EngineThread
 from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest, EngineSettings
 from loopline.trainer.config import POLICY_LOSSES, LossSettings, Surrogate
@@ -44,7 +44,7 @@ def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, 
 class JsonLines:
     """Each ledger step's metrics as one line of `metrics.jsonl` in the run's directory."""
 
-    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any]):
+    def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackerSettings):
         workdir.mkdir(parents=True, exist_ok=True)
         self.file = (workdir / "metrics.jsonl").open("a")
 

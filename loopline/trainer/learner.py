@@ -404,7 +404,7 @@ class Learner:
     def save_checkpoint(self, directory: str | Path, policy_version: int, cursor: dict | None = None) -> Path:
         """Everything resume needs, written to a temporary directory and renamed into place when complete."""
         state = {"steps_done": self.steps_done, "policy_version": policy_version, "cursor": cursor or {}}
-        learner = asdict(self.config) | {"advantage": asdict(self.config.advantage), "loss": asdict(self.config.loss)}
+        learner = asdict(self.config) | {"advantage": self.config.advantage.model_dump(), "loss": self.config.loss.model_dump()}
 
         def fill(tmp: Path) -> None:
             self._save_state(tmp, state)

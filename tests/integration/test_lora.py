@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loopline.trainer.checkpoint import weights_sha256
-from loopline.trainer.config import LoraConfig
+from loopline.trainer.config import LoraConfig, loss_settings
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError
 from tests.integration.test_learner import PROMPTS, rollout_sequences
 from tests.integration.test_train_flow import STARTER
@@ -83,7 +83,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(backend, b
 
 
 def test_with_lora_the_kl_reference_is_the_base_with_the_adapters_off(batch):
-    config = dataclasses.replace(LORA, loss=dataclasses.replace(LORA.loss, kl_coef=0.05))
+    config = dataclasses.replace(LORA, loss=loss_settings(kl_coef=0.05))
     learner = Learner(STARTER, config, backend="torch")
     assert learner.rl_step(batch).metrics["kl_ref"] == 0.0  # B = 0: the policy is its reference
     second = learner.rl_step(batch).metrics["kl_ref"]

@@ -79,7 +79,7 @@ def _toy_backend(model, optimizer, scheduler, config, device) -> TorchBackend:
 
 @TRACKERS.register("toy_list")
 class _ToyTracker:
-    def __init__(self, name, run_id, workdir, config):
+    def __init__(self, name, run_id, workdir, config, settings):
         pass
 
     def log(self, step, metrics):
@@ -113,7 +113,7 @@ def test_registered_toy_components_are_valid_config_names_and_run_a_learner_step
     assert {"const": "toy_local"} in [e["allOf"][1]["properties"]["kind"] for e in engines] and config.engine.in_process
     learners = RunConfig.model_json_schema()["properties"]["learner"]["anyOf"]
     assert {"const": "toy_torch"} in [e["allOf"][1]["properties"]["backend"] for e in learners]
-    assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["enum"]
+    assert "toy_list" in RunConfig.model_json_schema()["properties"]["tracking"]["items"]["anyOf"][0]["enum"]
 
     learner_config = LearnerConfig(lr=1e-3, micro_batch_tokens=64, advantage=config.learner.advantage, loss=config.learner.loss)
     learner = Learner(tiny_dirs["v0"], learner_config, backend="torch")

@@ -167,15 +167,16 @@ def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the
 
     from mlflow.tracking import MlflowClient
 
-    from loopline.tracking import MLflow
+    from loopline.config import parse_config
+    from loopline.tracking import MLflow, tracker_settings
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # (nothing may land in the current directory either)
     run_id, workdir = uuid.uuid4(), tmp_path / "runs" / "r"
-    first = MLflow("r", run_id, workdir, {"lr": 0.001})
+    first = MLflow("r", run_id, workdir, {"lr": 0.001}, tracker_settings("mlflow"))
     first.log(1, {"reward/mean": 0.25})
     first.close()
-    again = MLflow("r", run_id, workdir, {"lr": 0.001})  # a resume
+    again = MLflow("r", run_id, workdir, {"lr": 0.001}, tracker_settings("mlflow"))  # a resume
     again.log(2, {"reward/mean": 0.5})
     again.close()
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
@@ -183,6 +184,12 @@ def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the
     assert [(m.step, m.value) for m in client.get_metric_history(first.run, "reward/mean")] == [(1, 0.25), (2, 0.5)]
     assert client.get_run(first.run).data.params == {"lr": "0.001"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert client.get_experiment(client.get_run(first.run).info.experiment_id).name == "loopline"
+    # its own setting, from `tracking: [{kind: mlflow, experiment: NAME}]`: another experiment, another run
+    settings = parse_config({"name": "r", "env": "e.yaml", "tracking": [{"kind": "mlflow", "experiment": "ablations"}]}, "run.yaml").tracking[0]
+    elsewhere = MLflow("r", run_id, workdir, {"lr": 0.001}, settings)
+    elsewhere.close()
+    assert client.get_experiment(client.get_run(elsewhere.run).info.experiment_id).name == "ablations" and elsewhere.run != first.run
 
 
 @pytest.mark.slow
