@@ -188,9 +188,10 @@ _ShowDumper.add_representer(str, _text)
 
 def show(row: Environment) -> str:
     """The stored spec as YAML (task rows summarised, not dumped)."""
-    data = spec_of(row).canonical()  # field order of the model, not of JSONB
-    if data["sandbox"]["backend"] == "local":
-        del data["sandbox"]["workdir"]  # the local backend uses a private temporary directory instead
+    spec = spec_of(row)
+    data = spec.canonical()  # field order of the model, not of JSONB
+    if not spec.sandbox.uses_workdir:
+        del data["sandbox"]["workdir"]
     stored = row.spec["tasks"]
     if "rows" in stored:
         data["tasks"]["sha256"] = stored["sha256"]

@@ -179,6 +179,16 @@ class Sandbox(_Strict):
         """Its commands are isolated by bubblewrap on this host (which must have it)."""
         return False
 
+    @property
+    def off_site(self) -> bool:
+        """It runs on someone else's network: an agent program in it reaches the model endpoint over the internet."""
+        return False
+
+    @property
+    def uses_workdir(self) -> bool:
+        """The agent works in `workdir` (a backend that makes a private directory of its own ignores it)."""
+        return True
+
     @field_validator("workdir")
     @classmethod
     def _usable_workdir(cls, workdir: str) -> str:
@@ -202,6 +212,10 @@ class E2BSettings(Sandbox):
 
     template: str = Field(min_length=1, description="the template's id (build one with `envreg e2b-template build`)")
 
+    @property
+    def off_site(self) -> bool:
+        return True
+
 
 class LocalSettings(Sandbox):
     """A bubblewrap-isolated directory on this host per episode."""
@@ -215,6 +229,10 @@ class LocalSettings(Sandbox):
     @property
     def needs_bubblewrap(self) -> bool:
         return not self.unsafe_host
+
+    @property
+    def uses_workdir(self) -> bool:
+        return False  # (a private temporary directory per episode)
 
     @model_validator(mode="after")
     def _what_it_can_enforce(self) -> "LocalSettings":

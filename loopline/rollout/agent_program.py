@@ -61,7 +61,7 @@ def _listen_address() -> tuple[str, int]:
 
 def check_reachable(spec: EnvSpec) -> None:
     """Before any episode: an agent program in a cloud sandbox needs this process's endpoint on the internet."""
-    if spec.agent is None or spec.sandbox.backend != "e2b":
+    if spec.agent is None or not spec.sandbox.off_site:
         return
     if not os.environ.get(URL_VAR) or not os.environ.get(LISTEN_VAR):
         raise LooplineError(
