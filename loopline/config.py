@@ -28,6 +28,8 @@ from loopline.trainer.config import (  # (no torch: a config is checked before i
 
 
 
+MAX_STEPS = 1_000_000  # a policy version is a 32-bit integer in the ledger; a million steps is years of training
+
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
 
 
@@ -292,7 +294,7 @@ class RunConfig(Settings):
     name: str = Field(description="the run's name in the ledger (`loopline train` again resumes it): 1-100 letters, digits, '.', '_' or '-'")
     env: str = Field(description="environment YAML (relative to this file) or a registered NAME@VERSION")
     policy: str = Field("tiny", description="tiny (shipped for the quickstart env, else built on first use), smollm2-135m (pulled), or a model directory")
-    steps: int = Field(8, ge=1, description="learner steps (policy versions) to train")
+    steps: int = Field(8, ge=1, le=MAX_STEPS, description="learner steps (policy versions) to train")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the task order, sampling and the learner")
     rollout: RolloutSettings = Field(RolloutSettings(), description="the batches: their size, sync or async, sampling, failed episodes")
     learner: Annotated[LearnerSettings, LEARNER_SECTION] = Field(
@@ -344,6 +346,14 @@ class RunConfig(Settings):
     def _names_where_defaults(self, value: list[TrackerSettings]) -> list:
         """A tracker at its defaults is written as its name (as configs were before trackers had settings)."""
         return [entry.kind if entry.model_dump(exclude_defaults=True) == {"kind": entry.kind} else entry.model_dump() for entry in value]
+
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> "RunConfig":
+        optimizer_steps = self.steps * self.learner.minibatches
+        if self.learner.warmup_steps >= optimizer_steps > 0 and self.learner.warmup_steps > 0:
+            raise ValueError(f"learner.warmup_steps: {self.learner.warmup_steps} is not below the run's {optimizer_steps} optimizer steps "
+                             "(steps x learner.minibatches): the learning rate would never reach lr; lower it")
+        return self
 
     @model_validator(mode="after")
     def _every_version_on_disk_for_other_processes(self) -> "RunConfig":
@@ -472,11 +482,13 @@ def parse_config(data: object, where: str, lines: dict[tuple, int] | None = None
 
 def _problem(error, where: str, lines: dict[tuple, int]) -> str:
     path = tuple(error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if (named := re.match(r"([\w.]+): (.*)", message, re.S)) and named[1].split(".")[0] in RunConfig.model_fields:  # (a check of several settings names the one to change)
+        path, message = (*path, *named[1].split(".")), named[2]
     probe = path
     while probe and probe not in lines:
         probe = probe[:-1]
     at = f"{where}:{lines[probe]}" if probe in lines else where
-    message = error["msg"].removeprefix("Value error, ")
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument") and path:
         homes = sorted((section for section, names in _sections().items() if path[-1] in names), key=lambda home: home.split(" ")[0] != path[0])  # (its own section's first)
         close = difflib.get_close_matches(str(path[-1]), sorted({n for names in _sections().values() for n in names}), n=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from typing import Any, Callable, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
@@ -47,7 +48,9 @@ class Settings(BaseModel):
             for name, field in cls.model_fields.items():
                 value = data.get(name)
                 if isinstance(value, bool) and field.annotation is not bool and "bool" not in str(field.annotation):
-                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+                    text = str(field.annotation)
+                    what = "a number" if re.search(r"\b(int|float)\b", text) else "text" if re.search(r"\bstr\b", text) else "its settings (a mapping)"
+                    raise ValueError(f"{name}: expected {what}, got {str(value).lower()}")
         return data
 
 

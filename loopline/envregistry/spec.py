@@ -6,6 +6,7 @@ file, the line and the field path (see `load_spec`).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import posixpath
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from loopline import plugins
 from loopline.errors import LooplineError
@@ -149,9 +150,9 @@ def _skip_heredocs(template: str, i: int, delimiters: list[str], found: list[tup
 class Versions(_Strict):
     """Bumped by hand when behaviour changes; recorded on every trajectory."""
 
-    env: str = Field("1", description="the environment's behaviour (tasks, tools, reset); recorded on every trajectory")
-    verifier: str = Field("1", description="the verifier's behaviour: bump it when the same answer could score differently")
-    harness: str = Field("1", description="how episodes are played (turn format, observations)")
+    env: str = Field("1", min_length=1, description="the environment's behaviour (tasks, tools, reset); recorded on every trajectory")
+    verifier: str = Field("1", min_length=1, description="the verifier's behaviour: bump it when the same answer could score differently")
+    harness: str = Field("1", min_length=1, description="how episodes are played (turn format, observations)")
 
 
 class Resources(_Strict):
@@ -349,6 +350,18 @@ class Reset(_Strict):
     @classmethod
     def _relative(cls, files: dict[str, str]) -> dict[str, str]:
         return {relative_path(path, "reset.files path"): field for path, field in files.items()}
+
+    @field_validator("prompt", "observation")
+    @classmethod
+    def _its_one_placeholder(cls, text: str, info: ValidationInfo) -> str:
+        """`{promt}` was shown to the model as it is (the one placeholder is filled by name; other braces, JSON
+        in a prompt, are text)."""
+        placeholder = {"prompt": "prompt", "observation": "output"}[info.field_name]
+        for name in re.findall(r"\{(\w+)\}", text):
+            if name != placeholder:
+                close = difflib.get_close_matches(name, [placeholder], n=1, cutoff=0.6)
+                raise ValueError(f"{{{name}}} is no placeholder here; {'did you mean' if close else 'the one there is'} {{{placeholder}}}?"[:-1 if not close else None])
+        return text
 
 
 BUILTIN_VERIFIER_FIELDS = {"arithmetic_answer": ("expression", "answer")}  # the task fields each built-in reads

@@ -153,7 +153,7 @@ class AdvantageSettings(Settings):
 
 class GRPOSettings(AdvantageSettings):
     std: StdKind = Field("sample", description="GRPO's divisor: the sample standard deviation (1/(n-1), as verl's torch.std and TRL) or the population one (1/n)")
-    eps: float = Field(1e-6, ge=0, le=1, description="added to the standard deviation (verl 1e-6; TRL 1e-4)")
+    eps: float = Field(1e-6, gt=0, le=1, description="added to the standard deviation (verl 1e-6; TRL 1e-4)")
 
 
 class LossSettings(Settings):

@@ -53,6 +53,26 @@ def test_spec_error_inside_the_task_source_has_the_real_path(tmp_path):
     assert "tasks.train_size:" in message and "valid integer" in message
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    (("prompt: \"{prompt}\"", "prompt: \"{promt}\""), "reset.prompt: {promt} is no placeholder here; did you mean {prompt}?"),
+    (("observation: \"<result>{output}</result>\"", "observation: \"<result>{stdout}</result>\""), "reset.observation: {stdout} is no placeholder here; the one there is {output}"),
+    (("versions: {env: \"1\",", "versions: {env: \"\","), "versions.env: String should have at least 1 character"),
+])
+def test_a_placeholder_no_task_fills_and_an_empty_version_are_refused(change, says, tmp_path):
+    """`reset.prompt: "{promt}"` was registered and shown to the model as it is (`envreg test` passed it);
+    `versions: {env: ""}` recorded an empty version on every trajectory."""
+    text = ARITHMETIC.read_text()
+    assert change[0] in text
+    assert says in _error(tmp_path, text.replace(change[0], change[1], 1))
+    assert load_spec_text_ok(text.replace('prompt: "{prompt}"', 'prompt: "Solve {prompt}; answer as {\\"x\\": 1}"'), tmp_path)
+
+
+def load_spec_text_ok(text: str, tmp_path) -> bool:
+    path = tmp_path / "ok.yaml"
+    path.write_text(text)
+    return load_spec(path).reset.prompt.startswith("Solve {prompt}")  # (other braces are text: JSON in a prompt)
+
+
 def test_malformed_yaml_and_unknown_fields_are_reported(tmp_path):
     assert "bad.yaml:3: not valid YAML" in _error(tmp_path, "name: x\nsandbox:\n\tbackend: local\n")
     message = _error(tmp_path, ARITHMETIC.read_text() + "colour: blue\n")

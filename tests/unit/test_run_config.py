@@ -327,6 +327,12 @@ BAD_CONFIGS = {
                                   "run.yaml:3: engine.servers: not a setting here; it is one of engine (kind: sglang)"),
     "sglang_with_neither_source": ("engine: {kind: sglang}\n", "engine: kind: sglang needs exactly one of servers"),
     "fifty_megabytes": ("description: '" + "x" * (50 << 20) + "'\n", "a run config may be at most 1,048,576 bytes"),
+    # (issue 65: each of these trained)
+    "negative_eps": ("learner: {advantage: {eps: -1.0}}\n", "run.yaml:3: learner.advantage.eps: Input should be greater than 0"),
+    "warmup_past_the_run": ("steps: 2\nlearner: {warmup_steps: 1000000000000}\n", "run.yaml:4: learner.warmup_steps: 1000000000000 is not below the run's 2 optimizer steps"),
+    "steps_past_the_ledger": ("steps: 99999999999999999999999\n", "run.yaml:3: steps: Input should be less than or equal to 1000000"),
+    "a_section_true": ("learner: true\n", "run.yaml:3: learner: expected its settings (a mapping), got true"),
+    "dual_clip_of_gspo": ("learner: {loss: {policy_loss: gspo, clip_ratio_c: 2}}\n", "learner.loss.clip_ratio_c: not a setting here; it is one of learner.loss (policy_loss: vanilla)"),
 }
 
 
@@ -441,7 +447,7 @@ def test_a_loss_an_estimator_a_correction_and_an_aggregation_bring_their_own_set
         ({"loss": {"correction_bounds": "two_sided"}}, r"loss.correction_bounds: not a setting here; it is one of learner.loss \(correction: mis / rejection\)"),
         ({"loss": {"norm_length": 64}}, r"loss.norm_length: not a setting here; it is one of learner.loss \(aggregation: seq_mean_token_sum_norm\)"),
         ({"advantage": {"estimator": "rloo", "eps": 1e-4}}, r"advantage.eps: not a setting here; it is one of learner.advantage \(estimator: grpo\)"),
-        ({"advantage": {"eps": -1}}, r"learner.advantage.eps: Input should be greater than or equal to 0"),
+        ({"advantage": {"eps": -1}}, r"learner.advantage.eps: Input should be greater than 0"),
         ({"loss": {"correction": "rejection", "correction_bounds": "two_sided", "correction_cap": 0.5}}, "a two-sided rejection needs correction_cap > 1"),
     ):
         with pytest.raises(LooplineError, match=message):
