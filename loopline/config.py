@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import math
@@ -19,11 +18,11 @@ from loopline.errors import LooplineError
 from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 from loopline.yamlfile import line_index, read_text, read_yaml
 from loopline.rollout.engine import InFlightPolicy
-from loopline.rollout.engines import ENGINES, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
+from loopline.rollout.engines import ENGINE_SECTION, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
-from loopline.trainer.config import (  # (no torch: a config is checked before it loads)
-    ADVANTAGE_SECTION, BACKENDS, LOSS_SECTION, AdvantageSettings, Dtype, LearnerConfig, LoraConfig, LossSettings, LRSchedule,
-    advantage_settings, loss_settings,
+from loopline.trainer.config import (  # noqa: F401 (re-exported: the run config's learner section; no torch, a config is checked before it loads)
+    ADVANTAGE_SECTION, LEARNER_SECTION, LOSS_SECTION, AdvantageSettings, DeepSpeedSettings, LearnerConfig, LearnerSettings, LoraConfig,
+    LossSettings, RankLaunch,
 )
 
 
@@ -99,109 +98,6 @@ class SamplingConfig(Settings):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; the recorded logprobs stay the full distribution's (as verl)")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: all")
     max_new_tokens: int = Field(48, ge=1, description="the most tokens one model call may generate (an episode's total is the env's budgets.max_generated_tokens)")
-
-
-class RankLaunch(Settings):
-    """Data-parallel learner ranks started through DeepSpeed's launcher (`deepspeed`); rank 0 runs the flow."""
-
-    nodes: int = Field(1, ge=1, description="hosts the ranks run on (more than 1: a hostfile, and pdsh or `args: [--launcher, ...]`)")
-    ranks_per_node: int = Field(2, ge=1, description="ranks on each host (on a GPU node: its GPUs)")
-    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('HOST slots=N' lines; the first host runs rank 0)")
-    master_port: int | None = Field(None, ge=1, le=65535, description="rank 0's rendezvous port; default: a free one on this host")
-    args: list[str] = Field(default_factory=list, description="more launcher flags, e.g. [--launcher, openmpi] or [--ssh_port, '2222']")
-
-    @model_validator(mode="after")
-    def _many_hosts_need_a_hostfile(self) -> "RankLaunch":
-        if self.nodes > 1 and not self.hostfile:
-            raise ValueError("nodes > 1: name the hosts in a hostfile (DeepSpeed's format: 'HOST slots=N' per line)")
-        if self.nodes > 1 and self.master_port is None:
-            raise ValueError("nodes > 1: set master_port (a port free on the hostfile's first host)")
-        return self
-
-    @property
-    def ranks(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-
-_TRAINER = {f.name: f for f in dataclasses.fields(LearnerConfig)}
-
-
-def _trainer_setting(name: str, **bounds):
-    """A learner setting whose default and meaning are the trainer's own (`trainer/config.LearnerConfig`, one place
-    each); the run config adds only its bounds."""
-    return Field(_TRAINER[name].default, description=_TRAINER[name].metadata["description"], **bounds)
-
-
-class LearnerSettings(Settings):
-    """The learner: optimizer, loss, advantage, batches, checkpoints. Its backend's own settings subclass this
-    (DeepSpeed's ranks, precision and ZeRO stage); a backend of your own registers its model with it."""
-
-    lr: float = _trainer_setting("lr", gt=0)
-    warmup_steps: int = _trainer_setting("warmup_steps", ge=0)
-    lr_schedule: LRSchedule = _trainer_setting("lr_schedule")
-    min_lr_ratio: float = _trainer_setting("min_lr_ratio", ge=0.0, le=1.0)
-    weight_decay: float = _trainer_setting("weight_decay", ge=0.0)
-    backend: Annotated[str, RegistryName(BACKENDS)] = Field(
-        "deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16: its settings below) or torch (a plain AdamW loop "
-        "in this process, fp32)",
-    )
-    micro_batch_tokens: int = _trainer_setting("micro_batch_tokens", ge=64)
-    minibatches: int = _trainer_setting("minibatches", ge=1)
-    share_prefix: bool = _trainer_setting("share_prefix")
-    gradient_checkpointing: bool = _trainer_setting("gradient_checkpointing")
-    checkpoint_every: int = Field(
-        4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
-    )
-    export_every: int | None = Field(
-        None, ge=1,
-        description="write version N's weights to disk when N is a multiple of this (and at every evaluation and the last); "
-        "default: 1 when another process loads each version (SGLang, `loopline worker`), else checkpoint_every - the "
-        "in-process engine takes the others from the learner's memory",
-    )
-    keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
-    keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
-    advantage: Annotated[AdvantageSettings, ADVANTAGE_SECTION] = Field(
-        default_factory=advantage_settings, description="the group advantage: {estimator: grpo | dr_grpo | rloo, degenerate: zero | drop}, "
-        "then the estimator's own settings (GRPO's std and eps)",
-    )
-    loss: Annotated[LossSettings, LOSS_SECTION] = Field(
-        default_factory=loss_settings, description="the policy loss: clip_low / clip_high (0.2 / 0.28), the off-policy correction (tis, "
-        "cap 2), aggregation (token_mean), kl_coef (0), then the chosen components' own settings (vanilla's dual clip, 3)",
-    )
-    lora: LoraConfig | None = Field(
-        None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
-        "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
-    )
-
-    @property
-    def ranks(self) -> RankLaunch | None:
-        """Several data-parallel ranks to launch (rank 0 runs the flow); None: this process alone."""
-        return None
-
-
-class DeepSpeedSettings(LearnerSettings):
-    """DeepSpeed: ZeRO, several ranks, bf16 / fp16 mixed precision."""
-
-    zero_stage: int | None = _trainer_setting("zero_stage", ge=0, le=3)
-    dtype: Dtype = _trainer_setting("dtype")
-    launch: RankLaunch | None = Field(
-        None, description="train on several data-parallel ranks (DeepSpeed's launcher; rank 0 runs the flow); unset: this process alone",
-    )
-
-    @property
-    def ranks(self) -> RankLaunch | None:
-        return self.launch
-
-    @model_validator(mode="after")
-    def _fp16_under_zero(self) -> "DeepSpeedSettings":
-        if self.dtype == "fp16" and self.zero_stage == 0:
-            raise ValueError("dtype: fp16 runs under ZeRO (zero_stage: 1 or more, the default with fp16): ZeRO's gradient norm is the unscaled one")
-        return self
-
-
-BACKENDS.declare_settings("deepspeed", DeepSpeedSettings)  # (torch: the base, fp32 in this process)
-LEARNER_SECTION = RegistrySection(BACKENDS, key="backend")
-ENGINE_SECTION = RegistrySection(ENGINES)
 
 
 class EvalSettings(Settings):
@@ -392,14 +288,11 @@ class RunConfig(Settings):
         return version % self.exports_every == 0 or self.evaluates(version)
 
     def learner_config(self) -> LearnerConfig:
-        """The trainer's settings: the `learner:` section's shared ones as they are (one name each, see
-        `_trainer_setting`), and what the trainer derives from the rest of the run."""
+        """What the learner is built with: the `learner:` section, and what the trainer derives from the rest of the run."""
         learner = self.learner
-        loss = learner.loss.for_run(max_new_tokens=self.rollout.sampling.max_new_tokens)
-        shared = {f.name: getattr(learner, f.name) for f in dataclasses.fields(LearnerConfig) if f.name in type(learner).model_fields}
-        return LearnerConfig(**shared | dict(
-            loss=loss, temperature=self.rollout.sampling.temperature, seed=self.seed,
-            decay_steps=self.steps * learner.minibatches if learner.lr_schedule != "constant" else None,
+        return LearnerConfig.model_validate(dict(learner) | dict(
+            loss=learner.loss.for_run(max_new_tokens=self.rollout.sampling.max_new_tokens), temperature=self.rollout.sampling.temperature,
+            seed=self.seed, decay_steps=self.steps * learner.minibatches if learner.lr_schedule != "constant" else None,
         ))
 
     @property
@@ -519,7 +412,7 @@ def _sections() -> dict[str, set[str]]:
         for key, registry in section.registries.items():
             sections |= {f"{'.'.join(path)} ({key}: {name})": set(model.model_fields) - set(base.model_fields)
                          for name, model in registry.settings_models(base).items() if model is not base}
-    sections["learner.lora"] = {f.name for f in dataclasses.fields(LoraConfig)}
+    sections["learner.lora"] = set(LoraConfig.model_fields)
     sections |= {f"tracking (kind: {name})": set(model.model_fields) - {"kind"}
                  for name, model in TRACKERS.settings_models(TrackerSettings).items() if model is not TrackerSettings}
     return sections

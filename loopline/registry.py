@@ -14,6 +14,7 @@ component's fields or branches on a name.
 
 from __future__ import annotations
 
+import copyreg
 import difflib
 import functools
 import re
@@ -191,10 +192,14 @@ class RegistrySection:
 @functools.cache
 def _combined(models: tuple[type[BaseModel], ...]) -> type[BaseModel]:
     """One model with the settings of several components (each a subclass of their section's base), made once per
-    combination (a config compares equal only to one of the same model); named in this module, so it pickles."""
+    combination (a config compares equal only to one of the same model). Its instances pickle as their components
+    and values (a learner rank or a Prefect task rebuilds the combination in its own process)."""
     if len(models) == 1:
         return models[0]
-    name = "_".join(m.__name__ for m in models)
-    combined = create_model(name, __base__=models, __module__=__name__)
-    globals()[name] = combined
+    combined = create_model("_".join(m.__name__ for m in models), __base__=models, __module__=__name__)
+    copyreg.pickle(combined, lambda settings: (_rebuilt, (models, settings.model_dump())))
     return combined
+
+
+def _rebuilt(models: tuple[type[BaseModel], ...], values: dict) -> BaseModel:
+    return _combined(models).model_validate(values)

@@ -6,7 +6,6 @@ test's own table); the benchmarks' plots are served from `benchmarks/results/` a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
@@ -25,7 +24,7 @@ class UndocumentedField(Exception):
 
 
 def _is_section(annotation: Any) -> bool:
-    return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _component_section(annotation: Any) -> tuple[str, type, dict[type, str]] | None:
@@ -54,17 +53,11 @@ def _models_in(annotation: Any) -> list[type]:
 
 
 def _fields(model: type) -> list[tuple[str, Any, str, str | None]]:
-    """(name, type, default, description) of a pydantic model's or a dataclass's settings (the trainer keeps its
-    settings as dataclasses, each field's description in its metadata, which pydantic reads too)."""
-    if issubclass(model, BaseModel):  # (a name chosen from a registry, as below: its names)
-        return [(name, next((Literal[tuple(m.registry.names)] if isinstance(m, RegistryName) else typing.Annotated[f.annotation, m]
-                             for m in f.metadata if isinstance(m, (RegistryName, RegistrySection))), f.annotation),
-                 _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
-                for name, f in model.model_fields.items()]
-    hints = typing.get_type_hints(model)
-    return [(f.name, hints[f.name], _default(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                                            lambda f=f: f.default if f.default is not dataclasses.MISSING else f.default_factory()),
-             f.metadata.get("description")) for f in dataclasses.fields(model)]
+    """(name, type, default, description) of a settings model's fields (a name chosen from a registry: its names)."""
+    return [(name, next((Literal[tuple(m.registry.names)] if isinstance(m, RegistryName) else typing.Annotated[f.annotation, m]
+                         for m in f.metadata if isinstance(m, (RegistryName, RegistrySection))), f.annotation),
+             _default(f.is_required(), lambda f=f: f.get_default(call_default_factory=True)), f.description)
+            for name, f in model.model_fields.items()]
 
 
 def _type(annotation: Any, anchors: dict[type, str]) -> str:
@@ -93,7 +86,7 @@ def _default(required: bool, value_of) -> str:
     if required:
         return "required"
     value = value_of()
-    if isinstance(value, BaseModel) or dataclasses.is_dataclass(value):
+    if isinstance(value, BaseModel):
         return "(its section's defaults)"
     if isinstance(value, tuple):
         value = list(value)

@@ -278,7 +278,7 @@ def restore_learner(
     initial weights), then the recorded batches of the steps after the checkpoint's own step, replayed
     (`after_each(learner, step)` after each)."""
     config = parts.config
-    learner = ranks.build_learner(parts.initial, config.learner_config(), backend=config.learner.backend)
+    learner = ranks.build_learner(parts.initial, config.learner_config())
     restored = 0
     if checkpoint:
         step = learner.load_checkpoint(checkpoint).get("cursor", {}).get("learner_step")

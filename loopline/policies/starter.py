@@ -313,10 +313,9 @@ def warm_start(
     chat = ChatFormat.from_tokenizer(tokenizer)
     config = LearnerConfig(  # a 2-layer model's activations are small: replaying layers would only cost time
         lr=recipe.lr, warmup_steps=recipe.warmup_steps, lr_schedule="cosine", decay_steps=recipe.sft_steps, min_lr_ratio=0.1,
-        seed=recipe.seed, micro_batch_tokens=32768,
-        gradient_checkpointing=False,
+        seed=recipe.seed, micro_batch_tokens=32768, gradient_checkpointing=False, backend="torch",
     )
-    learner = Learner(init, config, backend="torch")
+    learner = Learner(init, config)
     direct_per_step = round(recipe.batch_size * recipe.direct_answer_fraction / (1 - recipe.direct_answer_fraction))
     curve, window = {}, []
     for step in range(1, steps + 1):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
-from loopline.registry import Registry, RegistryName, Settings
+from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S
 from loopline.rollout.engine_thread import EngineThread
 
@@ -156,3 +156,4 @@ def _sglang(request: EngineRequest) -> EngineThread:
 
 ENGINES.register("local")(EngineKind(_local, in_process=True))  # LocalEngine in this process (CPU)
 ENGINES.register("sglang", settings=SGLangSettings)(EngineKind(_sglang, in_process=False))
+ENGINE_SECTION = RegistrySection(ENGINES)  # (the run config's `engine:`)

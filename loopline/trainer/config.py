@@ -8,11 +8,11 @@ trainer/advantages.py, trainer/losses.py and trainer/backends.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Protocol, TypeAlias
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 
@@ -135,11 +135,6 @@ BackendName: TypeAlias = str  # (a name registered in BACKENDS)
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
-def setting(default, description: str):
-    """A default with what it is for (read by pydantic into `loopline schema`, and by the docs' reference)."""
-    return field(default=default, metadata={"description": description})
-
-
 class AdvantageSettings(Settings):
     """`learner.advantage`: what every estimator shares; an estimator's own settings subclass this (GRPO's divisor)."""
 
@@ -246,67 +241,146 @@ def loss_settings(**values: Any) -> LossSettings:
     return LOSS_SECTION.validate(LossSettings, values)  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class LoraConfig:
+class LoraConfig(Settings):
     """Low-rank adapters (peft) on a frozen base. Defaults are verl's (`lora_alpha` 16, `target_modules`
     all-linear: every linear layer but the output head); rank has none there (0: off), so it must be given."""
 
-    rank: int = field(metadata={"description": "the adapters' rank R (required: verl's lora_rank, TRL's LoraConfig r)"})
-    alpha: float = setting(16.0, "the update is scaled by alpha / rank (verl's and peft's lora_alpha)")
+    rank: int = Field(ge=1, description="the adapters' rank R (required: verl's lora_rank, TRL's LoraConfig r)")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank (verl's and peft's lora_alpha)")
     # Only 0 for now: dropout draws from the process's random stream, which rollouts and evaluations in the same
     # process also draw from, so a replay or a resume's rebuild could not reproduce a step bit for bit.
-    dropout: float = setting(0.0, "only 0: a step with dropout could not be replayed bit for bit")
-    target_modules: str | tuple[str, ...] = setting("all-linear", "all-linear (every linear layer but the output head) or module names, e.g. [q_proj, v_proj]")
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
-        if self.dropout != 0:
-            raise ValueError("dropout: only 0 is supported (a step with dropout could not be replayed bit for bit)")
-        if not self.target_modules:
-            raise ValueError("target_modules: name at least one module, or all-linear")
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    """The learner's settings. The run config's `learner:` section takes the defaults and meanings of the ones it
-    shares from here (one place each); `decay_steps`, `temperature` and `seed` it derives from the run."""
-
-    lr: float = setting(3e-4, "AdamW's learning rate (peak, after any warm-up)")
-    warmup_steps: int = setting(0, "linear warm-up of the learning rate over this many optimizer steps")
-    lr_schedule: LRSchedule = setting(
-        "constant", "after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches"
+    dropout: float = Field(0.0, description="only 0: a step with dropout could not be replayed bit for bit")
+    target_modules: str | tuple[str, ...] = Field(
+        "all-linear", min_length=1, description="all-linear (every linear layer but the output head) or module names, e.g. [q_proj, v_proj]",
     )
-    # a decay reaches min_lr_ratio * lr at optimizer step decay_steps (a run's: its steps x minibatches, as verl's
-    # total_training_steps, TRL's max_steps)
-    decay_steps: int | None = None
-    min_lr_ratio: float = setting(0.0, "where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio; TRL's end at 0 too)")
-    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
-    grad_clip: float = 1.0
-    temperature: float = 1.0  # must equal the rollout's: logprobs are log_softmax(logits / T)
-    micro_batch_tokens: int = setting(
-        16384, "tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (memory, not the update)"
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, dropout: float) -> float:
+        if dropout != 0:
+            raise ValueError("only 0 is supported (a step with dropout could not be replayed bit for bit)")
+        return dropout
+
+
+class RankLaunch(Settings):
+    """Data-parallel learner ranks started through DeepSpeed's launcher (`deepspeed`); rank 0 runs the flow."""
+
+    nodes: int = Field(1, ge=1, description="hosts the ranks run on (more than 1: a hostfile, and pdsh or `args: [--launcher, ...]`)")
+    ranks_per_node: int = Field(2, ge=1, description="ranks on each host (on a GPU node: its GPUs)")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('HOST slots=N' lines; the first host runs rank 0)")
+    master_port: int | None = Field(None, ge=1, le=65535, description="rank 0's rendezvous port; default: a free one on this host")
+    args: list[str] = Field(default_factory=list, description="more launcher flags, e.g. [--launcher, openmpi] or [--ssh_port, '2222']")
+
+    @model_validator(mode="after")
+    def _many_hosts_need_a_hostfile(self) -> RankLaunch:
+        if self.nodes > 1 and not self.hostfile:
+            raise ValueError("nodes > 1: name the hosts in a hostfile (DeepSpeed's format: 'HOST slots=N' per line)")
+        if self.nodes > 1 and self.master_port is None:
+            raise ValueError("nodes > 1: set master_port (a port free on the hostfile's first host)")
+        return self
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+class LearnerSettings(Settings):
+    """The learner: optimizer, loss, advantage, batches, checkpoints (the run config's `learner:` section, and what
+    the trainer is built with, with what the run derives: `LearnerConfig`). Its backend's own settings subclass this (DeepSpeed's ranks,
+    precision and ZeRO stage); a backend of your own registers its model with it."""
+
+    lr: float = Field(3e-4, gt=0, description="AdamW's learning rate (peak, after any warm-up)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate over this many optimizer steps")
+    lr_schedule: LRSchedule = Field(
+        "constant", description="after warm-up: constant (verl's default), or cosine / linear decay over the run's steps x minibatches",
     )
-    minibatches: int = setting(1, "optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
-    share_prefix: bool = setting(True, "run a prompt shared by a group's samples once (same update, fewer FLOPs; trainer/prefix.py)")
-    gradient_checkpointing: bool = setting(
-        True, "keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward; TRL's default)"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="where cosine / linear decay ends, as a fraction of lr (verl's min_lr_ratio; TRL's end at 0 too)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (TRL's default 0; verl's actor 0.01)")
+    backend: Annotated[str, RegistryName(BACKENDS)] = Field(
+        "deepspeed", description="deepspeed (ZeRO, several ranks, bf16/fp16: its settings below) or torch (a plain AdamW loop "
+        "in this process, fp32)",
     )
-    zero_stage: int | None = setting(
-        None, "DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing there), 1 with "
-        "several or with dtype: fp16",
+    micro_batch_tokens: int = Field(
+        16384, ge=1, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (a longer row is one of its own; memory, not the update)",
     )
-    dtype: Dtype = setting(
-        "fp32", "bf16: mixed precision on a GPU (fp32 master weights and Adam states); fp16: the same for GPUs without "
+    minibatches: int = Field(1, ge=1, description="optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
+    share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs; trainer/prefix.py)")
+    gradient_checkpointing: bool = Field(
+        True, description="keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward; TRL's default)",
+    )
+    checkpoint_every: int = Field(
+        4, ge=1, description="full learner checkpoint every N steps (and at the last); a resume replays the recorded steps since"
+    )
+    export_every: int | None = Field(
+        None, ge=1,
+        description="write version N's weights to disk when N is a multiple of this (and at every evaluation and the last); "
+        "default: 1 when another process loads each version (SGLang, `loopline worker`), else checkpoint_every - the "
+        "in-process engine takes the others from the learner's memory",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="full checkpoints kept on disk (the newest)")
+    keep_exports: int = Field(3, ge=1, description="newest weight exports kept, besides evaluated versions'")
+    advantage: Annotated[AdvantageSettings, ADVANTAGE_SECTION] = Field(
+        default_factory=advantage_settings, description="the group advantage: {estimator: grpo | dr_grpo | rloo, degenerate: zero | drop}, "
+        "then the estimator's own settings (GRPO's std and eps)",
+    )
+    loss: Annotated[LossSettings, LOSS_SECTION] = Field(
+        default_factory=loss_settings, description="the policy loss: clip_low / clip_high (0.2 / 0.28), the off-policy correction (tis, "
+        "cap 2), aggregation (token_mean), kl_coef (0), then the chosen components' own settings (vanilla's dual clip, 3)",
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters on the frozen policy ({rank: R, alpha: 16, target_modules: all-linear}); "
+        "checkpoints hold the adapters, exports and weight syncs the merged model. Unset: every weight",
+    )
+
+    @property
+    def ranks(self) -> RankLaunch | None:
+        """Several data-parallel ranks to launch (rank 0 runs the flow); None: this process alone."""
+        return None
+
+
+class DeepSpeedSettings(LearnerSettings):
+    """DeepSpeed: ZeRO, several ranks, bf16 / fp16 mixed precision."""
+
+    zero_stage: int | None = Field(
+        None, ge=0, le=3, description="DeepSpeed ZeRO stage; default 0 with one learner rank (ZeRO's flat fp32 copies partition nothing "
+        "there), 1 with several or with dtype: fp16",
+    )
+    dtype: Dtype = Field(
+        "fp32", description="bf16: mixed precision on a GPU (fp32 master weights and Adam states); fp16: the same for GPUs without "
         "bf16 (V100, T4), with dynamic loss scaling: a step whose gradients overflow is skipped (metric fp16_skipped_steps)",
     )
-    seed: int = 0
-    advantage: AdvantageSettings = field(default_factory=advantage_settings)
-    loss: LossSettings = field(default_factory=loss_settings)
-    lora: LoraConfig | None = None  # train adapters only (trainer/lora.py); None: every weight
+    launch: RankLaunch | None = Field(
+        None, description="train on several data-parallel ranks (DeepSpeed's launcher; rank 0 runs the flow); unset: this process alone",
+    )
 
-    def __post_init__(self) -> None:
+    @property
+    def ranks(self) -> RankLaunch | None:
+        return self.launch
+
+    @model_validator(mode="after")
+    def _fp16_under_zero(self) -> DeepSpeedSettings:
+        if self.dtype == "fp16" and self.zero_stage == 0:
+            raise ValueError("dtype: fp16 runs under ZeRO (zero_stage: 1 or more, the default with fp16): ZeRO's gradient norm is the unscaled one")
+        return self
+
+
+BACKENDS.declare_settings("deepspeed", DeepSpeedSettings)  # (torch: the base, fp32 in this process)
+LEARNER_SECTION = RegistrySection(BACKENDS, key="backend")
+
+
+class LearnerConfig(DeepSpeedSettings):
+    """What a learner is built with: its settings (`learner:`; under another backend DeepSpeed's at their defaults)
+    and what the run derives for it (`RunConfig.learner_config`)."""
+
+    # a decay reaches min_lr_ratio * lr at optimizer step decay_steps (a run's: its steps x minibatches, as verl's
+    # total_training_steps, TRL's max_steps)
+    decay_steps: int | None = Field(None, ge=1, description="the optimizer step a decay ends at (the run's steps x minibatches)")
+    temperature: float = Field(1.0, ge=0, description="the rollout's sampling temperature: logprobs are log_softmax(logits / T)")
+    seed: int = Field(0, description="the run's seed")
+    grad_clip: float = Field(1.0, gt=0, description="the gradients' global norm is clipped to this")
+
+    @model_validator(mode="after")
+    def _decay_has_an_end(self) -> LearnerConfig:
         if (self.lr_schedule == "constant") != (self.decay_steps is None):
             raise ValueError(f"lr_schedule {self.lr_schedule} with decay_steps {self.decay_steps}: a decay (cosine, linear) ends at decay_steps, constant has none")
+        return self

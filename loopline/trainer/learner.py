@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -150,14 +149,14 @@ class _Step:
 
 
 class Learner:
-    def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), backend: BackendName = "deepspeed"):
+    def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), backend: BackendName | None = None):
         from transformers import AutoModelForCausalLM
 
         if config.dtype == "bf16" and not bf16_supported():
             raise LearnerError("bf16 was asked for, but this machine has no bf16-capable GPU; use dtype fp32")
         if config.dtype == "fp16" and not fp16_supported():
             raise LearnerError("fp16 was asked for, but this machine has no CUDA GPU; use dtype fp32")
-        self.config, self.backend_name, self.model_dir = config, backend, Path(model_dir)
+        self.config, self.backend_name, self.model_dir = config, backend or config.backend, Path(model_dir)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,7 +175,7 @@ class Learner:
             lr_factor, warmup_steps=config.warmup_steps, schedule=config.lr_schedule, decay_steps=config.decay_steps, min_ratio=config.min_lr_ratio
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        self.backend = build_backend(backend, model, optimizer, scheduler, config, self.device)
+        self.backend = build_backend(self.backend_name, model, optimizer, scheduler, config, self.device)
         self.model = self.backend.model
         self.steps_done = 0
         # KL's reference: the run's initial weights (the learner is always built from them), frozen; with LoRA
@@ -404,7 +403,7 @@ class Learner:
     def save_checkpoint(self, directory: str | Path, policy_version: int, cursor: dict | None = None) -> Path:
         """Everything resume needs, written to a temporary directory and renamed into place when complete."""
         state = {"steps_done": self.steps_done, "policy_version": policy_version, "cursor": cursor or {}}
-        learner = asdict(self.config) | {"advantage": self.config.advantage.model_dump(), "loss": self.config.loss.model_dump()}
+        learner = self.config.model_dump(mode="json")
 
         def fill(tmp: Path) -> None:
             self._save_state(tmp, state)
@@ -427,7 +426,7 @@ class Learner:
         mismatch = checkpoint.mismatched_model(path, self.model.config.to_dict())
         if mismatch:
             raise LearnerError(f"{path} holds a checkpoint of another model ({mismatch})")
-        if (marker.get("learner") or {}).get("lora") != json.loads(json.dumps(asdict(self.config)["lora"])):
+        if (marker.get("learner") or {}).get("lora") != self.config.model_dump(mode="json")["lora"]:
             raise LearnerError(f"{path} was written by a learner with lora {marker['learner'].get('lora')}, this one has {self.config.lora}")
         if marker["backend"] != self.backend_name:
             raise LearnerError(f"{path} was written by the {marker['backend']} backend, this learner uses {self.backend_name}")

@@ -55,7 +55,7 @@ def _announce(*command) -> None:
 class LeadingLearner(Learner):
     """Rank 0's learner: every call the other ranks must make too is announced to them first."""
 
-    def __init__(self, model_dir: str | Path, config: LearnerConfig, backend: BackendName = "deepspeed"):
+    def __init__(self, model_dir: str | Path, config: LearnerConfig, backend: BackendName | None = None):
         _announce("new", str(model_dir), config, backend, plugins.imported())  # (a plugin's components, named in config)
         super().__init__(model_dir, config, backend)
 
@@ -73,7 +73,7 @@ class LeadingLearner(Learner):
         return super().load_checkpoint(directory)
 
 
-def build_learner(model_dir: str | Path, config: LearnerConfig, backend: BackendName = "deepspeed") -> Learner:
+def build_learner(model_dir: str | Path, config: LearnerConfig, backend: BackendName | None = None) -> Learner:
     """This process's learner; on rank 0 of a launched learner, one the other ranks follow."""
     return (LeadingLearner if _channel is not None else Learner)(model_dir, config, backend)
 

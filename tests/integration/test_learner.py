@@ -171,9 +171,8 @@ def test_deepspeed_refuses_a_non_finite_gradient_norm(stage):
 @pytest.mark.parametrize("stage", [None, 1], ids=["default", "zero1"])
 def test_deepspeed_and_plain_torch_make_the_same_update(tiny_dirs, batch, stage):
     """By default one rank runs without ZeRO (its flat fp32 copies would partition nothing); ZeRO-1 too."""
-    import dataclasses
 
-    ds = Learner(tiny_dirs["v0"], dataclasses.replace(CONFIG, zero_stage=stage), backend="deepspeed")
+    ds = Learner(tiny_dirs["v0"], CONFIG.model_copy(update={"zero_stage": stage}), backend="deepspeed")
     assert ds.backend.zero_stage == (0 if stage is None else stage)
     plain = Learner(tiny_dirs["v0"], CONFIG, backend="torch")
     a, b = ds.rl_step(batch), plain.rl_step(batch)

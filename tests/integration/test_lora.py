@@ -3,7 +3,6 @@ engine's weights) is the merged model under the base model's names; the KL refer
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -68,7 +67,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(backend, b
     first = Learner(STARTER, LORA, backend=backend)
     first.rl_step(batch)
     first.save_checkpoint(tmp_path / "lora", policy_version=1)
-    full = Learner(STARTER, dataclasses.replace(LORA, lora=None), backend=backend)
+    full = Learner(STARTER, LORA.model_copy(update={"lora": None}), backend=backend)
     full.save_checkpoint(tmp_path / "full", policy_version=0)
     size = {k: sum(f.stat().st_size for f in (tmp_path / k).rglob("*") if f.is_file()) for k in ("lora", "full")}
     assert size["lora"] < size["full"] / 3, size  # the adapters and their Adam moments, not the base (1.4 MB)
@@ -83,13 +82,13 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(backend, b
 
 
 def test_with_lora_the_kl_reference_is_the_base_with_the_adapters_off(batch):
-    config = dataclasses.replace(LORA, loss=loss_settings(kl_coef=0.05))
+    config = LORA.model_copy(update={"loss": loss_settings(kl_coef=0.05)})
     learner = Learner(STARTER, config, backend="torch")
     assert learner.rl_step(batch).metrics["kl_ref"] == 0.0  # B = 0: the policy is its reference
     second = learner.rl_step(batch).metrics["kl_ref"]
     assert second > 0
     # the same k3 against a separately loaded copy of the base (the full-model reference path)
-    copy = Learner(STARTER, dataclasses.replace(config, lora=None), backend="torch")
+    copy = Learner(STARTER, config.model_copy(update={"lora": None}), backend="torch")
     from loopline.trainer.batch import micro_batches, pad
 
     for rows in micro_batches(batch, 10_000):
@@ -101,4 +100,4 @@ def test_with_lora_the_kl_reference_is_the_base_with_the_adapters_off(batch):
 
 def test_lora_target_modules_the_model_lacks_are_one_line():
     with pytest.raises(LearnerError, match="learner.lora"):
-        Learner(STARTER, dataclasses.replace(LORA, lora=LoraConfig(rank=4, target_modules=("no_such_proj",))), backend="torch")
+        Learner(STARTER, LORA.model_copy(update={"lora": LoraConfig(rank=4, target_modules=("no_such_proj",))}), backend="torch")
