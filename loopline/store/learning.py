@@ -183,64 +183,24 @@ def commit_learner_step(
         if driver is not None:
             fence(session, run_id, driver)
         if k <= last_step:
-            consumed = q(
-                session, "SELECT count(*) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
-            ).scalar_one()
-            version = q(
-                session, "SELECT version FROM policy_version WHERE run_id = :r AND learner_step = :k", r=run_id, k=k
-            ).scalar_one()
-            return LearnerCommit(k, version, consumed, already_committed=True)
-        if k != last_step + 1:
-            raise LedgerConflict(f"cannot commit learner step {k}: the last committed step is {last_step}")
-        claimed = groups_of_step(session, run_id, k, "claimed")
-        if not claimed:
-            raise LedgerConflict(f"learner step {k} has no claimed groups: call claim_learner_batch first")
-        if set(claimed) != set(batch.group_ids) or _batch_trajectories(session, claimed) != batch.trajectory_ids:
-            raise LedgerConflict(f"learner step {k} trained on a batch that differs from the one claimed for it")
-        if batch.policy_version != latest:
-            raise LedgerConflict(
-                f"learner step {k} trained policy version {batch.policy_version}, but the latest is {latest}"
-            )
+            return _committed_before(session, run_id, k)
+        claimed = _claimed_batch(session, batch, last_step, latest)
         consumed = q(
             session,
             "INSERT INTO consumption (run_id, trajectory_id, split, learner_step, policy_version, version_lag) "
             "SELECT t.run_id, t.id, t.split, :k, :v, :v - t.policy_version_min FROM trajectory t "
             "WHERE t.group_id = ANY(:g)",
-            k=k,
-            v=latest,
-            g=list(claimed),
+            k=k, v=latest, g=claimed,
         ).rowcount
-        # (One statement each, never executemany: psycopg pipelines that, and a process frozen mid-pipeline
-        # leaves its backend waiting for the rest with no timeout that applies, holding this run's lock.)
-        if samples:  # what each trajectory contributed: the advantage and correction the learner used
-            q(
-                session,
-                "UPDATE consumption c SET advantage = v.a, training = v.d "
-                "FROM unnest(CAST(:t AS uuid[]), CAST(:a AS float8[]), CAST(:d AS jsonb[])) AS v(t, a, d) "
-                "WHERE c.run_id = :r AND c.trajectory_id = v.t",
-                r=run_id, t=list(samples), a=[x.advantage for x in samples.values()], d=[Jsonb(x.details()) for x in samples.values()],
-            )
-            recomputed = [{"t": str(t), "lp": list(x.learner_logprobs)} for t, x in samples.items() if x.learner_logprobs is not None]
-            if recomputed:  # π_old per action token, beside the rollout's μ (the inspector's mismatch view)
-                q(
-                    session,
-                    "INSERT INTO learner_logprob (run_id, trajectory_id, logprobs) "
-                    "SELECT :r, (x->>'t')::uuid, ARRAY(SELECT e.v::float8::real FROM jsonb_array_elements_text(x->'lp') "
-                    "WITH ORDINALITY AS e(v, i) ORDER BY e.i) FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS x",
-                    r=run_id, rows=Jsonb(recomputed),
-                )
-        q(session, "UPDATE rollout_group SET state = 'consumed' WHERE id = ANY(:g)", g=list(claimed))
+        if samples:
+            _record_samples(session, run_id, samples)
+        q(session, "UPDATE rollout_group SET state = 'consumed' WHERE id = ANY(:g)", g=claimed)
         new_version = latest + 1
         q(
             session,
             "INSERT INTO policy_version (run_id, version, learner_step, weights_uri, adapter_uri, sha256) "
             "VALUES (:r, :v, :k, :uri, :adapter, :sha)",
-            r=run_id,
-            v=new_version,
-            k=k,
-            uri=weights_uri,
-            adapter=adapter_uri,
-            sha=weights_sha256,
+            r=run_id, v=new_version, k=k, uri=weights_uri, adapter=adapter_uri, sha=weights_sha256,
         )
         if checkpoint_uri is not None:
             q(
@@ -249,14 +209,56 @@ def commit_learner_step(
                 r=run_id, k=k, v=new_version, uri=checkpoint_uri,
             )
         lag = q(
-            session,
-            "SELECT avg(version_lag), max(version_lag) FROM consumption WHERE run_id = :r AND learner_step = :k",
-            r=run_id,
-            k=k,
+            session, "SELECT avg(version_lag), max(version_lag) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k,
         ).one()
         metrics = {**(metrics or {}), "version_lag_mean": float(lag[0] or 0), "version_lag_max": float(lag[1] or 0)}
         _upsert_metrics(session, run_id, k, metrics, new_version)
     return LearnerCommit(k, new_version, consumed)
+
+
+def _committed_before(session: Session, run_id: uuid.UUID, k: int) -> LearnerCommit:
+    """A step committed already (a retry after the commit landed): the first commit's result."""
+    consumed = q(session, "SELECT count(*) FROM consumption WHERE run_id = :r AND learner_step = :k", r=run_id, k=k).scalar_one()
+    version = q(session, "SELECT version FROM policy_version WHERE run_id = :r AND learner_step = :k", r=run_id, k=k).scalar_one()
+    return LearnerCommit(k, version, consumed, already_committed=True)
+
+
+def _claimed_batch(session: Session, batch: LearnerBatch, last_step: int, latest: int) -> list[uuid.UUID]:
+    """The groups claimed for the batch's step, refused unless the learner trained exactly them, next, on the latest version."""
+    k = batch.learner_step
+    if k != last_step + 1:
+        raise LedgerConflict(f"cannot commit learner step {k}: the last committed step is {last_step}")
+    claimed = groups_of_step(session, batch.run_id, k, "claimed")
+    if not claimed:
+        raise LedgerConflict(f"learner step {k} has no claimed groups: call claim_learner_batch first")
+    if set(claimed) != set(batch.group_ids) or _batch_trajectories(session, claimed) != batch.trajectory_ids:
+        raise LedgerConflict(f"learner step {k} trained on a batch that differs from the one claimed for it")
+    if batch.policy_version != latest:
+        raise LedgerConflict(f"learner step {k} trained policy version {batch.policy_version}, but the latest is {latest}")
+    return list(claimed)
+
+
+def _record_samples(session: Session, run_id: uuid.UUID, samples: dict[uuid.UUID, TrainedSample]) -> None:
+    """What each trajectory contributed (the advantage and correction the learner used), and π_old per action token
+    beside the rollout's μ (the inspector's mismatch view). (One statement each, never executemany: psycopg
+    pipelines that, and a process frozen mid-pipeline leaves its backend waiting for the rest with no timeout that
+    applies, holding this run's lock.)"""
+    q(
+        session,
+        "UPDATE consumption c SET advantage = v.a, training = v.d "
+        "FROM unnest(CAST(:t AS uuid[]), CAST(:a AS float8[]), CAST(:d AS jsonb[])) AS v(t, a, d) "
+        "WHERE c.run_id = :r AND c.trajectory_id = v.t",
+        r=run_id, t=list(samples), a=[x.advantage for x in samples.values()], d=[Jsonb(x.details()) for x in samples.values()],
+    )
+    recomputed = [{"t": str(t), "lp": list(x.learner_logprobs)} for t, x in samples.items() if x.learner_logprobs is not None]
+    if recomputed:
+        q(
+            session,
+            "INSERT INTO learner_logprob (run_id, trajectory_id, logprobs) "
+            "SELECT :r, (x->>'t')::uuid, ARRAY(SELECT e.v::float8::real FROM jsonb_array_elements_text(x->'lp') "
+            "WITH ORDINALITY AS e(v, i) ORDER BY e.i) FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS x",
+            r=run_id, rows=Jsonb(recomputed),
+        )
 
 
 def _upsert_metrics(session: Session, run_id: uuid.UUID, step: int, metrics: dict[str, float], version: int | None) -> None:

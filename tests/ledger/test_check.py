@@ -115,7 +115,7 @@ def test_a_trajectory_of_two_chains_is_stored_loaded_as_two_sequences_and_passes
     assert sorted((s.chain, s.action_tokens) for s in sequences) == [(0, 5), (0, 5), (1, 1)]
     assert check_run(db, run.id).ok
     # the same break where no segment was recorded as starting a chain: re-tokenised history, as before
-    _corrupt(db, "UPDATE segment SET starts_chain = false WHERE seq = 2")
+    _corrupt(db, f"UPDATE segment SET starts_chain = false WHERE seq = 2 AND trajectory_id IN (SELECT id FROM trajectory WHERE run_id = '{run.id}')")  # (this run's alone)
     report = check_run(db, run.id)
     assert any("re-tokenised their history" in v.message for v in report.violations), report.violations
     with pytest.raises(LooplineError, match="does not extend segment 1"):
