@@ -77,7 +77,8 @@ def test_the_site_builds_strict_with_its_generated_reference(tmp_path):
                            "reference/metrics/index.html": "clip_fraction",
                            "reference/invariants/index.html": "nothing is trained twice",
                            "reference/environment/index.html": "LOOPLINE_DB_LOCK_TIMEOUT_S",
-                           "architecture/layers/index.html": "envregistry"}.items():
+                           "architecture/layers/index.html": "envregistry",
+                           "reference/api/index.html": "the per-token surrogate"}.items():  # (PolicyLoss's docstring)
         assert expected in (site / page).read_text(), page
 
 
