@@ -26,7 +26,7 @@ from benchmarks.learner_step import _batch
 def _generate(engine, threads: int | None, out: dict) -> None:
     import torch
 
-    from loopline.rollout.engine import SamplingParams
+    from loopline.rollout.engines.base import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
@@ -57,7 +57,7 @@ def _learn(learner, batch, threads: int | None, out: dict) -> None:
 
 
 def variant(name: str, model: str, learner, batch) -> dict:
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.engines.local import LocalEngine
 
     engine = LocalEngine(model, max_batch=32, prefix_cache_mb=0)
     cores = os.cpu_count() or 2

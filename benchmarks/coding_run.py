@@ -100,10 +100,10 @@ def policy(tasks_limit: int | None) -> dict:
     from dataclasses import replace
 
     from loopline.envregistry.sandbox.base import InfraFailure
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import EngineError, SamplingParams
-    from loopline.rollout.harness import EpisodeSetup, run_episode
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.engines.base import EngineError, SamplingParams
+    from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+    from loopline.rollout.engines.local import LocalEngine
     from loopline.store.db import loopline_home
 
     config = yaml.safe_load(CONFIG.read_text())

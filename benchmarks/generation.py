@@ -27,8 +27,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from loopline.rollout.engine import SamplingParams
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.engines.local import LocalEngine
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     rng = random.Random(0)

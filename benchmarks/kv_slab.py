@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.local_engine import LocalEngine, sample_token
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.engines.local import LocalEngine, sample_token
 
 
 class RepaddingEngine(LocalEngine):

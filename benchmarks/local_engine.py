@@ -32,11 +32,11 @@ from benchmarks._scratch import scratch_database
 from loopline.envregistry.spec import load_spec
 from loopline.plan import ModelShape, size
 from loopline.envregistry.tasks import load_tasks
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding, WorkerConfig, run_continuous
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.engines.local import LocalEngine
+from loopline.rollout.harness.scheduler import Binding, WorkerConfig, run_continuous
 from loopline.store import ledger
 from loopline.store.db import session
 from loopline.trainer.tiny import build_tiny

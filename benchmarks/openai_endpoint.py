@@ -31,12 +31,12 @@ import threading
 import time
 
 from loopline.policies.sources import SHIPPED_STARTERS
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.openai_api import AgentEpisode, Budget
-from loopline.rollout.openai_server import OpenAIServer
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import Generation, SamplingParams, VersionSpan
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.engines.local import LocalEngine
+from loopline.rollout.endpoint.api import AgentEpisode, Budget
+from loopline.rollout.endpoint.server import OpenAIServer
 
 
 class Instant:

@@ -18,10 +18,10 @@ from pathlib import Path
 from benchmarks.smollm2_learning import pulled_model
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import EngineError, SamplingParams
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import EngineError, SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.engines.local import LocalEngine
 from loopline.store.db import loopline_home
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -119,8 +119,8 @@ def check_same_prompt(model: Path, env: Path, task) -> str:
     from transformers import AutoTokenizer
 
     from loopline.envregistry.spec import load_spec
-    from loopline.rollout.actions import tool_schemas
-    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.harness.actions import tool_schemas
+    from loopline.rollout.harness.chat import ChatFormat
 
     from benchmarks.race_trl_side import as_trl_tool
 
@@ -245,11 +245,11 @@ def evaluate(env: Path, paths: list[str], eval_tasks: int, temperature: float = 
 
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.rollout.actions import tool_schemas
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import SamplingParams
-    from loopline.rollout.harness import EpisodeSetup, run_episode
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.harness.actions import tool_schemas
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+    from loopline.rollout.engines.local import LocalEngine
 
     spec = load_spec(env)
     held_out = [t for t in load_tasks(spec, env.parent) if t.split == "eval"][:eval_tasks]

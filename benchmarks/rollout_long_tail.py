@@ -24,10 +24,10 @@ from transformers import AutoTokenizer
 from benchmarks._scratch import scratch_database
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.scheduler import Binding, WorkerConfig, run_barrier, run_continuous
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import Generation, SamplingParams, VersionSpan
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.harness.scheduler import Binding, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
 from loopline.store.db import session
 from loopline.trainer.tiny import build_tiny

@@ -48,10 +48,10 @@ async def _generate_all(engine, prompts: list[list[int]], sampling, concurrency:
 def side_by_side(server: str, model: Path, prompts: int, concurrency: int, max_new_tokens: int) -> None:
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import SamplingParams
-    from loopline.rollout.local_engine import LocalEngine
-    from loopline.rollout.sglang_engine import SGLangEngine
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.engines.local import LocalEngine
+    from loopline.rollout.engines.sglang import SGLangEngine
 
     env = ROOT / "examples" / "arithmetic_env.yaml"
     spec = load_spec(env)

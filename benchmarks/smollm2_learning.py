@@ -60,10 +60,10 @@ def pulled_model(home: Path) -> Path:
 def probe(model: Path, tasks: int) -> None:
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import SamplingParams
-    from loopline.rollout.harness import EpisodeSetup, run_episode
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+    from loopline.rollout.engines.local import LocalEngine
 
     env = ROOT / "examples" / "arithmetic_env.yaml"
     spec = load_spec(env)

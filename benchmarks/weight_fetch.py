@@ -26,8 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from loopline.rollout.weight_server import WeightServer
-from loopline.rollout.weight_store import WeightStore, digest_of
+from loopline.rollout.weights.server import WeightServer
+from loopline.rollout.weights.store import WeightStore, digest_of
 
 
 def _model(directory: Path, mb: int) -> Path:

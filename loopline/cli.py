@@ -209,7 +209,7 @@ def export(
     """Write a policy version of RUN as a plain Hugging Face model directory (safetensors and tokenizer),
     checked against the sha256 its commit recorded."""
     from loopline.pipeline.assembly import weight_store
-    from loopline.rollout.weight_store import WeightsUnavailable
+    from loopline.rollout.weights.store import WeightsUnavailable
     from loopline.store import ledger
     from loopline.trainer.checkpoint import weights_sha256
 

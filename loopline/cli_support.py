@@ -18,7 +18,7 @@ from rich.text import Text
 from loopline import plugins
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.errors import LooplineError
-from loopline.rollout.engine import EngineError
+from loopline.rollout.engines.base import EngineError
 from loopline.store.errors import is_database_outage
 
 F = TypeVar("F", bound=Callable)

@@ -17,8 +17,8 @@ from loopline import plugins
 from loopline.errors import LooplineError
 from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 from loopline.yamlfile import line_index, read_text, read_yaml
-from loopline.rollout.engine import InFlightPolicy
-from loopline.rollout.engines import ENGINE_SECTION, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
+from loopline.rollout.engines.base import InFlightPolicy
+from loopline.rollout.engines.registry import ENGINE_SECTION, EngineSettings, LaunchSettings, SGLangSettings  # (no torch either)
 from loopline.types import LEASE_SECONDS, MAX_ATTEMPTS
 from loopline.trainer.config import (  # noqa: F401 (re-exported: the run config's learner section; no torch, a config is checked before it loads)
     ADVANTAGE_SECTION, LEARNER_SECTION, LOSS_SECTION, AdvantageSettings, DeepSpeedSettings, LearnerConfig, LearnerSettings, LoraConfig,

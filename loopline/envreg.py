@@ -24,7 +24,7 @@ from loopline.store.db import session
 from loopline.errors import LooplineError
 from loopline.store.migrate import open_ledger
 from loopline.store import environments
-from loopline.rollout.agent_program import play_scripted
+from loopline.rollout.harness.agent_program import play_scripted
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
 app.callback()(stop_on_signals)  # (SIGTERM and a closed terminal stop a command as loopline's do)

@@ -18,8 +18,8 @@ import torch
 from pydantic import Field
 
 from loopline.config import TRACKERS, TrackerSettings
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest, EngineSettings
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.engines.registry import ENGINES, EngineKind, EngineRequest, EngineSettings
 from loopline.trainer.config import POLICY_LOSSES, LossSettings, Surrogate
 
 
@@ -66,7 +66,7 @@ class CappedLocal(EngineSettings):
 
 
 def capped_local(request: EngineRequest) -> EngineThread:
-    from loopline.rollout.local_engine import LocalEngine  # (torch: only where an engine is built)
+    from loopline.rollout.engines.local import LocalEngine  # (torch: only where an engine is built)
 
     settings: CappedLocal = request.settings
     return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=min(settings.max_batch, request.concurrency)))

@@ -47,7 +47,7 @@ class SmokeResult:
 
 
 # Plays an env with `agent:` (its program against scripted model replies): the rollout layer's
-# (`loopline.rollout.agent_program.play_scripted`), handed in by whoever sits above both (the `envreg` command).
+# (`loopline.rollout.harness.agent_program.play_scripted`), handed in by whoever sits above both (the `envreg` command).
 AgentPlayer = Callable[[EnvSpec, Task], Awaitable[SmokeResult]]
 
 

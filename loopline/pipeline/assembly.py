@@ -26,16 +26,16 @@ from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.config import EngineSettings, RunConfig, load_config, parse_config
-from loopline.rollout import agent_program
-from loopline.rollout.actions import tool_schemas
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.engines import ENGINES, EngineRequest
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.scheduler import Binding
-from loopline.rollout.weight_server import WeightServer, address_toward
-from loopline.rollout.weight_store import WeightStore
+from loopline.rollout.harness import agent_program
+from loopline.rollout.harness.actions import tool_schemas
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.engines.registry import ENGINES, EngineRequest
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.harness.scheduler import Binding
+from loopline.rollout.weights.server import WeightServer, address_toward
+from loopline.rollout.weights.store import WeightStore
 from loopline.store import db as store_db
 from loopline.store import ledger, migrate
 from loopline.store.records import ResumeState
@@ -212,7 +212,7 @@ def build_engine(
     settings: EngineSettings, weights: str, version: int, initial: Path, concurrency: int, log_dir: Path, tag: str | None = None,
     lora: LoraConfig | None = None,
 ) -> EngineThread:
-    """The engine the config names (`rollout/engines.ENGINES`), serving `version` (whose weights are at
+    """The engine the config names (`rollout/engines/registry.ENGINES`), serving `version` (whose weights are at
     `weights`), on its own loop thread."""
     return ENGINES[settings.kind].build(EngineRequest(settings, weights, version, initial, concurrency, log_dir, tag, lora))
 

@@ -33,10 +33,10 @@ from loopline.config import RolloutSettings, RunConfig
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engine import Engine, EngineClosed, EngineError, SamplingParams
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
-from loopline.rollout.weight_store import WeightStore
+from loopline.rollout.engines.base import Engine, EngineClosed, EngineError, SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.harness.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
+from loopline.rollout.weights.store import WeightStore
 from loopline.store import ledger
 from loopline.store.errors import DatabaseUnavailable, LostTheRun
 from loopline.store.records import LearnerCommit

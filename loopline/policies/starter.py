@@ -25,11 +25,11 @@ from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_dir
 from loopline.envregistry.smoke import fill
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.agent_program import ScriptedModel
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.harness.agent_program import ScriptedModel
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.engines.local import LocalEngine
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.learner import Learner, LearnerConfig
 from loopline.trainer.tiny import random_model, train_tokenizer

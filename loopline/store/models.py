@@ -167,7 +167,7 @@ class EngineServer(SQLModel, table=True):
 
 class WeightServer(SQLModel, table=True):
     """Where the run's trainer serves the weights it publishes as `trainer://` URIs, and the token a host presents
-    to fetch them (rollout/weight_server.py). Replaced by each trainer process that drives the run."""
+    to fetch them (rollout/weights/server.py). Replaced by each trainer process that drives the run."""
 
     __tablename__ = "weight_server"
 

@@ -1,6 +1,6 @@
 """The form of a published directory's URI, as the ledger records it (`policy_version.weights_uri`, `adapter_uri`):
 `SCHEME://...#sha256=HEX` (pip's form), the digest being the sha256 of the directory's manifest. How each scheme
-is published and fetched is `rollout/weight_store.py`; this is only the syntax, which the ledger's readers (the
+is published and fetched is `rollout/weights/store.py`; this is only the syntax, which the ledger's readers (the
 inspector, the cleanup of a trainer's own files) need too.
 """
 

@@ -19,8 +19,8 @@ from prefect.cache_policies import NO_CACHE
 
 from loopline import aio, stop_signals
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engine import Engine, EngineClosed, EngineError
-from loopline.rollout.scheduler import StopFlag
+from loopline.rollout.engines.base import Engine, EngineClosed, EngineError
+from loopline.rollout.harness.scheduler import StopFlag
 from loopline.store import queries
 from loopline.store.errors import is_outage
 from loopline.pipeline import stages

@@ -111,7 +111,7 @@ class ModelTokens:
         return self.tokenizer.decode(ids)
 
     def load(self, path: str) -> None:
-        from loopline.rollout.local_engine import load_model
+        from loopline.rollout.engines.local import load_model
 
         self.model = load_model(path)
         self.loads = getattr(self, "loads", -1) + 1
@@ -123,7 +123,7 @@ class ModelTokens:
         model's logprobs to 1.2e-7)."""
         import peft
 
-        from loopline.rollout.local_engine import load_model
+        from loopline.rollout.engines.local import load_model
 
         return peft.PeftModel.from_pretrained(load_model(base_path), adapter_path).merge_and_unload().eval()
 
@@ -136,8 +136,8 @@ class ModelTokens:
     def next(self, seq: _Sequence, generated: list[int]) -> tuple[int, float]:
         import torch
 
-        from loopline.rollout.engine import SamplingParams
-        from loopline.rollout.local_engine import sample_token
+        from loopline.rollout.engines.base import SamplingParams
+        from loopline.rollout.engines.local import sample_token
 
         model = seq.model or self.model
         with torch.inference_mode():

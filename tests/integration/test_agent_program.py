@@ -18,11 +18,11 @@ import yaml
 
 from loopline.envregistry.registry import prepare
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import Generation, SamplingParams, VersionSpan
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.engines.local import LocalEngine
 from loopline.types import first_chain_break
 from tests.integration.test_train_flow import STARTER
 
@@ -158,7 +158,7 @@ open("answer.txt", "w").write(json.dumps(seen))
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
 def test_the_program_reaches_the_model_and_nothing_else_and_never_sees_the_answer(backend, tmp_path, monkeypatch, request):
-    from loopline.rollout import agent_program
+    from loopline.rollout.harness import agent_program
 
     port = agent_program.endpoint().port
     env_file = _env(tmp_path, ISOLATION_PROBE)
@@ -412,7 +412,7 @@ def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
 
     prepared = prepare(AGENT_ENV)
     tasks = [t for t in prepared.tasks if t.split == "train"][:2]
-    from loopline.rollout.agent_program import play_scripted
+    from loopline.rollout.harness.agent_program import play_scripted
 
     results = [asyncio.run(run_smoke(prepared.spec, t, play_scripted)) for t in tasks]
     assert [r.reward for r in results] == [1.0, 1.0] and all(r.passed(1.0) for r in results)
@@ -437,7 +437,7 @@ def test_envreg_test_refuses_a_prompt_past_the_context_as_the_engine_would(tmp_p
     length) and the training run's engine then refused every call. The scripted model now refuses it too, and the
     result says why."""
     from loopline.envregistry.smoke import run_smoke
-    from loopline.rollout.agent_program import play_scripted
+    from loopline.rollout.harness.agent_program import play_scripted
 
     prepared = prepare(_env(tmp_path, LONG_SYSTEM_PROMPT))
     task = next(t for t in prepared.tasks if t.split == "train")

@@ -93,7 +93,7 @@ def public_endpoint(monkeypatch, local_envd, agent_image):
     stand-in's sandbox on that bridge with the openai SDK (as an E2B template for agents would have it)."""
     import socket
 
-    from loopline.rollout import agent_program
+    from loopline.rollout.harness import agent_program
 
     gateway = "172.17.0.1"  # the host on Docker's default bridge
     with socket.socket() as probe:
@@ -122,7 +122,7 @@ open("answer.txt", "w").write(os.environ["OPENAI_BASE_URL"] + " " + said.choices
 def test_e2b_sdk_against_local_envd_runs_an_agent_program_that_reaches_the_model_at_its_public_url(public_endpoint, tmp_path, monkeypatch):
     """The program in the (stood-in) E2B sandbox gets OPENAI_BASE_URL under the endpoint's public URL and its calls
     are served there; the cloud's allow list itself is `test_e2b_agent_sandbox_asks_the_cloud_for_only_the_endpoint`."""
-    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.harness.chat import ChatFormat
     from tests.integration.test_agent_program import Scripted, _env, _play
     from tests.integration.test_train_flow import STARTER
 
@@ -149,7 +149,7 @@ def test_e2b_sdk_against_local_envd_runs_an_agent_program_that_reaches_the_model
 
     # `envreg test` of the example agent, unchanged: the scripted model calls the calculator, then answers
     from loopline.envregistry.registry import prepare
-    from loopline.rollout.agent_program import play_scripted
+    from loopline.rollout.harness.agent_program import play_scripted
 
     prepared = prepare(on_e2b(_env(tmp_path / "example", None)))
     task = next(t for t in prepared.tasks if t.split == "train")
@@ -164,7 +164,7 @@ def test_e2b_sdk_against_local_envd_stops_an_agent_program_at_its_wall_time(publ
 
     import yaml
 
-    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.harness.chat import ChatFormat
     from tests.integration.test_agent_program import CRASH_AFTER_A_CALL, SLOW_PROGRAM, Scripted, _env, _play
     from tests.integration.test_train_flow import STARTER
 
@@ -188,7 +188,7 @@ def test_e2b_sdk_against_local_envd_scores_an_answer_file_the_agent_made_odd(cas
     import yaml
 
     from loopline.envregistry.registry import prepare
-    from loopline.rollout.chat import ChatFormat
+    from loopline.rollout.harness.chat import ChatFormat
     from tests.integration.test_agent_program import ANSWER_FILES, ANSWER_PROGRAM, Scripted, _env, _play
     from tests.integration.test_train_flow import STARTER
 

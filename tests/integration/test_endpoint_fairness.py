@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.openai_endpoint import half_open, heavy
-from loopline.rollout import openai_server
-from loopline.rollout.openai_server import OpenAIServer
+from loopline.rollout.endpoint import server as openai_server
+from loopline.rollout.endpoint.server import OpenAIServer
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_openai_endpoint import _episode
 

@@ -27,9 +27,9 @@ import pytest
 import yaml
 
 from loopline.envregistry.registry import prepare
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
 from tests.integration.test_agent_program import Scripted
 from tests.integration.test_train_flow import STARTER
 
@@ -101,7 +101,7 @@ def test_the_tiny_starters_demonstrations_are_the_ids_the_endpoint_gives_the_age
     plays that task (a demonstration that differs teaches the policy a conversation it never sees)."""
     from loopline.envregistry.smoke import fill
     from loopline.policies.starter import ProgramDemonstrations
-    from loopline.rollout.agent_program import ScriptedModel
+    from loopline.rollout.harness.agent_program import ScriptedModel
     from loopline.trainer.tiny import train_tokenizer
 
     prepared = prepare(_env(tmp_path, framework))

@@ -22,12 +22,12 @@ import sqlalchemy as sa
 
 from loopline.envregistry import registry
 from loopline.envregistry.tasks import Task
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.engines.local import LocalEngine
+from loopline.rollout.harness.scheduler import Binding
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 from loopline.tasks import loop as loop_tasks

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.engines.local import LocalEngine
 from loopline.trainer.batch import TrainSequence
 from loopline.trainer.checkpoint import weights_sha256
 from loopline.trainer.learner import Learner, LearnerConfig, LearnerError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopline.rollout.chat import ChatFormat
+from loopline.rollout.harness.chat import ChatFormat
 
 
 @pytest.mark.slow

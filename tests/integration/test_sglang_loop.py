@@ -139,9 +139,9 @@ def test_train_launching_sglang_replicas_leaves_none_behind(tiny_dirs, database_
 def test_launched_replica_that_dies_is_restarted_on_the_last_good_version(tiny_dirs, tmp_path):
     """A real server dies on a bad weights file; loopline refuses such a file before any server sees it, and
     restarts a replica that died anyway (here: killed) on the newest version every replica had loaded."""
-    from loopline.rollout.engine import EngineError, SamplingParams
-    from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
-    from loopline.rollout.weights import BadWeights
+    from loopline.rollout.engines.base import EngineError, SamplingParams
+    from loopline.rollout.engines.sglang_launch import LaunchedSGLang, LaunchPlan
+    from loopline.rollout.weights.check import BadWeights
 
     bad = tmp_path / "bad"
     bad.mkdir()

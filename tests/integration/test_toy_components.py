@@ -11,9 +11,9 @@ import torch
 from loopline.config import TRACKERS
 from loopline.envregistry.sandbox.local import LocalSandbox
 from loopline.envregistry.spec import SANDBOX_BACKENDS, LocalSettings
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.engines import ENGINES, EngineKind, EngineRequest
-from loopline.rollout.local_engine import LocalEngine
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.engines.registry import ENGINES, EngineKind, EngineRequest
+from loopline.rollout.engines.local import LocalEngine
 from loopline.trainer.backends import BACKENDS, TorchBackend
 from loopline.trainer.config import AGGREGATIONS, CORRECTIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, AdvantageSettings, LossSettings, Surrogate
 from loopline.trainer.learner import Learner, LearnerConfig

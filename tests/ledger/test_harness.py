@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from loopline.envregistry.spec import LocalSettings, load_spec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import EngineError, Generation, SamplingParams, VersionSpan
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.local_engine import LocalEngine, load_model
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import EngineError, Generation, SamplingParams, VersionSpan
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.engines.local import LocalEngine, load_model
 from loopline.store import ledger
 
 ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
@@ -147,7 +147,7 @@ def test_groups_on_local_engine_are_token_exact_in_the_ledger(tiny_dirs, chat, d
 
 
 def test_context_overflow_ends_the_episode_as_truncated(chat):
-    from loopline.rollout.engine import ContextOverflow
+    from loopline.rollout.engines.base import ContextOverflow
 
     class Overflowing(ScriptedEngine):
         async def generate(self, prompt_ids, sampling, request_id):

@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding, WorkerConfig, run_barrier, run_continuous
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.engines.local import LocalEngine
+from loopline.rollout.harness.scheduler import Binding, WorkerConfig, run_barrier, run_continuous
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 
@@ -212,7 +212,7 @@ def test_a_ledger_outage_while_committing_or_renewing_is_ridden_out_and_its_slot
         await asyncio.sleep(1.0)
         return await real_episode(*args, **kwargs)
 
-    from loopline.rollout import scheduler
+    from loopline.rollout.harness import scheduler
 
     real_episode = scheduler.run_episode
     monkeypatch.setattr(scheduler, "run_episode", slow_episode)
@@ -241,7 +241,7 @@ def test_leases_stay_renewed_while_episodes_block_every_default_thread(tiny_dirs
     import os
     import time
 
-    from loopline.rollout import scheduler
+    from loopline.rollout.harness import scheduler
 
     real = scheduler.run_episode
 
@@ -264,8 +264,8 @@ def test_an_engine_closed_by_a_stopping_process_gives_its_slots_back_unblamed_an
     """Seen in CI: Ctrl-C closed the engine while a step rolled out; the loop went on claiming slots, each failed at
     once ("the engine was shut down") as an infra failure, three times, and the step's groups were dropped: the
     resumed run had nothing to train on. The slots go back now, no failure counted, and the loop stops."""
-    from loopline.rollout.engine import EngineClosed
-    from loopline.rollout.engine_thread import EngineThread
+    from loopline.rollout.engines.base import EngineClosed
+    from loopline.rollout.engines.thread import EngineThread
 
     ledger.plan_step(db, run.id, 1, ["t0", "t1"], group_size=2, max_attempts=3)
     closed = EngineThread(LocalEngine(tiny_dirs["v0"]))

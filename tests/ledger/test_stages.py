@@ -19,12 +19,12 @@ from loopline.tasks import loop as tasks
 from loopline.pipeline.learner_side import LearnerSide
 from loopline.config import LearnerSettings, RolloutSettings
 from loopline.pipeline.stages import LoopContext
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.engine_thread import EngineThread
-from loopline.rollout.harness import EpisodeSetup
-from loopline.rollout.local_engine import LocalEngine
-from loopline.rollout.scheduler import Binding
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.engines.thread import EngineThread
+from loopline.rollout.harness.episode import EpisodeSetup
+from loopline.rollout.engines.local import LocalEngine
+from loopline.rollout.harness.scheduler import Binding
 from loopline.store import ledger
 from loopline.store.check import check_run
 from loopline.store.db import session as new_session
@@ -112,7 +112,7 @@ def test_tasks_retry_only_transient_failures():
 
     from loopline.envregistry.sandbox.base import InfraFailure
     from loopline.errors import LooplineError
-    from loopline.rollout.engine import EngineError
+    from loopline.rollout.engines.base import EngineError
     from loopline.store.errors import DatabaseUnavailable, LedgerConflict
 
     import psycopg

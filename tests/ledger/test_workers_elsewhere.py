@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from loopline import holder
 from loopline.flows.worker import Follower
 from loopline.pipeline.stages import RolloutContext
-from loopline.rollout.weight_store import WeightStore
+from loopline.rollout.weights.store import WeightStore
 from loopline.store import ledger
 from loopline.store.db import session as new_session
 from loopline.store.errors import DatabaseUnavailable

@@ -251,7 +251,7 @@ def test_every_environment_variable_the_code_reads_is_documented_and_none_that_i
     package = ROOT / "loopline"
     named = {name for path in package.rglob("*.py") if path.name != "envvars.py"
              for name in re.findall(r"LOOPLINE_[A-Z_]*[A-Z]", path.read_text())}
-    named -= {"LOOPLINE_ASSISTANT", "LOOPLINE_OBSERVATION", "LOOPLINE_OBSERVATION_"}  # (rollout/chat.py's markers)
+    named -= {"LOOPLINE_ASSISTANT", "LOOPLINE_OBSERVATION", "LOOPLINE_OBSERVATION_"}  # (rollout/harness/chat.py's markers)
     documented = set(SETTINGS) | set(PROVIDED)
     assert not named - documented, f"add to loopline/envvars.py: {sorted(named - documented)}"
     assert not documented - named, f"read nowhere: {sorted(documented - named)}"

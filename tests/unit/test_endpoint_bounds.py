@@ -15,9 +15,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from loopline.rollout import openai_server
-from loopline.rollout.engine import Generation, VersionSpan
-from loopline.rollout.openai_server import MAX_BODY_BYTES, OpenAIServer
+from loopline.rollout.endpoint import server as openai_server
+from loopline.rollout.engines.base import Generation, VersionSpan
+from loopline.rollout.endpoint.server import MAX_BODY_BYTES, OpenAIServer
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_openai_endpoint import _episode
 
@@ -161,9 +161,9 @@ class Slow:
 
 
 def test_an_episode_with_too_many_requests_open_ends_and_the_others_are_served(tokenizer):
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.engine import SamplingParams
-    from loopline.rollout.openai_api import AgentEpisode, Budget
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.endpoint.api import AgentEpisode, Budget
 
     chat = ChatFormat.from_tokenizer(tokenizer)
 
@@ -191,7 +191,7 @@ def test_a_process_that_started_the_endpoint_leaves_no_directory_behind(tmp_path
     import subprocess
     import sys
 
-    code = "from loopline.rollout.agent_program import endpoint; print(endpoint().unix_path)"
+    code = "from loopline.rollout.harness.agent_program import endpoint; print(endpoint().unix_path)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(str(tmp_path)), out.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []

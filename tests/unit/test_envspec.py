@@ -605,7 +605,7 @@ def _agent_on_e2b(tmp_path):
 def test_an_agent_program_on_e2b_needs_the_endpoints_public_url_before_any_episode(tmp_path, monkeypatch):
     """E2B's cloud reaches the endpoint over the internet: without where it listens and where the cloud reaches
     it, the run stops at once with one line naming both variables (not an infra failure retried per episode)."""
-    from loopline.rollout import agent_program
+    from loopline.rollout.harness import agent_program
 
     spec = _agent_on_e2b(tmp_path)
     monkeypatch.setattr(agent_program, "_endpoint", None)  # (none started by an earlier test in this process)

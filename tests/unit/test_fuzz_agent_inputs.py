@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 from loopline.envregistry.episode import MAX_COMMAND_BYTES, MAX_OBSERVATION_CHARS, Episode, Observation, ToolCall
 from loopline.envregistry.spec import LocalSettings, Tool, ToolArg
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import parse_action
-from loopline.rollout.openai_server import OpenAIServer
+from loopline.rollout.harness.actions import parse_action
+from loopline.rollout.endpoint.server import OpenAIServer
 from loopline.store.nul import restored, storable
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_envspec import ARITHMETIC

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import loopline
 
-from loopline.rollout.engine import ContextOverflow, EngineError, SamplingParams, VersionSpan
-from loopline.rollout import local_engine
-from loopline.rollout.kv_slab import KVSlab
-from loopline.rollout.local_engine import LocalEngine, load_model
+from loopline.rollout.engines.base import ContextOverflow, EngineError, SamplingParams, VersionSpan
+from loopline.rollout.engines import local as local_engine
+from loopline.rollout.engines.kv_slab import KVSlab
+from loopline.rollout.engines.local import LocalEngine, load_model
 
 PROMPTS = [[1, 87, 85, 261], [1, 67, 85, 85, 277, 86, 264, 86, 201, 40, 41], [5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [90, 91, 92], [7]]
 
@@ -111,8 +111,8 @@ def test_a_stop_string_ends_the_generation_at_the_token_that_completes_it(tiny_d
     second is the first cut at the token whose text completes that piece (the endpoint's cut then keeps it all)."""
     from transformers import AutoTokenizer
 
-    from loopline.rollout.chat import ChatFormat
-    from loopline.rollout.openai_api import cut_at_stop
+    from loopline.rollout.harness.chat import ChatFormat
+    from loopline.rollout.endpoint.api import cut_at_stop
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["v0"])
     sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)
@@ -178,7 +178,7 @@ def test_engine_thread_shares_one_engine_across_threads_and_loops(tiny_dirs):
     """Rollout worker, eval and weight sync run on different threads, each with its own event loop."""
     import threading
 
-    from loopline.rollout.engine_thread import EngineThread
+    from loopline.rollout.engines.thread import EngineThread
 
     local = LocalEngine(tiny_dirs["v0"], max_batch=8)
     shared = EngineThread(local)
@@ -297,7 +297,7 @@ def test_the_prefix_cache_is_dropped_with_the_weights_that_computed_it(tiny_dirs
 
 
 def test_prefix_cache_keeps_the_longest_sequence_and_evicts_the_least_recently_used():
-    from loopline.rollout.local_engine import _PrefixCache, common_prefix
+    from loopline.rollout.engines.local import _PrefixCache, common_prefix
 
     assert [common_prefix(a, b) for a, b in (((1, 2, 3), (1, 2, 4)), ((1, 2), (1, 2, 3)), ((5,), (6,)), ((), (1,)))] == [2, 2, 0, 0]
     kv = lambda n: [(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))]  # noqa: E731

@@ -10,10 +10,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
-from loopline.rollout.engine import Generation, SamplingParams, VersionSpan
-from loopline.rollout.openai_api import AgentEpisode, Budget
-from loopline.rollout.openai_server import OpenAIServer
+from loopline.rollout.harness.chat import ChatFormat, hermes_tool_prompt
+from loopline.rollout.engines.base import Generation, SamplingParams, VersionSpan
+from loopline.rollout.endpoint.api import AgentEpisode, Budget
+from loopline.rollout.endpoint.server import OpenAIServer
 from loopline.types import chains, first_chain_break
 from tests.integration.test_train_flow import STARTER
 from tests.unit.test_tool_calls import HERMES_TEMPLATE

@@ -406,8 +406,8 @@ def test_an_engine_brings_its_own_settings_and_a_config_stored_before_that_still
     from pydantic import Field
 
     from loopline.config import RunConfig, parse_config
-    from loopline.rollout import engines
-    from loopline.rollout.engines import ENGINES, EngineKind, EngineSettings
+    from loopline.rollout.engines import registry as engines
+    from loopline.rollout.engines.registry import ENGINES, EngineKind, EngineSettings
 
     class Batched(EngineSettings):
         max_batch: int = Field(4, ge=1, description="requests per forward")

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from loopline.rollout.engine import ContextOverflow, EngineError, SamplingParams, VersionSpan
-from loopline.rollout.sglang_engine import SGLangEngine
+from loopline.rollout.engines.base import ContextOverflow, EngineError, SamplingParams, VersionSpan
+from loopline.rollout.engines.sglang import SGLangEngine
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from loopline.policies.sources import SHIPPED_STARTERS
-from loopline.rollout.engine import EngineError, SamplingParams, VersionSpan
-from loopline.rollout.sglang_engine import SGLangEngine
-from loopline.rollout.weights import BadWeights, read_layout
+from loopline.rollout.engines.base import EngineError, SamplingParams, VersionSpan
+from loopline.rollout.engines.sglang import SGLangEngine
+from loopline.rollout.weights.check import BadWeights, read_layout
 from loopline.trainer.config import LoraConfig
 from loopline.trainer.learner import Learner, LearnerConfig
 

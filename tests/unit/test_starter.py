@@ -8,10 +8,10 @@ from pathlib import Path
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import load_tasks
 from loopline.policies.starter import _text_corpus, transcript
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import Generation, VersionSpan
-from loopline.rollout.harness import EpisodeSetup, run_episode
-from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import Generation, VersionSpan
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
+from loopline.rollout.engines.base import SamplingParams
 from loopline.trainer.tiny import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

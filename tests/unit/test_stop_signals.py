@@ -99,7 +99,7 @@ def test_an_error_that_surfaces_after_a_stop_signal_is_said_as_the_stop(capsys):
 
     from loopline import stop_signals
     from loopline.cli_support import friendly_errors
-    from loopline.rollout.engine import EngineError
+    from loopline.rollout.engines.base import EngineError
 
     @friendly_errors
     def command():

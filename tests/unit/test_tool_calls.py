@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 from loopline.envregistry.episode import ToolCall
 from loopline.envregistry.spec import load_spec
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import Calls, NoAction, Unparsable, parse_action, tool_schemas
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
-from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.harness.actions import Calls, NoAction, Unparsable, parse_action, tool_schemas
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
 from tests.integration.test_train_flow import STARTER
 from tests.ledger.test_harness import ScriptedEngine
 

@@ -10,8 +10,8 @@ import json
 import openai
 import pytest
 
-from loopline.rollout.openai_server import OpenAIServer
-from loopline.rollout.tool_formats import FORMATS, of_template
+from loopline.rollout.endpoint.server import OpenAIServer
+from loopline.rollout.endpoint.tool_formats import FORMATS, of_template
 from tests.unit.test_openai_endpoint import _episode, tokenizer  # noqa: F401 (a fixture)
 from tests.unit.test_tool_calls import HERMES_TEMPLATE
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loopline.rollout import weight_store
-from loopline.rollout.weight_server import WeightServer
-from loopline.rollout.weight_store import WeightStore, WeightsUnavailable, digest_of, manifest
+from loopline.rollout.weights import store as weight_store
+from loopline.rollout.weights.server import WeightServer
+from loopline.rollout.weights.store import WeightStore, WeightsUnavailable, digest_of, manifest
 from loopline.store.uris import WeightsURI
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loopline.rollout.tool_formats import FORMATS, ToolCallFormat, of_template
+from loopline.rollout.endpoint.tool_formats import FORMATS, ToolCallFormat, of_template
 
 _ASSISTANT = "\u0001LOOPLINE_ASSISTANT\u0001"
 _OBSERVATION = "\u0001LOOPLINE_OBSERVATION\u0001"

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from loopline.rollout.engine import (
+from loopline.rollout.engines.base import (
     FULL_VOCAB_TEMPERED,
     TRUNCATED_RENORMALISED,
     ContextOverflow,
@@ -46,7 +46,7 @@ from loopline.rollout.engine import (
 )
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
-from loopline.rollout.kv_slab import KV, KVSlab
+from loopline.rollout.engines.kv_slab import KV, KVSlab
 
 log = logging.getLogger(__name__)
 _COMPATIBLE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")

@@ -35,11 +35,11 @@ from loopline.envregistry.smoke import SmokeResult, SmokeStepResult, fill
 from loopline.envregistry.spec import ANSWER_FILE, EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import ContextOverflow, EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
-from loopline.rollout.episode_setup import EpisodeSetup
-from loopline.rollout.openai_api import AgentEpisode, Budget
-from loopline.rollout.openai_server import OpenAIServer
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import ContextOverflow, EngineClosed, EngineError, Generation, Sampler, SamplingParams, VersionSpan
+from loopline.rollout.harness.episode_setup import EpisodeSetup
+from loopline.rollout.endpoint.api import AgentEpisode, Budget
+from loopline.rollout.endpoint.server import OpenAIServer
 from loopline.types import SegmentRecord, TrajectoryRecord
 
 TASK_FILE = "task.json"

@@ -13,7 +13,7 @@ import asyncio
 import threading
 from typing import Coroutine, Sequence, TypeVar
 
-from loopline.rollout.engine import Engine, EngineClosed, Generation, InFlightPolicy, SamplingParams, WeightsSource
+from loopline.rollout.engines.base import Engine, EngineClosed, Generation, InFlightPolicy, SamplingParams, WeightsSource
 
 T = TypeVar("T")
 

@@ -25,9 +25,9 @@ from typing import Sequence
 import httpx
 
 from loopline.holder import die_with_parent
-from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
-from loopline.rollout.sglang_engine import SGLangEngine
-from loopline.rollout.weights import read_layout
+from loopline.rollout.engines.base import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S, EngineError, Generation, InFlightPolicy, SamplingParams, WeightsSource
+from loopline.rollout.engines.sglang import SGLangEngine
+from loopline.rollout.weights.check import read_layout
 from loopline.ports import free_port
 
 log = logging.getLogger(__name__)

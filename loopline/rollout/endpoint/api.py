@@ -45,9 +45,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from loopline.rollout.chat import ChatFormat, hermes_tool_prompt
-from loopline.rollout.engine import ContextOverflow, EngineClosed, EngineError, Sampler, SamplingParams
-from loopline.rollout.tool_formats import FORMATS, ToolCallFormat
+from loopline.rollout.harness.chat import ChatFormat, hermes_tool_prompt
+from loopline.rollout.engines.base import ContextOverflow, EngineClosed, EngineError, Sampler, SamplingParams
+from loopline.rollout.endpoint.tool_formats import FORMATS, ToolCallFormat
 from loopline.types import SegmentRecord
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 
 from loopline.envregistry.episode import Episode
 from loopline.envregistry.tasks import Task
-from loopline.rollout.actions import Answer, Calls, NoAction, Unparsable, parse_action
-from loopline.rollout.agent_program import run_agent_program
-from loopline.rollout.engine import ContextOverflow, EngineError, Sampler
-from loopline.rollout.episode_setup import EpisodeSetup
+from loopline.rollout.harness.actions import Answer, Calls, NoAction, Unparsable, parse_action
+from loopline.rollout.harness.agent_program import run_agent_program
+from loopline.rollout.engines.base import ContextOverflow, EngineError, Sampler
+from loopline.rollout.harness.episode_setup import EpisodeSetup
 from loopline.types import SegmentRecord, TrajectoryRecord
 
 

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from loopline.rollout.engine import (
+from loopline.rollout.engines.base import (
     SGLANG_REQUEST_TIMEOUT_S,
     FULL_VOCAB_TEMPERED,
     TRUNCATED_RENORMALISED,
@@ -55,7 +55,7 @@ from loopline.rollout.engine import (
     WeightsSource,
 )
 from loopline.errors import LooplineError
-from loopline.rollout.weights import Layout, check_adapter, check_weights
+from loopline.rollout.weights.check import Layout, check_adapter, check_weights
 
 # in_flight policy -> /pause_generation mode (None: no pause; the update waits for in-flight requests)
 _PAUSE_MODE = {"finish": None, "abort": "abort", "continue": "retract"}

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from loopline.rollout.openai_api import RequestError
+from loopline.rollout.endpoint.api import RequestError
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:

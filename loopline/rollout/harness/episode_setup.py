@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopline.envregistry.spec import EnvSpec
-from loopline.rollout.chat import ChatFormat
-from loopline.rollout.engine import SamplingParams
+from loopline.rollout.harness.chat import ChatFormat
+from loopline.rollout.engines.base import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from loopline import holder
 from loopline.envregistry.sandbox.base import InfraFailure
 from loopline.envregistry.tasks import Task
 from loopline.failpoints import failpoint
-from loopline.rollout.engine import Engine, EngineClosed, EngineError
-from loopline.rollout.harness import EpisodeSetup, run_episode
+from loopline.rollout.engines.base import Engine, EngineClosed, EngineError
+from loopline.rollout.harness.episode import EpisodeSetup, run_episode
 from loopline.store import ledger
 from loopline.store.errors import is_outage
 from loopline.store.records import CommitOutcome, Lease

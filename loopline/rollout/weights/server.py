@@ -20,8 +20,8 @@ import socket
 from pathlib import Path
 from typing import Callable, Iterable
 
-from loopline.rollout.threaded_server import serve_on_thread
-from loopline.rollout.weight_store import manifest
+from loopline.rollout.endpoint.threaded_server import serve_on_thread
+from loopline.rollout.weights.store import manifest
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import secrets
 import socket
 from typing import Any, Callable
 
-from loopline.rollout.engine import EngineClosed, EngineError
+from loopline.rollout.engines.base import EngineClosed, EngineError
 from loopline.store.nul import unicode
-from loopline.rollout.openai_api import LARGE_REQUEST_BYTES, AgentEpisode, RequestError, chat_chunks, hand_back_memory, text_chunks
-from loopline.rollout import openai_responses
-from loopline.rollout.threaded_server import serve_on_thread
+from loopline.rollout.endpoint.api import LARGE_REQUEST_BYTES, AgentEpisode, RequestError, chat_chunks, hand_back_memory, text_chunks
+from loopline.rollout.endpoint import responses as openai_responses
+from loopline.rollout.endpoint.threaded_server import serve_on_thread
 
 
 MAX_BODY_BYTES = 16 << 20  # a request's body (a long agent conversation is ~1 MB of JSON)

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import Field, model_validator
 
 from loopline.registry import Registry, RegistryName, RegistrySection, Settings
-from loopline.rollout.engine import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S
-from loopline.rollout.engine_thread import EngineThread
+from loopline.rollout.engines.base import SGLANG_REQUEST_TIMEOUT_S, SGLANG_STARTUP_TIMEOUT_S
+from loopline.rollout.engines.thread import EngineThread
 
 
 ENGINES: Registry[EngineKind] = Registry("engine", "engine.kind", ())
@@ -108,7 +108,7 @@ class EngineKind:
 
 
 def _local(request: EngineRequest) -> EngineThread:
-    from loopline.rollout.local_engine import LocalEngine
+    from loopline.rollout.engines.local import LocalEngine
 
     return EngineThread(LocalEngine(request.weights, version=request.version, max_batch=request.concurrency))
 
@@ -126,12 +126,12 @@ def _sglang(request: EngineRequest) -> EngineThread:
     servers: a client of running servers; each is asked what it serves, and one serving other weights is
     brought to the version by the next weight sync. With `lora` the servers keep `initial` and load each
     version's adapter; launched ones are started with LoRA enabled for its rank and modules."""
-    from loopline.rollout.sglang_engine import SGLangEngine
-    from loopline.rollout.weights import read_layout
+    from loopline.rollout.engines.sglang import SGLangEngine
+    from loopline.rollout.weights.check import read_layout
 
     settings, lora = request.settings, request.lora
     if settings.launch is not None:
-        from loopline.rollout.sglang_launch import LaunchedSGLang, LaunchPlan
+        from loopline.rollout.engines.sglang_launch import LaunchedSGLang, LaunchPlan
 
         launch = settings.launch
         args = tuple(launch.args) + (lora_server_args(lora) if lora is not None and "--enable-lora" not in launch.args else ())
