@@ -239,7 +239,7 @@ async def play_scripted(spec, task: Task, max_context: int | None = None) -> Smo
     `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's, and its
     context unless `max_context` says the policy's)."""
     check_reachable(spec)
-    starter = Path(__file__).resolve().parent.parent / "starters"
+    starter = Path(__file__).resolve().parents[2] / "starters"
     policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
     chat = ChatFormat.for_policy(policy)
     model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context or context_of(policy))
