@@ -116,13 +116,17 @@ def train(
         from loopline.pipeline.preflight import refuse_early
 
         refuse_early(*load_config(path))
+    if resume is not None:
+        from loopline.pipeline.resumption import refuse_bad_resume
+
+        refuse_bad_resume(path, resume, steps)
     if not verbose:  # (its lines go to the run's log file: no colour codes there)
         import os
 
         os.environ.setdefault("PREFECT_LOGGING_COLORS", "false")
     server_ready = _prefect_server()
     from loopline.cli_progress import follow_run, step_progress
-    from loopline.pipeline.assembly import run_config
+    from loopline.pipeline.resumption import run_config
     from loopline.pipeline.opening import ready_policy
     from loopline.flows.train import train as train_flow
 

@@ -17,7 +17,7 @@ from prefect.utilities.annotations import quote
 
 from loopline import stop_signals
 from loopline.pipeline import assembly, learner_launch
-from loopline.pipeline.assembly import run_config
+from loopline.pipeline.resumption import extend_run, run_config
 from loopline.config import RunConfig, config_file, run_name
 from loopline.tracking import Trackers
 from loopline.flows.worker import DeployedWorkers
@@ -92,7 +92,7 @@ def train(
             raise LooplineError(f"fork: {exc}") from None
     config_path = config_file(config_path, store_db.loopline_home() / "configs")
     if steps is not None:
-        assembly.extend_run(config_path, resume, steps)
+        extend_run(config_path, resume, steps)
     config, base = run_config(config_path, resume)
     if (ranks := config.learner.ranks) is not None and not learner_launch.launched():
         log.info("starting %d learner ranks through DeepSpeed's launcher; rank 0 runs the run", ranks.ranks)

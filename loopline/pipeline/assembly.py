@@ -25,7 +25,8 @@ from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
 from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
-from loopline.config import EngineSettings, RunConfig, load_config, parse_config
+from loopline.config import EngineSettings, RunConfig
+from loopline.pipeline.resumption import FORKED_FROM, run_config  # noqa: F401 (re-exported)
 from loopline.rollout.harness import agent_program
 from loopline.rollout.harness.actions import tool_schemas
 from loopline.rollout.harness.chat import ChatFormat
@@ -47,41 +48,6 @@ from loopline.trainer.learner import Learner
 
 
 log = logging.getLogger(__name__)
-FORKED_FROM = "forked_from"  # stored next to a forked run's config: parent run and the version it started from
-
-
-def run_config(config_path: str | None, resume: str | None) -> tuple[RunConfig, Path]:
-    """The config to run: the file's, or (resume without a file) the one the ledger stored for the run."""
-    if config_path is not None:
-        config, base = load_config(config_path)
-        if resume is not None and resume != config.name:
-            raise LooplineError(f"--resume {resume}: {config_path} describes run {config.name!r}")
-        return config, base
-    if resume is None:
-        raise LooplineError("pass a run config, or --resume RUN to continue a run from the ledger")
-    with store_db.session(migrate.open_ledger()) as s:
-        stored = dict(ledger.get_run(s, resume).config)
-    stored.pop(FORKED_FROM, None)
-    return parse_config(stored, f"run {resume} (stored config)"), Path.cwd()
-
-
-def extend_run(config_path: str | None, resume: str | None, steps: int) -> None:
-    """`loopline train --resume RUN --steps N`: the run trains on to N steps (its stored config says N from
-    now on; nothing else may change without a fork)."""
-    if resume is None or config_path is not None:
-        raise LooplineError("--steps N extends a run with its stored config: loopline train --resume RUN --steps N")
-    with store_db.session(migrate.open_ledger()) as s:
-        run = ledger.get_run(s, resume)
-        done = ledger.resume_state(s, run.id).next_learner_step - 1
-        if steps < max(done, 1):
-            raise LooplineError(f"run {run.name} has trained {done} steps already: --steps must be at least {max(done, 1)}")
-        schedule = run.config.get("learner", {}).get("lr_schedule", "constant")
-        if schedule != "constant" and steps != run.config["steps"]:
-            raise LooplineError(
-                f"run {run.name} decays its learning rate over its {run.config['steps']} steps (lr_schedule: {schedule}); more steps "
-                "would change the rate of those it trained. Fork it instead: loopline train NEW.yaml --fork " + run.name
-            )
-        ledger.restate_config(s, run.id, {**run.config, "steps": steps})
 
 
 @dataclass

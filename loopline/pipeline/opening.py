@@ -18,7 +18,7 @@ from loopline.envregistry.tasks import Task
 from loopline.errors import LooplineError
 from loopline.pipeline import assembly
 from loopline.pipeline import lifecycle as lifecycle_
-from loopline.pipeline.assembly import FORKED_FROM
+from loopline.pipeline.resumption import FORKED_FROM
 from loopline.pipeline.learner_side import LearnerSide
 from loopline.policies.sources import HUB_ID, hub_policy, unknown_policy
 from loopline.pipeline.preflight import refuse_unreachable_servers, refuse_what_cannot_run, require_fits

@@ -388,3 +388,23 @@ def test_a_worker_stopped_from_its_terminal_stops_in_seconds_and_the_run_it_fed_
             child.logfile_read.close()
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=60)
+
+
+@pytest.mark.parametrize("command", [["loopline", "train", "examples/arithmetic_quickstart.yaml"], ["envreg", "test", "examples/arithmetic_env.yaml"]])
+def test_ctrl_c_while_the_cli_still_imports_is_one_line_or_none(command, tmp_path):
+    """Ctrl-C typed in the first moments, while the CLI's modules still import (no command's handler exists yet),
+    printed a 31-line (`loopline train`) or 45-line (`envreg test`) KeyboardInterrupt traceback. The console
+    script (`loopline.entry`) is run as pip installs it; the key is typed 0.3 s after the start, inside the imports
+    (they take over a second here; a key typed before Python's own handler exists ends it silently)."""
+    entry = f"import sys; sys.argv[0] = {command[0]!r}; from loopline.entry import {command[0]}; {command[0]}()"
+    child = pexpect.spawn(sys.executable, ["-c", entry, *command[1:]], cwd=str(ROOT), env=_home_env(tmp_path / "home"),
+                          encoding="utf-8", codec_errors="replace", dimensions=(50, 200), timeout=120)
+    time.sleep(0.3)
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    said = [line.replace("^C", "") for line in _plain(child.before).splitlines() if line.replace("^C", "").strip()]  # (the terminal echoes ^C)
+    assert "Traceback" not in child.before and len(said) <= 1, said
+    assert said in ([], ["Ctrl-C: stopped before anything started; nothing was done"]) or said[0].startswith("Ctrl-C: "), said
+    assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT, (child.exitstatus, child.signalstatus)
+    assert not (tmp_path / "home" / "runs").exists()

@@ -407,7 +407,7 @@ def test_the_run_configs_knobs_reach_the_optimizer_and_the_sampler(tiny_dirs, tm
 
 
 def test_a_run_whose_learning_rate_decays_over_its_steps_is_not_extended(prefect_server, tiny_dirs, database_url, db, tmp_path, monkeypatch):
-    from loopline.pipeline.assembly import extend_run
+    from loopline.pipeline.resumption import extend_run
     from loopline.flows.train import train
 
     monkeypatch.setenv("LOOPLINE_DATABASE_URL", database_url)
