@@ -132,7 +132,10 @@ def train(
 
     settings, base = run_config(path, resume)  # refuse a bad config before any flow runs
     name = fork or settings.name
-    on_stop(f"resume with loopline train --resume {name}")
+    from loopline import activity
+
+    elsewhere = settings.learner.ranks is not None  # (rank 0, another process, opens the run: said as before)
+    on_stop(lambda: f"resume with loopline train --resume {name}" if elsewhere or activity.opened(name) else "stopped before the run opened; run the command again")
     log = None if verbose else store_db.loopline_home() / "runs" / name / "train.log"
     with output_to_log(log):
         if path is not None:  # a resumed run's policy exists already

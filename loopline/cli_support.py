@@ -123,11 +123,12 @@ def _quiet_from_now_on() -> None:
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
-_on_stop: list[str] = []  # what to do after a stop signal, said with it (the command that runs sets it)
+_on_stop: list[str | Callable[[], str]] = []  # what to do after a stop signal, said with it (the command that runs sets it)
 
 
-def on_stop(hint: str) -> None:
-    """What the one line printed on Ctrl-C, SIGTERM or SIGHUP tells the user to do next."""
+def on_stop(hint: str | Callable[[], str]) -> None:
+    """What the one line printed on Ctrl-C, SIGTERM or SIGHUP tells the user to do next (a function: asked when the
+    stop comes, as what to do may depend on how far the command got)."""
     _on_stop[:] = [hint]
 
 
@@ -158,7 +159,7 @@ def _say_stopped(signum: int) -> None:
 
     _said_stopped[:] = [signum]
     with contextlib.suppress(OSError, ValueError):  # (a hung-up terminal: nobody reads it)
-        hint = _on_stop[0] if _on_stop else "nothing committed is lost; run the command again"
+        hint = (_on_stop[0]() if callable(_on_stop[0]) else _on_stop[0]) if _on_stop else "nothing committed is lost; run the command again"
         err_console.print(Text(f"{NAMES[signal.Signals(signum)]}: {hint}", style="yellow"), highlight=False)
 
 

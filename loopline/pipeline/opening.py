@@ -10,7 +10,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from loopline import holder, plan
+from loopline import activity, holder, plan
+from loopline.failpoints import failpoint
 from loopline.config import RunConfig, parse_config
 from loopline.envregistry import registry
 from loopline.envregistry.spec import EnvSpec
@@ -143,10 +144,12 @@ def prepare(config: RunConfig, base: Path, lifecycle: contextlib.ExitStack, fork
     refuse_what_policy_or_servers_cannot_do(config, policy)
     # the ledger keeps the environment pinned to its registered version: an edited env is a changed config
     pinned = config.model_copy(update={"env": f"{row.name}@{row.version}"})
+    failpoint("run_open")
     with store_db.session(database) as s:
         run, config, restated = _open_run(s, pinned, pinned.model_dump(mode="json"), policy, fork, database)
         run_id = run.id
     lifecycle.enter_context(lifecycle_.driving(lambda: store_db.session(database), run_id))  # (refuses a second live trainer)
+    activity.run_opened(config.name)
     with store_db.session(database) as s:
         if restated is not None:
             ledger.restate_config(s, run_id, restated)

@@ -192,6 +192,24 @@ def test_ctrl_c_while_a_new_version_loads_stops_the_run_in_seconds(terminal):
     _check(child, home, started, "interrupted (Ctrl-C)", 130)
 
 
+@pytest.mark.parametrize("terminal", [{"LOOPLINE_FAILPOINT": "run_open:1:hang"}], indirect=True)
+def test_ctrl_c_before_the_run_opens_says_there_is_nothing_to_resume(terminal):
+    """A stop while the run still loaded said `resume with loopline train --resume small` for a run that did not
+    exist yet. Held just before the run's row is created (a failpoint: loading a real model takes that long)."""
+    child, home = terminal
+    log = home / "runs" / NAME / "train.log"
+    deadline = time.monotonic() + 300
+    while "failpoint run_open: hanging" not in (log.read_text(errors="replace") if log.exists() else ""):
+        ended = child.expect([pexpect.TIMEOUT, pexpect.EOF], timeout=0.2)
+        assert not ended and time.monotonic() < deadline, _plain(child.before)[-3000:]
+    started = time.monotonic()
+    child.sendintr()
+    printed = _stopped(child, started)
+    assert "Traceback" not in printed and "interrupted (Ctrl-C): stopped before the run opened; run the command again" in printed, printed[-3000:]
+    assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+    assert NAME not in _status(home)  # (no run row: nothing to resume)
+
+
 def test_ctrl_c_during_startup_leaves_nothing_behind(terminal):
     child, _ = terminal
     time.sleep(4)  # importing, starting the embedded PostgreSQL and the temporary Prefect server
