@@ -428,6 +428,10 @@ def plan(
 @friendly_errors
 def runs() -> None:
     """The runs in the ledger: status, progress and held-out success first and last."""
+    import os
+
+    from rich.console import Console
+
     from loopline.store.queries import list_runs
 
     engine = migrate.open_ledger()
@@ -436,7 +440,7 @@ def runs() -> None:
     if not found:
         console.print("no runs yet; start one with `loopline train examples/arithmetic_quickstart.yaml`")
         return
-    # fits 80 columns: short headers, numbers never cut, a long run name folds onto a second line
+    # fits 80 columns: short headers, numbers never cut, a long run name folds onto a second line (in a terminal)
     table = Table(box=None, padding=(0, 1), caption="v: policy version · eval: held-out success, first → last", caption_justify="left")
     table.add_column("run", overflow="fold", ratio=1)
     table.add_column("status", no_wrap=True)
@@ -451,10 +455,12 @@ def runs() -> None:
             name, r.status, str(r.learner_step), str(r.policy_version), str(r.consumed),
             f"{pct(r.first_eval)} → {pct(r.last_eval)}", r.created_at.strftime("%m-%d %H:%M"),
         )
-    console.print(table)
+    # in a pipe (`loopline runs | grep NAME`) a row is a line: Rich's 80 columns there split long names
+    out = console if console.is_terminal or os.environ.get("COLUMNS") else Console(soft_wrap=True, width=1000)
+    out.print(table)
     for r in found:  # why each run that did not complete stopped, each in full (wrapped to the terminal, never cut)
         if r.reason and r.status != "completed":
-            console.print(f"{r.name}: {r.status}: {r.reason}", highlight=False, markup=False, soft_wrap=False, overflow="fold")
+            out.print(f"{r.name}: {r.status}: {r.reason}", highlight=False, markup=False, soft_wrap=out is not console, overflow="fold")
 
 
 @app.command("cancel")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 import subprocess
 import sys
 
@@ -126,6 +127,15 @@ def test_gap_of_stale_samples_is_lag_not_a_violation(db, trained_run):
     """An async step whose samples all came from an older version: the gap is staleness, reported apart."""
     _set_gap_metrics(db, trained_run.id, logprob_abs_diff=0.0, logprob_gap_tokens=0.0, logprob_abs_diff_stale=0.03)
     assert check_run(db, trained_run.id).ok
+
+
+def test_runs_in_a_pipe_keeps_each_run_on_one_line(database_url, db):
+    """`loopline runs | grep NAME`: in a pipe Rich wrapped at 80 columns and split a long run name over two lines."""
+    name = "r" + uuid.uuid4().hex + "-" + "x" * 60
+    ledger.create_run(db, name, {"seed": 0}, "file:///weights/v0")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"LOOPLINE_DATABASE_URL": database_url}
+    listed = subprocess.run([sys.executable, "-m", "loopline.cli", "runs"], env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and any(line.split()[:2] == [name, "created"] for line in listed.stdout.splitlines()), listed.stdout
 
 
 def test_gap_on_the_trained_versions_own_tokens_is_a_violation(db, trained_run):
