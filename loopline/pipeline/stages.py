@@ -197,6 +197,13 @@ def learn(ctx: LoopContext, step: int) -> LearnerCommit | None:
                 "then resume (loopline train --resume RUN)"
             )
         sequences = load_sequences(s, batch.trajectory_ids)
+        if not any(sequence.action_tokens for sequence in sequences):  # (it would publish the same weights as a new version)
+            why = ledger.first_refusal(s, batch.trajectory_ids)
+            raise LooplineError(
+                f"learner step {step}: none of its {len(batch.trajectory_ids)} episodes holds a token the policy generated: every "
+                f"model call was refused{f' (the first: {why})' if why else ''}. Fix the agent program or the env's budgets, check "
+                "it with `envreg test ENV`, then resume (loopline train --resume RUN)"
+            )
         episodes = ledger.rollout_metrics(s, ctx.run_id, batch.trajectory_ids, batch.policy_version)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than rollout.max_staleness", step, batch.stale_dropped)

@@ -51,6 +51,17 @@ def last_infra_failure(session: Session, run_id: uuid.UUID) -> str | None:
     return f"{row[0]}: {(row[1] or '').strip()}" if row else None
 
 
+def first_refusal(session: Session, trajectory_ids: Sequence[uuid.UUID]) -> str | None:
+    """The first model call the endpoint refused in these trajectories (an agent program's: `info.refused`)."""
+    row = first_row(
+        session,
+        "SELECT info->'refused'->>0 FROM trajectory WHERE id = ANY(:t) AND jsonb_typeof(info->'refused') = 'array' "
+        "AND jsonb_array_length(info->'refused') > 0 LIMIT 1",
+        t=list(trajectory_ids),
+    )
+    return row[0] if row else None
+
+
 def group_state_counts(session: Session, run_id: uuid.UUID) -> dict[str, int]:
     """`group_states` inside the caller's transaction."""
     rows = q(session, "SELECT state, count(*) FROM rollout_group WHERE run_id = :r GROUP BY state", r=run_id)

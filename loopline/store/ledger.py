@@ -76,6 +76,7 @@ from loopline.store.commits import (
 from loopline.store.prompts import whole_prompts
 from loopline.store.learning import (
     claim_learner_batch,
+    first_refusal,
     last_infra_failure,
     commit_learner_step,
     complete_groups,
@@ -98,6 +99,7 @@ __all__ = [
     "BulkMethod",
     "VersionWeights",
     "claim_learner_batch",
+    "first_refusal",
     "last_infra_failure",
     "claim_slots",
     "commit_learner_step",

@@ -253,3 +253,27 @@ def test_a_server_that_fell_behind_is_reported_once(db, run, engine, caplog):
             tasks.report_lagging_servers.fn(ctx, version, reported)
     said = [r.getMessage() for r in caplog.records if "serves v" in r.getMessage()]
     assert said == ["server http://w1:30000 (synced by other-host:42:1) serves v1 while the run is at v6: is that process gone?"]
+
+
+def test_a_step_whose_every_model_call_was_refused_publishes_nothing_and_says_why(engine, db, tmp_path):
+    """An agent program whose every call the endpoint refused (it sent `response_format`) committed episodes with
+    nothing generated; the step still published v1 (the same weights) and exited 0, and `loopline check` then
+    failed (no logprob gap recorded). Now the step is refused in one line naming the first refusal; its groups stay
+    unconsumed and no version is published."""
+    from loopline.errors import LooplineError
+    from loopline.pipeline import stages
+    from tests.factories import segment, trajectory
+
+    run = ledger.create_run(db, f"refused-{tmp_path.name[-12:]}", {"test": True}, "file:///weights/v0")
+    ledger.plan_step(db, run.id, 1, ["a"], group_size=2)
+    refused = "400 unsupported_parameter: response_format is not served"
+    nothing = [trajectory(0.0, segments=[segment(n_gen=0, seed=i, action_loss_mask=[], rollout_logprobs=[], tool_events=[])],
+                          info={"refused": [refused], "refusals": 3}) for i in range(2)]
+    leases = ledger.claim_slots(db, run.id, "w", 2, split="train")
+    assert all(o.committed for o in ledger.commit_trajectories(db, [(lease.attempt_id, t) for lease, t in zip(leases, nothing)]))
+    ctx = LoopContext(run_id=run.id, session_factory=lambda: new_session(engine), engine=None, binding=None, learning=None,
+                      rollout=RolloutSettings(groups_per_step=1, group_size=2))
+    with pytest.raises(LooplineError, match=rf"learner step 1: none of its 2 episodes holds a token the policy generated: every model call was refused \(the first: {refused}\)"):
+        stages.learn(ctx, 1)
+    assert _scalar(db, "SELECT max(version) FROM policy_version WHERE run_id = :r", run.id) == 0
+    assert _scalar(db, "SELECT count(*) FROM consumption WHERE run_id = :r", run.id) == 0

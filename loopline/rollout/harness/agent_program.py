@@ -177,6 +177,7 @@ async def run_agent_program(engine: Sampler, setup: EpisodeSetup, task: Task, re
         info={
             "verdict": verdict.details, "end": end, "generated_tokens": calls.generated, "exit_code": result.exit_code if result else None,
             "chains": calls.chains, "stderr": (result.stderr[-2000:] if result else ""),
+            **({"refused": calls.refused, "refusals": calls.refusals} if calls.refusals else {}),  # (calls the endpoint refused, beside served ones)
         },
     )
 
