@@ -147,6 +147,17 @@ def train(
     console.print(f"run {summary['run']}: policy v{summary['policy_version']}" + (f" (log: {log})" if log else ""))
 
 
+@app.command("metrics")
+def metrics() -> None:
+    """Every metric a learner step and an evaluation record (in the ledger and every tracker), with what it means."""
+    from loopline.metrics import EVAL_METRICS, METRICS
+
+    table = Table("metric", "what it is", box=None, padding=(0, 1))
+    for name, meaning in {**METRICS, **EVAL_METRICS}.items():
+        table.add_row(name, meaning)
+    console.print(table)
+
+
 @app.command("schema")
 def schema() -> None:
     """Print the run config's JSON Schema, each setting with its description (for editor completion and validation)."""

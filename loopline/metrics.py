@@ -9,6 +9,7 @@ from __future__ import annotations
 METRICS: dict[str, str] = {
     # the batch and GRPO's view of it
     "reward_mean": "mean reward of the step's episodes (one per trajectory, whatever its chains)",
+    "reward_std": "each group's sample standard deviation of its rewards, averaged over the groups (TRL's reward_std)",
     "advantage_mean": "mean advantage over the trained sequences (0 up to rounding for GRPO)",
     "advantage_std": "spread of the advantages over the trained sequences",
     "groups": "groups in the batch",
@@ -18,6 +19,7 @@ METRICS: dict[str, str] = {
     "tokens_trained": "action tokens the update trained on (the inspector's trained-tokens axis)",
     # the update
     "loss": "the policy loss of the step (the sum of its micro-batches' shares)",
+    "lr": "the learning rate of the step's first optimizer step, after warm-up and decay (TRL's learning_rate, verl's actor/lr)",
     "grad_norm": "gradient norm before clipping (the largest over the step's optimizer steps)",
     "clip_fraction": "fraction of action tokens whose ratio π_θ/π_old was clipped (verl `actor/pg_clipfrac`)",
     "dual_clip_fraction": "fraction of action tokens hit by the dual clip (`learner.loss.clip_ratio_c`)",
@@ -46,6 +48,7 @@ METRICS: dict[str, str] = {
     "tool/calls_per_episode": "tool calls the harness or the endpoint saw per episode",
     "tool/error_frac": "fraction of tool calls that failed",
     # time and memory
+    "timing_s/step": "seconds of the whole step: from this process's previous step's commit (or its loop's start) to this one's (verl's timing_s/step)",
     "timing_s/rollout": "seconds from the batch's first attempt to its last",
     "timing_s/episode_mean": "seconds of a mean episode",
     "timing_s/sync": "seconds of the weight sync that served the batch's version",

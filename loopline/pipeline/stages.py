@@ -78,6 +78,8 @@ class LoopContext(RolloutContext):
     # The process that drives the run (its holder name): a learner commit is refused once another process has
     # taken the run over (fencing). None: not checked (a learner driven by hand, the tests of the stages).
     driver: str | None = None
+    # when this process's previous learner step committed (or its loop began): a step's whole time runs from there
+    last_commit: float = dataclasses.field(default_factory=time.monotonic)
 
     @classmethod
     def for_run(
@@ -228,7 +230,7 @@ def learn(ctx: LoopContext, step: int) -> LearnerCommit | None:
         peak["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
     metrics = {
         **result.metrics, "learner_s": learner_s, **batch_metrics(sequences, learner_s), **episodes, **written.timings, **peak,
-        "groups_stale_dropped": batch.stale_dropped,
+        "groups_stale_dropped": batch.stale_dropped, "timing_s/step": time.monotonic() - ctx.last_commit,
     }
     uri = lambda path: side.publish(path) if path else None  # noqa: E731
     try:
@@ -241,6 +243,7 @@ def learn(ctx: LoopContext, step: int) -> LearnerCommit | None:
         written.remove()
         raise
     side.committed(committed.policy_version, written)
+    ctx.last_commit = time.monotonic()
     return committed
 
 

@@ -148,6 +148,15 @@ class _Step:
         return tokens, float(len(trajectories))
 
 
+def _mean_group_std(firsts: Sequence[TrainSequence]) -> float:
+    """TRL's `reward_std`: each group's sample standard deviation of its rewards, averaged over the groups."""
+    groups: dict[object, list[float]] = {}
+    for s in firsts:
+        groups.setdefault(s.group_id, []).append(s.reward)
+    stds = [float(np.std(rewards, ddof=1)) for rewards in groups.values() if len(rewards) > 1]
+    return sum(stds) / len(stds) if stds else 0.0
+
+
 class Learner:
     def __init__(self, model_dir: str | Path, config: LearnerConfig = LearnerConfig(), backend: BackendName | None = None):
         from transformers import AutoModelForCausalLM
@@ -171,6 +180,7 @@ class Learner:
                 raise LearnerError(str(exc)) from None
         trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
         optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+        self._lr = lambda: float(optimizer.param_groups[0]["lr"])  # (the schedule's current rate; DeepSpeed steps it on this optimizer)
         schedule = functools.partial(
             lr_factor, warmup_steps=config.warmup_steps, schedule=config.lr_schedule, decay_steps=config.decay_steps, min_ratio=config.min_lr_ratio
         )
@@ -269,6 +279,7 @@ class Learner:
                 for b in step.micro:
                     step.anchor(b, self._logprobs(b).detach())
         step.count_trajectory_tokens()
+        lr = self._lr()  # (the rate of the step's first optimizer step)
         step_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
         skipped = 0
@@ -295,6 +306,8 @@ class Learner:
             "tokens_trained": float(sum(int(b.target_mask.sum()) for b in step.micro)),
             "sequences_trained": float(len(step.seqs)),
             "reward_mean": float(sum(s.reward for s in firsts) / len(firsts)),
+            "reward_std": _mean_group_std(firsts),
+            "lr": lr,
             "learner_ranks": float(self.backend.world()[0]),
             "learner_threads": float(torch.get_num_threads()),  # a replay computes with the same count
         }

@@ -59,6 +59,14 @@ def test_rl_step_updates_the_policy_and_reports_why(tiny_dirs, batch):
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # one minibatch: π_θ == π_old at the first forward
     assert m["tokens_trained"] == sum(s.action_tokens for s in batch) and m["degenerate_groups"] == 0
     assert {"loss", "kl_ref", "clip_fraction", "advantage_mean", "advantage_std", "correction_capped_fraction"} <= set(m)
+    assert m["reward_std"] == pytest.approx(2 ** -0.5) and m["lr"] == pytest.approx(1e-3)  # each group's rewards are 0 and 1: sample std 1/√2
+
+
+def test_the_recorded_learning_rate_follows_the_warm_up(tiny_dirs, batch):
+    """`lr` is the rate of the step's first optimizer step: with a 4-step linear warm-up and 2 minibatches,
+    steps 1 and 2 start at optimizer steps 0 and 2: 1/4 and 3/4 of lr (on DeepSpeed, which steps the schedule)."""
+    learner = Learner(tiny_dirs["v0"], CONFIG.model_copy(update={"warmup_steps": 4, "minibatches": 2}), backend="deepspeed")
+    assert [learner.rl_step(batch).metrics["lr"] for _ in range(2)] == pytest.approx([0.25e-3, 0.75e-3])
 
 
 def test_logprobs_at_action_positions_equal_the_full_vocabulary_log_softmax(tiny_dirs, batch):

@@ -255,3 +255,13 @@ def test_every_environment_variable_the_code_reads_is_documented_and_none_that_i
     documented = set(SETTINGS) | set(PROVIDED)
     assert not named - documented, f"add to loopline/envvars.py: {sorted(named - documented)}"
     assert not documented - named, f"read nowhere: {sorted(documented - named)}"
+
+
+def test_loopline_metrics_prints_every_metric_with_its_meaning():
+    """The metric reference from the terminal, where a user reading a tracker's chart looks a name up."""
+    from loopline.metrics import EVAL_METRICS, METRICS
+
+    shown = subprocess.run([sys.executable, "-m", "loopline.cli", "metrics"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "400"})
+    lines = {line.split()[0]: " ".join(line.split()[1:]) for line in shown.stdout.splitlines() if line.strip()}
+    assert shown.returncode == 0 and all(lines.get(name) == " ".join(meaning.split()) for name, meaning in {**METRICS, **EVAL_METRICS}.items()), shown.stdout

@@ -352,3 +352,13 @@ def test_token_entropy_by_hand():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [math.log(1.0), math.log(3.0), -math.inf, -math.inf], [0.0, -1e4, -1e4, -1e4]])
     expected = [math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), 0.0]
     assert token_entropy(logits).tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_reward_std_is_trls_mean_of_each_groups_sample_std_by_hand():
+    """Groups [1, 0] (sample std 1/√2 = 0.70711) and [1, 1, 0, 0] (√(1/3) = 0.57735): 0.64223. A group of one has none."""
+    from loopline.trainer.batch import TrainSequence
+    from loopline.trainer.learner import _mean_group_std
+
+    rows = [("a", 1.0), ("a", 0.0), ("b", 1.0), ("b", 1.0), ("b", 0.0), ("b", 0.0), ("c", 1.0)]
+    firsts = [TrainSequence(None, group, reward, (1, 2), (0, 1), (0.0, -1.0)) for group, reward in rows]
+    assert _mean_group_std(firsts) == pytest.approx((2 ** -0.5 + (1 / 3) ** 0.5) / 2)
