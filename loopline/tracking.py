@@ -11,7 +11,7 @@ installed, its server down) is one warning line and is tried again later: the ru
 Where they write: TensorBoard under the run's directory (`runs/NAME/tensorboard`); MLflow to
 MLFLOW_TRACKING_URI (default: a SQLite store, `runs/NAME/mlflow.db`), experiment `loopline` (its `experiment` setting); W&B offline unless WANDB_API_KEY or
 WANDB_MODE says otherwise (files under `runs/NAME/wandb`; `wandb sync` uploads them); trackio to its own
-local store (TRACKIO_DIR), project `loopline`; W&B's and trackio's `project` settings say another.
+local store (TRACKIO_DIR), project `loopline`, run `NAME-ID8` (the run's id's first 8 hex digits); W&B's and trackio's `project` settings say another.
 """
 
 from __future__ import annotations
@@ -64,11 +64,15 @@ class TensorBoard:
         self.writer.close()
 
 
+MLFLOW_PARAMS_PER_BATCH = 100  # MLflow's limit on the parameters of one log_batch
+
+
 class MLflow:
     """Through `MlflowClient` (no global active run: the flow's threads share nothing). The tracker run is
     found again by its tag `loopline.run_id`, so a resume goes on in it."""
 
     def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: MLflowSettings):
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         # A server that is down is found out in seconds, not after mlflow's default 7 retries over 2 minutes each
@@ -90,9 +94,9 @@ class MLflow:
         else:
             self.run = self.client.create_run(experiment_id, tags={"loopline.run_id": str(run_id)}, run_name=name).info.run_id
         existing = self.client.get_run(self.run).data.params
-        fresh = {k: v[:6000] for k, v in _flat(config).items() if k not in existing}  # (a param cannot change once logged)
-        for key, value in fresh.items():
-            self.client.log_param(self.run, key, value)
+        fresh = [Param(k, v[:6000]) for k, v in _flat(config).items() if k not in existing]  # (a param cannot change once logged)
+        for start in range(0, len(fresh), MLFLOW_PARAMS_PER_BATCH):  # (one request per 100, not one each: 63 took a busy start minutes)
+            self.client.log_batch(self.run, params=fresh[start : start + MLFLOW_PARAMS_PER_BATCH])
 
     def log(self, step, metrics):
         from mlflow.entities import Metric
@@ -131,12 +135,18 @@ class Wandb:
         self.run.finish()
 
 
+def trackio_run_name(name: str, run_id: uuid.UUID) -> str:
+    """trackio finds a run by its name alone: a run deleted and trained again under the same name went on in the old
+    one's (every point twice, some with the old values). Its id makes the name the run's own; a resume keeps it."""
+    return f"{name}-{run_id.hex[:8]}"
+
+
 class Trackio:
     def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackioSettings):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=settings.project, name=name, resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
+        self.run = trackio.init(project=settings.project, name=trackio_run_name(name, run_id), resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
 
     def log(self, step, metrics):
         self.trackio.log(metrics, step=step)

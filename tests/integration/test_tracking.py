@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from loopline.metrics import METRICS
+from loopline.tracking import trackio_run_name
 from loopline.ports import free_port
 from tests.integration.test_chaos import _rows, _small_run
 
@@ -82,6 +84,22 @@ def _trackio_logs(store: Path, run: str) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_trackio_keeps_a_run_trained_again_under_the_same_name_apart(tmp_path):
+    """trackio finds a run by name: a run deleted and trained again under the same name went on in the old one's
+    trackio run (every point twice, some with the old values). Each loopline run (its id) is a trackio run of its own."""
+    play = ("import sys, uuid; from loopline.tracking import Trackio, tracker_settings\n"
+            "for run_id, value in ((uuid.UUID(sys.argv[1]), 0.25), (uuid.UUID(sys.argv[2]), 0.5)):\n"
+            "    t = Trackio('again', run_id, __import__('pathlib').Path(sys.argv[3]), {}, tracker_settings('trackio'))\n"
+            "    t.log(1, {'reward_mean': value}); t.close()\n")
+    first, second = uuid.uuid4(), uuid.uuid4()
+    done = subprocess.run([sys.executable, "-c", play, str(first), str(second), str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for run_id, value in ((first, 0.25), (second, 0.5)):
+        rows = _trackio_logs(tmp_path / "trackio", trackio_run_name("again", run_id))
+        assert [(row["step"], row["reward_mean"]) for row in rows if "reward_mean" in row] == [(1, value)]
+
+
 def _train(config: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
@@ -140,7 +158,7 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
     assert {row["_step"]: row["eval/success_rate"] for row in history if "eval/success_rate" in row} == pytest.approx(evals)
 
     # trackio's local store
-    logs = _trackio_logs(tmp_path / "trackio", name)
+    logs = _trackio_logs(tmp_path / "trackio", trackio_run_name(name, run_id))
     assert {row["step"]: row["reward_mean"] for row in logs if "reward_mean" in row} == pytest.approx(rewards)
 
 
@@ -190,6 +208,9 @@ def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the
     elsewhere = MLflow("r", run_id, workdir, {"lr": 0.001}, settings)
     elsewhere.close()
     assert client.get_experiment(client.get_run(elsewhere.run).info.experiment_id).name == "ablations" and elsewhere.run != first.run
+    many = MLflow("many", uuid.uuid4(), workdir, {f"p{i}": i for i in range(150)}, tracker_settings("mlflow"))  # (sent 100 to a request)
+    many.close()
+    assert client.get_run(many.run).data.params == {f"p{i}": str(i) for i in range(150)}
 
 
 @pytest.mark.slow
@@ -217,6 +238,6 @@ def test_a_run_killed_after_a_commit_then_resumed_leaves_every_step_once_in_each
     assert sorted(s for s, _ in logged) == [1, 2, 3], logged  # every step, once
     assert dict(logged) == pytest.approx(rewards, rel=1e-6)
 
-    logs = [(row["step"], row["reward_mean"]) for row in _trackio_logs(tmp_path / "trackio", name) if "reward_mean" in row]
+    logs = [(row["step"], row["reward_mean"]) for row in _trackio_logs(tmp_path / "trackio", trackio_run_name(name, run_id)) if "reward_mean" in row]
     assert sorted(s for s, _ in logs) == [1, 2, 3], logs
     assert dict(logs) == pytest.approx(rewards)
