@@ -25,6 +25,7 @@ from loopline.errors import LooplineError
 from loopline.store.migrate import open_ledger
 from loopline.store import environments
 from loopline.rollout.harness.agent_program import play_scripted
+from loopline.config import SamplingConfig
 
 app = typer.Typer(help="Register, inspect and test environments.", no_args_is_help=True)
 app.callback()(stop_on_signals)  # (SIGTERM and a closed terminal stop a command as loopline's do)
@@ -217,6 +218,10 @@ def test(
         None, "--max-context", min=1, metavar="TOKENS",
         help="An env with `agent:`: the context its model calls must fit, as your policy's engine would refuse them (default: the tiny starter's).",
     ),
+    max_new_tokens: int = typer.Option(
+        SamplingConfig.model_fields["max_new_tokens"].default, "--max-new-tokens", min=1, metavar="TOKENS",
+        help="An env with `agent:`: the most tokens one model call may generate, your run's rollout.sampling.max_new_tokens (a prompt must leave room for them).",
+    ),
 ) -> None:
     """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
     if split not in ("train", "eval"):
@@ -234,7 +239,7 @@ def test(
     results = []
     player = None
     if spec.agent is not None:
-        player = functools.partial(play_scripted, max_context=max_context)
+        player = functools.partial(play_scripted, max_context=max_context, max_new_tokens=max_new_tokens)
         context = f"a context of {max_context:,} tokens" if max_context else "the tiny starter's context"
         console.print(f"the program's model calls must fit {context} (--max-context TOKENS: your policy's)")
     for task in chosen:

@@ -67,3 +67,27 @@ def test_through_the_endpoint_a_call_in_the_templates_format_reaches_the_sdk_and
     assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == [("calc", {"expression": "7"})]
     prefix = tokenizer.encode(fmt.required, add_special_tokens=False)
     assert engine.prompts[1][-len(prefix) :] == prefix  # the forced start, in the template's convention, as prompt
+
+
+def test_a_scripted_reply_after_a_forced_tool_call_start_is_not_said_twice():
+    """`envreg test`'s scripted model: with `tool_choice: "required"` (smolagents' ToolCallingAgent sends it on every
+    call) the endpoint puts the call's start after the prompt, and the scripted reply, the whole call, came after it:
+    a second `<tool_call>`, a malformed call, and the program never finished where a server gave the right answer."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from loopline.rollout.engines.base import SamplingParams
+    from loopline.rollout.harness.agent_program import ScriptedModel
+    from loopline.rollout.harness.chat import ChatFormat
+    from tests.unit.test_openai_endpoint import STARTER
+
+    chat = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(STARTER))
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    model = ScriptedModel(chat, [call, "3"], 10_000)
+    forced = chat.initial_ids("", "1+2?") + chat.tokenizer.encode(FORMATS["hermes"].required, add_special_tokens=False)
+    reply = asyncio.run(model.generate(forced, SamplingParams(max_new_tokens=64), "r/c1/"))
+    assert chat.tokenizer.decode(forced[-40:] + list(reply.token_ids[:-1])).count("<tool_call>") == 1
+    assert chat.tokenizer.decode(list(reply.token_ids[:-1])) == call.removeprefix(FORMATS["hermes"].required)
+    unforced = asyncio.run(model.generate(chat.initial_ids("", "and then?"), SamplingParams(max_new_tokens=64), "r/c2/"))
+    assert chat.tokenizer.decode(list(unforced.token_ids[:-1])) == "3" and model.said == [call, "3"]

@@ -227,18 +227,30 @@ class ScriptedModel:
             )
         said = self.replies.pop(0) if self.replies else ""
         self.said.append(said)
+        said = said.removeprefix(self._forced(prompt_ids))
         ids = self.chat.tokenizer.encode(said, add_special_tokens=False) + [self.chat.eos_id]
         return Generation(tuple(ids), tuple([0.0] * len(ids)), "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+    def _forced(self, prompt_ids) -> str:
+        """The start of a tool call the endpoint put after the prompt (`tool_choice`: required or a named function;
+        smolagents' ToolCallingAgent sends it on every call): a scripted reply is the whole call, so its start is
+        not said twice (a second `<tool_call>` made the call malformed and the program never finished)."""
+        opening = self.chat.tool_format().required
+        tail = self.chat.tokenizer.decode(list(prompt_ids[-256:]))
+        at = tail.rfind(opening)
+        return tail[at:] if at >= 0 and opening else ""
 
 
 def context_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 2048))
 
 
-async def play_scripted(spec, task: Task, max_context: int | None = None) -> SmokeResult:
+async def play_scripted(spec, task: Task, max_context: int | None = None, max_new_tokens: int | None = None) -> SmokeResult:
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
     `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's, and its
-    context unless `max_context` says the policy's)."""
+    context unless `max_context` says the policy's). Each call may generate at most `max_new_tokens` (a run's
+    `rollout.sampling.max_new_tokens`: what training checks a prompt against), within the episode's budget."""
     check_reachable(spec)
     starter = Path(__file__).resolve().parents[2] / "starters"
     policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
@@ -246,7 +258,8 @@ async def play_scripted(spec, task: Task, max_context: int | None = None) -> Smo
     model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context or context_of(policy))
     result = SmokeResult(task.id)
     started = time.monotonic()
-    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=spec.budgets.max_generated_tokens))
+    per_call = min(max_new_tokens or spec.budgets.max_generated_tokens, spec.budgets.max_generated_tokens)
+    setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=1.0, max_new_tokens=per_call))
     try:
         trajectory = await run_agent_program(model, setup, task, f"smoke-{task.id}", labels={"loopline.purpose": "smoke"})
     except (InfraFailure, EngineError) as exc:
