@@ -314,6 +314,7 @@ def server_start(
     """Start a Prefect server in the background (Prefect's state on Postgres) and point this machine at it."""
     from loopline.orchestration import server
 
+    on_stop("no server was left running and the profile is as it was; run the command again")
     with console.status("starting the Prefect server ..."):
         info = server.start(host, port, database)
     console.print(f"Prefect server up: UI {info.ui_url}, API {info.api_url}, state in {info.database}")

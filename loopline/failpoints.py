@@ -4,7 +4,8 @@ Off unless `LOOPLINE_FAILPOINT=NAME[:N]` is set: the N-th time (default the firs
 `failpoint(NAME)` it kills itself with SIGKILL - no cleanup, no finally blocks, like a lost machine.
 `NAME:N:hang` instead says so on stderr and hangs there, as a stuck disk or server would: where a stop
 signal must still end the process within seconds.
-Names: run_open (the run about to be created or taken: nothing of it exists or is held yet), deepspeed_start (the learner is about to join DeepSpeed's process group), episode_start (a slot
+Names: server_started (`loopline server start`: the Prefect server launched, not yet answering), run_open (the run about
+to be created or taken: nothing of it exists or is held yet), deepspeed_start (the learner is about to join DeepSpeed's process group), episode_start (a slot
 is leased and its episode about to start), rollout_commit (after a trajectory is committed: finished
 episodes are committed together, so this leaves no lease behind), learner_step (after the update, before the checkpoint), learner_commit
 (checkpoint and weights written, ledger commit not yet), weight_load (the local engine loading a new

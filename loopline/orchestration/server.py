@@ -16,6 +16,7 @@ with its last process) Prefect keeps its default SQLite database instead.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from loopline.failpoints import failpoint
 from loopline.holder import die_with_parent, process_alive
 from loopline.store import db as store_db
 from loopline.errors import LooplineError
@@ -70,22 +72,38 @@ def start(host: str = "127.0.0.1", port: int = 4200, database: str = "prefect", 
     if db_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = db_url
     api = f"http://{host}:{port}/api"
-    if not healthy(api):
-        _prefect("server", "start", "--background", "--host", host, "--port", str(port), "--analytics-off", env=env)
-        deadline = time.monotonic() + wait_s
-        while not healthy(api):
-            if time.monotonic() > deadline:
-                raise LooplineError(f"the Prefect server did not become healthy at {api} within {wait_s:g} s")
-            time.sleep(0.5)
-    profile = _updated_profile(_prefect("config", "set", f"PREFECT_API_URL={api}"))
+    started = False
+    try:
+        if not healthy(api):
+            started = True
+            _prefect("server", "start", "--background", "--host", host, "--port", str(port), "--analytics-off", env=env)
+            failpoint("server_started")
+            deadline = time.monotonic() + wait_s
+            while not healthy(api):
+                if time.monotonic() > deadline:
+                    raise LooplineError(f"the Prefect server did not become healthy at {api} within {wait_s:g} s")
+                time.sleep(0.5)
+        profile = _updated_profile(_prefect("config", "set", f"PREFECT_API_URL={api}"))
+    except BaseException:  # a Ctrl-C while it started, or a server that never came up: none of it is left behind
+        if started:  # (Ctrl-C left the server running, its pid file, and the profile pointing at it)
+            with contextlib.suppress(Exception):
+                stop()
+        raise
     shown = sa.engine.make_url(db_url).render_as_string(hide_password=True) if db_url else "SQLite under PREFECT_HOME"
     return ServerInfo(api, f"http://{host}:{port}", shown, profile)
 
 
 def stop() -> str:
-    """Stop the server and unset PREFECT_API_URL in the profile; returns which profile (as `ServerInfo.profile`)."""
+    """Stop the server and unset PREFECT_API_URL in the profile; returns which profile (as `ServerInfo.profile`).
+    Either may be done already (a start stopped halfway): that is no failure."""
     _prefect("server", "stop")
-    return _updated_profile(_prefect("config", "unset", "PREFECT_API_URL", "-y"))
+    try:
+        return _updated_profile(_prefect("config", "unset", "PREFECT_API_URL", "-y"))
+    except LooplineError as exc:
+        if "is not set in profile" not in str(exc):
+            raise
+        found = re.search(r"profile '([^']+)'", str(exc))
+        return f"'{found.group(1) if found else 'the active profile'}' in {_profiles_path()} (it was not set)"
 
 
 def _updated_profile(done: subprocess.CompletedProcess) -> str:

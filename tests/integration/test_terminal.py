@@ -426,3 +426,37 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_or_none(command, tmp_pat
     assert said in ([], ["Ctrl-C: stopped before anything started; nothing was done"]) or said[0].startswith("Ctrl-C: "), said
     assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT, (child.exitstatus, child.signalstatus)
     assert not (tmp_path / "home" / "runs").exists()
+
+
+@pytest.mark.parametrize("at", ["its launch", "its first answer"])
+def test_ctrl_c_while_the_prefect_server_starts_leaves_no_server_and_no_profile_behind(at, tmp_path):
+    """`loopline server start` stopped while it starts: the server was left running (rc 130, no line) with
+    PREFECT_API_URL in the user's profile or a stale pid file, and the next `server start` refused, `server stop`
+    failed with Prefect's `'PREFECT_API_URL' is not set in profile`. Now the start undoes itself, and a stop of
+    nothing is no failure."""
+    from loopline.ports import free_port
+
+    port, prefect_home = free_port(), tmp_path / "prefect"
+    env = {**_home_env(tmp_path / "home"), "PREFECT_HOME": str(prefect_home)}
+    held = {"LOOPLINE_FAILPOINT": "server_started:1:hang"} if at == "its first answer" else {}  # (launched, held before it answers)
+    child = pexpect.spawn(sys.executable, ["-m", "loopline.cli", "server", "start", "--port", str(port)], cwd=str(ROOT), env={**env, **held},
+                          encoding="utf-8", codec_errors="replace", dimensions=(50, 200), timeout=120)
+    if held:
+        child.expect("failpoint server_started: hanging")
+    else:
+        time.sleep(1.5)  # (Prefect's own CLI, which launches the server, takes longer than this to import)
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    said = [line.replace("^C", "") for line in _plain(child.before).splitlines()
+            if line.replace("^C", "").strip() and "starting the Prefect" not in line and "failpoint" not in line]
+    assert child.exitstatus == 130 and said == ["interrupted (Ctrl-C): no server was left running and the profile is as it was; run the command again"], said
+    time.sleep(3)  # (a server that was left would answer by now)
+    from loopline.orchestration.server import healthy
+
+    assert not healthy(f"http://127.0.0.1:{port}/api")
+    profiles = prefect_home / "profiles.toml"
+    assert "PREFECT_API_URL" not in (profiles.read_text() if profiles.exists() else "")
+    assert not [p for p in prefect_home.rglob("*.pid")] if prefect_home.exists() else True
+    stopped = subprocess.run([sys.executable, "-m", "loopline.cli", "server", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0 and "(it was not set)" in stopped.stdout, stopped.stdout + stopped.stderr
