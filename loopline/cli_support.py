@@ -34,10 +34,17 @@ def print_error(message: str) -> None:
 
 class _UserErrorsOnce(logging.Filter):
     """Prefect logs a flow's or task's exception with its traceback, and again in the state it ended in; a
-    user error (LooplineError) is printed once, as one line, by `friendly_errors` instead."""
+    user error (LooplineError) or a stop is said once, as one line, by `friendly_errors` instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from loopline import stop_signals
+
         if record.exc_info and isinstance(record.exc_info[1], LooplineError):
+            return False
+        # a stop signal's unwinding, which Prefect reports as a crash of each flow run it went through ("Crash
+        # detected! Execution was interrupted by an unexpected exception: KeyboardInterrupt"): the stop is said once
+        if stop_signals.last_received() is not None and (record.getMessage().startswith("Crash detected!") or (
+                record.exc_info and isinstance(record.exc_info[1], (KeyboardInterrupt, SystemExit)))):
             return False
         # each retry's line, without its traceback: failures outside loopline's code, which `friendly_errors` says once
         if record.exc_info and (is_database_outage(record.exc_info[1]) or isinstance(record.exc_info[1], (EngineError, InfraFailure))):
