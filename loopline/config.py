@@ -245,9 +245,9 @@ class RunConfig(Settings):
 
     @model_validator(mode="after")
     def _warmup_within_the_run(self) -> "RunConfig":
-        optimizer_steps = self.steps * self.learner.minibatches
-        if self.learner.warmup_steps >= optimizer_steps > 0 and self.learner.warmup_steps > 0:
-            raise ValueError(f"learner.warmup_steps: {self.learner.warmup_steps} is not below the run's {optimizer_steps} optimizer steps "
+        optimizer_steps = self.steps * self.learner.minibatches  # (warm-up step s trains at (s + 1) / warmup_steps of lr)
+        if self.learner.warmup_steps > optimizer_steps:
+            raise ValueError(f"learner.warmup_steps: {self.learner.warmup_steps} is more than the run's {optimizer_steps} optimizer steps "
                              "(steps x learner.minibatches): the learning rate would never reach lr; lower it")
         return self
 
