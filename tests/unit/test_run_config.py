@@ -329,7 +329,7 @@ BAD_CONFIGS = {
     "fifty_megabytes": ("description: '" + "x" * (50 << 20) + "'\n", "a run config may be at most 1,048,576 bytes"),
     # (issue 65: each of these trained)
     "negative_eps": ("learner: {advantage: {eps: -1.0}}\n", "run.yaml:3: learner.advantage.eps: Input should be greater than 0"),
-    "warmup_past_the_run": ("steps: 2\nlearner: {warmup_steps: 1000000000000}\n", "run.yaml:4: learner.warmup_steps: 1000000000000 is not below the run's 2 optimizer steps"),
+    "warmup_past_the_run": ("steps: 2\nlearner: {warmup_steps: 1000000000000}\n", "run.yaml:4: learner.warmup_steps: 1000000000000 is more than the run's 2 optimizer steps"),
     "steps_past_the_ledger": ("steps: 99999999999999999999999\n", "run.yaml:3: steps: Input should be less than or equal to 1000000"),
     "a_section_true": ("learner: true\n", "run.yaml:3: learner: expected its settings (a mapping), got true"),
     "dual_clip_of_gspo": ("learner: {loss: {policy_loss: gspo, clip_ratio_c: 2}}\n", "learner.loss.clip_ratio_c: not a setting here; it is one of learner.loss (policy_loss: vanilla)"),
