@@ -307,10 +307,14 @@ def record_refused_step(session: Session, run_id: uuid.UUID, step: int, metrics:
 
 
 def open_groups_through(session: Session, run_id: uuid.UUID, step: int) -> int:
-    """Train groups of steps <= `step` still being generated (the async learner waits for them)."""
+    """Train groups of steps <= `step` still being generated (the async learner waits for them). A group whose
+    every slot is done is not: its rollout worker died between committing the last slot and marking the group
+    complete (two transactions), and the learner's claim completes it (counted as open, it stalled a resumed
+    run's learner for good)."""
     n = scalar(
         session,
-        "SELECT count(*) FROM rollout_group WHERE run_id = :r AND split = 'train' AND step <= :k AND state = 'open'",
+        "SELECT count(*) FROM rollout_group g WHERE g.run_id = :r AND g.split = 'train' AND g.step <= :k AND g.state = 'open' "
+        "AND EXISTS (SELECT 1 FROM slot s WHERE s.group_id = g.id AND s.state <> 'done')",
         r=run_id,
         k=step,
     )

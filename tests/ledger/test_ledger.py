@@ -319,6 +319,19 @@ def test_group_completes_only_when_every_sample_is_committed(db, run):
     assert ledger.complete_groups(db, run.id) == [group]
 
 
+def test_a_group_left_open_by_a_worker_killed_between_its_two_commits_is_not_waited_for_and_is_trained(db, run):
+    """A worker SIGKILLed after committing a group's last slot and before marking the group complete (its own
+    transaction): the async learner must not wait for that group (it stalled a resumed run in CI), and claims it."""
+    (group,) = _complete_step(db, run, tasks=("a",))
+    db.execute(sa.text("UPDATE rollout_group SET state = 'open', completed_at = NULL WHERE id = :g"), {"g": group})
+    db.commit()
+    ledger.plan_step(db, run.id, 2, ["b"], group_size=2)  # (a later step's group, still generating)
+    assert ledger.open_groups_through(db, run.id, 1) == 0
+    assert ledger.open_groups_through(db, run.id, 2) == 1
+    batch = ledger.claim_learner_batch(db, run.id, 1, max_groups=10)
+    assert list(batch.group_ids) == [group] and len(batch.trajectory_ids) == 2
+
+
 def test_task_failure_is_a_trajectory_with_a_reward(db, run):
     ledger.plan_step(db, run.id, 1, ["a"], group_size=1)
     (lease,) = ledger.claim_slots(db, run.id, "w", 1, split="train")
