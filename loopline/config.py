@@ -41,7 +41,11 @@ def run_name(name: str) -> str:
 
 
 class Tracker(Protocol):
-    """One experiment tracker's side of a run: the ledger's metrics projected onto it, step by step."""
+    """One experiment tracker's side of a run: the ledger's metrics projected onto it, step by step.
+
+    A step counts as held once `log` returns, unless the tracker also has `holds() -> (last learner step, last
+    evaluated version)`: what its own store holds durably, read when it starts (a tracker that buffers, as W&B and
+    trackio do, loses what a SIGKILL caught in its buffer; the resume sends that again)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 

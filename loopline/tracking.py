@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from sqlmodel import Session
 
@@ -45,12 +45,37 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+EVALUATION_KEYS = ("eval/success_rate", "eval/tasks", "timing_s/eval")  # what an evaluation sends, at its version's step
+
+
+def _last_held(rows: Iterable[tuple[int, Iterable[str]]]) -> tuple[int, int]:
+    """(last learner step, last evaluated version) among a tracker's (step, metric names) rows."""
+    trained, evaluated = 0, -1
+    for step, names in rows:
+        names = set(names)
+        if names - set(EVALUATION_KEYS):
+            trained = max(trained, step)
+        if "eval/success_rate" in names:
+            evaluated = max(evaluated, step)
+    return trained, evaluated
+
+
 class TensorBoard:
     def __init__(self, name: str, run_id: uuid.UUID, workdir: Path, config: dict[str, Any], settings: TrackerSettings):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(workdir / "tensorboard"))
+        self.directory = workdir / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.directory))
         self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in _flat(config).items()), 0)
+
+    def holds(self) -> tuple[int, int]:
+        """What its event files hold (a crash between a send and the run's note of it sent that step twice)."""
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        return _last_held(
+            (event.step, [v.tag for v in event.summary.value if v.metadata.plugin_data.plugin_name == "scalars"])
+            for path in self.directory.glob("events.out.tfevents.*") for event in EventFileLoader(str(path)).Load()
+        )
 
     def log(self, step, metrics):
         for name, value in metrics.items():
@@ -81,8 +106,8 @@ class MLflow:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         # Default: a SQLite store in the run's directory (`mlflow ui --backend-store-uri sqlite:///.../mlflow.db`):
         # mlflow 3 refuses its old default, the ./mlruns file store ("in maintenance mode"), and nothing was logged.
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
         workdir.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{_created_whole(workdir / 'mlflow.db')}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(settings.experiment)
         artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (workdir / "mlartifacts").resolve().as_uri()
@@ -98,6 +123,11 @@ class MLflow:
         for start in range(0, len(fresh), MLFLOW_PARAMS_PER_BATCH):  # (one request per 100, not one each: 63 took a busy start minutes)
             self.client.log_batch(self.run, params=fresh[start : start + MLFLOW_PARAMS_PER_BATCH])
 
+    def holds(self) -> tuple[int, int]:
+        """What the store holds (each step is one `log_batch`: all of it or none), not the run's note of it."""
+        names = self.client.get_run(self.run).data.metrics
+        return _last_held((m.step, [name]) for name in names for m in self.client.get_metric_history(self.run, name))
+
     def log(self, step, metrics):
         from mlflow.entities import Metric
 
@@ -109,6 +139,23 @@ class MLflow:
 
     def close(self):
         self.client.set_terminated(self.run)
+
+
+def _created_whole(store: Path) -> Path:
+    """MLflow's SQLite store, created (and migrated: seconds on a busy machine) under another name and linked into
+    place only when whole: a SIGKILL in its migrations left a store no later start could open ("table secrets
+    already exists"), and MLflow lost the run for good."""
+    store = store.resolve()
+    if not store.exists():
+        from mlflow.tracking import MlflowClient
+
+        partial = store.with_name(f"{store.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        partial.unlink(missing_ok=True)
+        MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments(max_results=1)
+        with contextlib.suppress(FileExistsError):  # (another process made it first: theirs is whole too)
+            os.link(partial, store)
+        partial.unlink()
+    return store
 
 
 class Wandb:
@@ -126,6 +173,17 @@ class Wandb:
     def log(self, step, metrics):
         self.run.log(metrics, step=step)
 
+    def holds(self) -> tuple[int, int]:
+        """W&B keeps a step's row in its service process until the next step or `finish`: a SIGKILL lost every row
+        logged in the 5 s before it (offline), so a step is held only once its row is in a file (offline: this
+        run's files, every attempt's) or on the server (online: the step a resume goes on from)."""
+        if self.run.offline:
+            runs = Path(self.run.dir).parents[1]  # (RUNS/offline-run-TIME-ID/files)
+            files = runs.glob(f"offline-run-*-{self.run.id}/run-{self.run.id}.wandb")
+            return _last_held((row["_step"], row) for path in files for row in wandb_rows(path))
+        last = self.run.step - 1  # (a row holds its step's metrics and then its version's evaluation: see _catch_up)
+        return max(last, 0), last
+
     def artifact(self, directory):
         artifact = self.wandb.Artifact("model", type="model")
         artifact.add_dir(str(directory))
@@ -133,6 +191,41 @@ class Wandb:
 
     def close(self):
         self.run.finish()
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf `Record`s of a W&B run file. wandb ships no reader: the file is LevelDB's log format after a
+    7-byte ":W&B" header (32 KiB blocks of records, each with a 7-byte header: crc, length, type FULL / FIRST /
+    MIDDLE / LAST). A torn tail (its writer killed) ends the reading."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pending, pos = path.read_bytes(), 32768, b"", 7
+    if data[:4] != b":W&B":
+        return
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):
+            return
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+        elif kind == 0:
+            pending = b""
+
+
+def wandb_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The history rows of a W&B run file, each {metric name: value} with its `_step`. (wandb-core names an item
+    by `nested_key` parts, the Python SDK by `key`.)"""
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            yield {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
 
 
 def trackio_run_name(name: str, run_id: uuid.UUID) -> str:
@@ -146,10 +239,18 @@ class Trackio:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=settings.project, name=trackio_run_name(name, run_id), resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
+        self.project, self.name = settings.project, trackio_run_name(name, run_id)
+        self.run = trackio.init(project=self.project, name=self.name, resume="allow", config=config, auto_log_cpu=False, auto_log_gpu=False)
 
     def log(self, step, metrics):
         self.trackio.log(metrics, step=step)
+
+    def holds(self) -> tuple[int, int]:
+        """trackio writes its store from a thread, in batches: a SIGKILL lost the last step sent. What its store holds
+        (a row per `log`: a step's metrics, or an evaluation)."""
+        from trackio.sqlite_storage import SQLiteStorage
+
+        return _last_held((row["step"], set(row) - {"step", "timestamp"}) for row in SQLiteStorage.get_logs(self.project, self.name))
 
     def artifact(self, directory):
         pass  # (metrics only: the model stays in the run's directory)
@@ -166,7 +267,7 @@ TRACKERS.check_implemented()
 
 
 STUCK_S = 5.0  # a tracker's call this long at the end of a run is taken as stuck (a server gone): the rest waits
-STARTING_S = 30.0  # the same for starting a tracker (imports and a first request)
+STARTING_S = 30.0  # the same for starting a tracker (imports and a first request) and closing it (W&B's `finish` writes its rows)
 FLUSH_MAX_S = 60.0  # at most this long at the end of a run for the trackers to catch up; the rest waits for the next start
 RETRY_S = 60.0  # a tracker that failed is started again after this long, from the step it had reached
 MARKS_FILE = "trackers.json"  # in the run's directory: the last step and evaluated version each tracker holds
@@ -220,7 +321,7 @@ class Trackers:
     def close(self) -> None:
         """Wait while the trackers catch up (a healthy one sends a step in milliseconds, but starting MLflow or
         W&B beside the others took 11 s on 2 busy cores): until each is done, or each left is stuck in one call
-        (STUCK_S; STARTING_S for a start), or at most FLUSH_MAX_S. What a stuck one did not send waits for the
+        (STUCK_S; STARTING_S for a start or a close), or at most FLUSH_MAX_S. What a stuck one did not send waits for the
         run's next start."""
         deadline = time.monotonic() + FLUSH_MAX_S
         for projection in self.projections:
@@ -281,7 +382,7 @@ class _Projection:
         if self.tracker is not None and not self.abandoned:
             if self.artifact is not None:
                 self._call("failed to store the model", lambda t: t.artifact(self.artifact))
-            self._call("failed to close", lambda t: t.close())
+            self._call("failed to close", lambda t: t.close(), allowance=STARTING_S)
 
     def _catch_up(self) -> None:
         if self.tracker is None:
@@ -289,7 +390,10 @@ class _Projection:
                 return
             try:
                 with self._timed(STARTING_S):
-                    self.tracker = self.start()
+                    tracker = self.start()
+                    if (holds := getattr(tracker, "holds", None)) is not None:  # (its own store, over the marks: see Tracker)
+                        self.step, self.version = holds()
+                    self.tracker = tracker
             except Exception as exc:  # noqa: BLE001 - a tracker must never fail the run
                 self._failed("could not start", exc)
                 return
@@ -303,8 +407,7 @@ class _Projection:
         # in step order, an evaluation at its version's step after that step's metrics (W&B drops a step older
         # than the last it got: the v0 evaluation sent after step 2 was lost)
         sends = [(step, 0, metrics) for step, metrics in steps.items()]
-        sends += [(e.version, 1, {"eval/success_rate": e.success, "eval/tasks": float(e.tasks)}
-                   | ({"timing_s/eval": e.seconds} if e.seconds is not None else {})) for e in evaluations]
+        sends += [(e.version, 1, {k: v for k, v in zip(EVALUATION_KEYS, (e.success, float(e.tasks), e.seconds)) if v is not None}) for e in evaluations]
         for step, is_eval, metrics in sorted(sends, key=lambda send: send[:2]):
             doing = f"failed to record v{step}'s evaluation" if is_eval else f"failed at step {step}"
             if not self._call(doing, lambda t: t.log(step, metrics)):
@@ -333,11 +436,11 @@ class _Projection:
         self.step, self.version = step if step is not None else self.step, version if version is not None else self.version
         self.owner.write_marks()
 
-    def _call(self, doing: str, call: Callable[[Tracker], None]) -> bool:
+    def _call(self, doing: str, call: Callable[[Tracker], None], allowance: float = STUCK_S) -> bool:
         if self.abandoned:
             return False
         try:
-            with self._timed(STUCK_S):
+            with self._timed(allowance):
                 call(self.tracker)
             return True
         except Exception as exc:  # noqa: BLE001

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from loopline.metrics import METRICS
-from loopline.tracking import trackio_run_name
+from loopline.tracking import trackio_run_name, wandb_rows
 from loopline.ports import free_port
 from tests.integration.test_chaos import _rows, _small_run
 
@@ -48,31 +48,6 @@ def mlflow_server(tmp_path):
     yield url
     os.killpg(proc.pid, 15)
     proc.wait(timeout=30)
-
-
-def _wandb_records(path: Path) -> list:
-    """The protobuf records of a W&B run file (wandb 0.31 ships no reader: LevelDB's log format, after a 7-byte
-    ":W&B" header; 32 KiB blocks of records with a 7-byte header: crc, length, type FULL/FIRST/MIDDLE/LAST)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    records, pending, pos = [], b"", 7
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL, LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-        elif kind == 0:
-            pending = b""
-    return records
 
 
 def _trackio_logs(store: Path, run: str) -> list[dict]:
@@ -150,10 +125,7 @@ def test_every_tracker_holds_the_ledgers_numbers_at_the_ledgers_steps(tiny_dirs,
 
     # W&B, offline: the history records of its run file
     (offline,) = (tmp_path / "home" / "runs" / name / "wandb").glob("offline-run-*/*.wandb")
-    history = [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-        for record in _wandb_records(offline) if record.WhichOneof("record_type") == "history"
-    ]
+    history = list(wandb_rows(offline))
     assert {row["_step"]: row["reward_mean"] for row in history if "reward_mean" in row} == pytest.approx(rewards)
     assert {row["_step"]: row["eval/success_rate"] for row in history if "eval/success_rate" in row} == pytest.approx(evals)
 
@@ -214,30 +186,72 @@ def test_mlflow_on_its_default_store_holds_the_steps_and_a_resume_goes_on_in_the
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_a_commit_then_resumed_leaves_every_step_once_in_each_tracker(tiny_dirs, database_url, db, tmp_path):
-    """The crash window: SIGKILL after step 2 committed, before its trackers heard of it (TensorBoard and trackio held
-    steps 1, 3: step 2 was lost). On resume each tracker gets what it lacks from the ledger, in order, none twice."""
+def test_a_run_sigkilled_at_each_failpoint_then_resumed_leaves_every_step_once_in_each_tracker(tiny_dirs, database_url, db, tmp_path):
+    """SIGKILL after step 2's commit (before its trackers heard of it) and at v3's evaluation, then a resume: each
+    tracker, read back through its own store, holds every ledger step and evaluation exactly once. Before: W&B
+    lost step 1 and v0's evaluation for good (its rows wait in its service process; the tracker counted a step as
+    held when `log` returned), trackio the last step sent, TensorBoard and trackio missed step 2 (the crash window)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from tests.integration.test_chaos import _train as _train_killed
 
     name = f"tracked-crash-{tmp_path.name[-12:]}".replace("_", "-")
-    config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode="sync", lease_seconds=5, backend="torch", every=3)
+    config, env = _small_run(tmp_path, name, tiny_dirs["v0"], database_url, mode="sync", lease_seconds=5, backend="torch", every=1)
     data = yaml.safe_load(config.read_text())
-    config.write_text(yaml.safe_dump({**data, "steps": 3, "tracking": ["tensorboard", "trackio"]}))
-    env = {**env, "TRACKIO_DIR": str(tmp_path / "trackio")}
-    assert _train_killed(config, env, "weight_sync:2", tmp_path / "killed.log") == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    config.write_text(yaml.safe_dump({**data, "steps": 3, "tracking": ["tensorboard", "mlflow", "wandb", "trackio"]}))
+    env = {**env, "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"}
+    for key in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE"):  # (each tracker on its default store)
+        env.pop(key, None)
+    for kill in ("weight_sync:2", "evaluate:2"):
+        log = tmp_path / f"{kill}.log"
+        assert _train_killed(config, env, kill, log) == -9, log.read_text()[-3000:]
     assert _train_killed(config, env, None, tmp_path / "resumed.log") == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     run_id = _rows(db, "SELECT id FROM run WHERE name = :n", n=name)[0][0]
     rewards = dict(_rows(db, "SELECT step, value FROM metric WHERE run_id = :r AND name = 'reward_mean'", r=run_id))
-    assert sorted(rewards) == [1, 2, 3]
+    evals = dict(_rows(db, "SELECT policy_version, success_rate FROM eval_result WHERE run_id = :r", r=run_id))
+    assert sorted(rewards) == [1, 2, 3] and sorted(evals) == [0, 1, 2, 3]
+    workdir = tmp_path / "home" / "runs" / name
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    def once(points: list[tuple[int, float]], expected: dict) -> None:
+        said = "".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+        assert sorted(step for step, _ in points) == sorted(expected), (points, said)  # every step, none twice
+        assert dict(points) == pytest.approx(expected, rel=1e-6)  # (TensorBoard stores float32)
 
-    events = EventAccumulator(str(tmp_path / "home" / "runs" / name / "tensorboard"))
+    events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
-    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
-    assert sorted(s for s, _ in logged) == [1, 2, 3], logged  # every step, once
-    assert dict(logged) == pytest.approx(rewards, rel=1e-6)
+    once([(e.step, e.value) for e in events.Scalars("reward_mean")], rewards)
+    once([(e.step, e.value) for e in events.Scalars("eval/success_rate")], evals)
 
-    logs = [(row["step"], row["reward_mean"]) for row in _trackio_logs(tmp_path / "trackio", trackio_run_name(name, run_id)) if "reward_mean" in row]
-    assert sorted(s for s, _ in logs) == [1, 2, 3], logs
-    assert dict(logs) == pytest.approx(rewards)
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("loopline").experiment_id], filter_string=f"tags.`loopline.run_id` = '{run_id}'")
+    once([(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "reward_mean")], rewards)
+    once([(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "eval/success_rate")], evals)
+
+    rows = [row for path in sorted(workdir.glob("wandb/offline-run-*/*.wandb")) for row in wandb_rows(path)]  # (every attempt's file)
+    once([(row["_step"], row["reward_mean"]) for row in rows if "reward_mean" in row], rewards)
+    once([(row["_step"], row["eval/success_rate"]) for row in rows if "eval/success_rate" in row], evals)
+
+    logs = _trackio_logs(tmp_path / "trackio", trackio_run_name(name, run_id))
+    once([(row["step"], row["reward_mean"]) for row in logs if "reward_mean" in row], rewards)
+    once([(row["step"], row["eval/success_rate"]) for row in logs if "eval/success_rate" in row], evals)
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "mlflow", "wandb", "trackio"])
+def test_each_tracker_reads_what_its_own_store_holds(kind, tmp_path):
+    """What a resume sends a tracker starts from what the tracker's store holds (`holds()`), not from the run's note
+    of what was sent: W&B and trackio buffer what `log` was given, and a SIGKILL lost it."""
+    play = (
+        "import pathlib, sys, uuid; from loopline.tracking import TRACKERS, tracker_settings\n"
+        "kind, workdir, run_id = sys.argv[1], pathlib.Path(sys.argv[2]), uuid.UUID(sys.argv[3])\n"
+        "start = lambda: TRACKERS[kind]('r', run_id, workdir, {'lr': 0.1}, tracker_settings(kind))\n"
+        "t = start(); print(t.holds())\n"
+        "t.log(0, {'eval/success_rate': 0.5, 'eval/tasks': 4.0}); t.log(1, {'reward_mean': 0.1}); t.log(2, {'reward_mean': 0.2})\n"
+        "t.log(2, {'eval/success_rate': 0.75, 'eval/tasks': 4.0}); t.log(3, {'reward_mean': 0.3}); t.close()\n"
+        "print(start().holds())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE")}
+    done = subprocess.run([sys.executable, "-c", play, kind, str(tmp_path / "run"), str(uuid.uuid4())], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**env, "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line for line in done.stdout.splitlines() if line.startswith("(")] == ["(0, -1)", "(3, 2)"], done.stdout[-2000:]
