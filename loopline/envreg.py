@@ -207,6 +207,23 @@ def _print_steps(result) -> None:
     console.print(Text(f"  verdict: {outcome}"))
 
 
+def _starter_for(digest: str, spec) -> tuple[Path, str]:
+    """The tiny starter a run with `policy: tiny` trains on this env (its tokenizer is built from the env's own
+    texts: another starter's spent 67 tokens on a `<tool_call>` line this env's spends 29 on), built or shipped;
+    before it exists, the shipped starter that says the smoke test's replies in the fewest tokens."""
+    from loopline.policies.sources import SHIPPED_STARTERS, tiny_policy_dir, tiny_policy_name
+
+    for own in (tiny_policy_dir(digest, 0), SHIPPED_STARTERS / tiny_policy_name(digest, 0)):
+        if (own / "config.json").is_file():
+            return own, f"this env's tiny starter ({own.name})"
+    from transformers import AutoTokenizer
+
+    shipped = [p for p in sorted(SHIPPED_STARTERS.iterdir()) if (p / "config.json").is_file()]
+    cost = lambda p: sum(len(AutoTokenizer.from_pretrained(p).encode(reply)) for reply in spec.smoke_test.replies)  # noqa: E731
+    nearest = min(shipped, key=cost)
+    return nearest, f"the shipped starter {nearest.name} (this env's own is built by its first `loopline train` with `policy: tiny`)"
+
+
 @app.command("test")
 @friendly_errors
 def test(
@@ -222,26 +239,31 @@ def test(
         SamplingConfig.model_fields["max_new_tokens"].default, "--max-new-tokens", min=1, metavar="TOKENS",
         help="An env with `agent:`: the most tokens one model call may generate, your run's rollout.sampling.max_new_tokens (a prompt must leave room for them).",
     ),
+    policy: Path = typer.Option(
+        None, "--policy", metavar="DIR", exists=True, file_okay=False,
+        help="An env with `agent:`: the model directory whose tokenizer, chat template and context its calls are counted in (default: the tiny starter `policy: tiny` trains on this env).",
+    ),
 ) -> None:
     """Reset, play the spec's scripted smoke test, verify and tear down; exit 1 unless every task scores as expected."""
     if split not in ("train", "eval"):
         raise LooplineError(f"--split must be train or eval, not {split!r}")
     if ref.endswith((".yaml", ".yml")):  # a spec file, checked as `add` would, played without touching the ledger
         prepared = registry.prepare(ref)
-        spec, all_tasks, title = prepared.spec, prepared.tasks, f"{prepared.spec.name} ({ref}, not registered)"
+        spec, all_tasks, title, digest = prepared.spec, prepared.tasks, f"{prepared.spec.name} ({ref}, not registered)", prepared.digest
     else:
         with session(open_ledger()) as s:
             row = registry.get(s, ref)
-        spec, all_tasks, title = registry.spec_of(row), registry.tasks_of(row), f"{row.name}@{row.version}"
+        spec, all_tasks, title, digest = registry.spec_of(row), registry.tasks_of(row), f"{row.name}@{row.version}", row.spec_hash
     if spec.smoke_test is None:
         raise LooplineError(f"{title} declares no smoke_test; add one to its YAML")
     chosen = [t for t in all_tasks if t.split == split][:tasks]
     results = []
     player = None
     if spec.agent is not None:
-        player = functools.partial(play_scripted, max_context=max_context, max_new_tokens=max_new_tokens)
-        context = f"a context of {max_context:,} tokens" if max_context else "the tiny starter's context"
-        console.print(f"the program's model calls must fit {context} (--max-context TOKENS: your policy's)")
+        model, which = (policy, str(policy)) if policy else _starter_for(digest, spec)
+        player = functools.partial(play_scripted, policy=model, max_context=max_context, max_new_tokens=max_new_tokens)
+        context = f"a context of {max_context:,} tokens" if max_context else "its context"
+        console.print(f"the program's model calls are counted in the tokens of {which} and must fit {context} (--policy DIR, --max-context TOKENS: your policy's)")
     for task in chosen:
         with console.status(f"playing {task.id} ({len(results) + 1}/{len(chosen)})"):
             results.append(aio.run(run_smoke(spec, task, player)))

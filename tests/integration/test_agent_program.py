@@ -7,6 +7,7 @@ system python3 (.ci/run installs both); the Docker tests build `envreg image bui
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import subprocess
 import tempfile
@@ -414,11 +415,12 @@ def test_envreg_test_plays_the_program_against_scripted_replies(tmp_path):
     tasks = [t for t in prepared.tasks if t.split == "train"][:2]
     from loopline.rollout.harness.agent_program import play_scripted
 
-    results = [asyncio.run(run_smoke(prepared.spec, t, play_scripted)) for t in tasks]
+    play = functools.partial(play_scripted, policy=STARTER)
+    results = [asyncio.run(run_smoke(prepared.spec, t, play)) for t in tasks]
     assert [r.reward for r in results] == [1.0, 1.0] and all(r.passed(1.0) for r in results)
     assert [s.output for s in results[0].steps] == [f"<calc>{tasks[0].data['expression']}</calc>", f"<answer>{tasks[0].data['answer']}</answer>"]
     wrong = prepared.spec.model_copy(update={"smoke_test": prepared.spec.smoke_test.model_copy(update={"replies": ("<answer>-1</answer>",)})})
-    assert asyncio.run(run_smoke(wrong, tasks[0], play_scripted)).reward == 0.0  # the verifier, not the script, decides
+    assert asyncio.run(run_smoke(wrong, tasks[0], play)).reward == 0.0  # the verifier, not the script, decides
     spec = yaml.safe_load(AGENT_ENV.read_text())
     spec["smoke_test"] = {"steps": [{"answer": "x"}]}
     with pytest.raises(Exception, match="scripts the model's `replies`"):
@@ -441,7 +443,7 @@ def test_envreg_test_refuses_a_prompt_past_the_context_as_the_engine_would(tmp_p
 
     prepared = prepare(_env(tmp_path, LONG_SYSTEM_PROMPT))
     task = next(t for t in prepared.tasks if t.split == "train")
-    result = asyncio.run(run_smoke(prepared.spec, task, play_scripted))
+    result = asyncio.run(run_smoke(prepared.spec, task, functools.partial(play_scripted, policy=STARTER)))
     assert result.reward == 0.0 and result.infra_error is None, result
     assert "every model call of the program was refused" in result.answer and "context_length_exceeded" in result.answer, result.answer
     assert "exceeds the policy's context of 1024" in result.answer, result.answer

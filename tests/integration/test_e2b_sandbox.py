@@ -153,7 +153,7 @@ def test_e2b_sdk_against_local_envd_runs_an_agent_program_that_reaches_the_model
 
     prepared = prepare(on_e2b(_env(tmp_path / "example", None)))
     task = next(t for t in prepared.tasks if t.split == "train")
-    result = asyncio.run(play_scripted(prepared.spec, task))
+    result = asyncio.run(play_scripted(prepared.spec, task, STARTER))
     assert result.infra_error is None and result.reward == 1.0 and len(result.steps) == 2, result
 
 

@@ -170,7 +170,7 @@ def test_a_smolagents_code_agent_runs_unchanged_every_call_is_kept_and_its_promp
         assert tested.returncode == code, tested.stdout[-3000:] + tested.stderr[-2000:]
         said[code] = tested.stdout
     assert "context_length_exceeded" in said[1] and "exceeds the policy's context of 1024" in said[1], said[1][-3000:]
-    assert "the program's model calls must fit a context of 8,192 tokens" in said[0], said[0]
+    assert "must fit a context of 8,192 tokens" in said[0], said[0]
 
 
 def test_the_tools_example_has_its_starter_shipped():
@@ -217,3 +217,17 @@ def test_a_pydantic_ai_agent_trains_its_native_tool_calls_and_the_ledger_holds_t
     returned = _rows(db, "SELECT count(*) FROM segment s JOIN consumption c ON c.trajectory_id = s.trajectory_id "
                          "WHERE c.run_id = :r AND s.tool_events::text LIKE :calls", r=run_id, calls='%"openai_tool_calls"%')[0][0]
     assert len(trained) // 2 <= returned <= len(called)  # returned to pydantic-ai as OpenAI tool_calls (a malformed one: as text)
+
+
+def test_envreg_test_counts_a_programs_calls_in_the_tokens_of_the_policy_that_trains_on_the_env(tmp_path):
+    """`envreg test` counted every env's calls in the first shipped starter's tokens (67 for a `<tool_call>` line this
+    env's own starter spends 29 on: a call that training served was refused). It now uses the starter `policy: tiny`
+    trains on the env, or the model directory `--policy` names."""
+    def tested(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "loopline.envreg", "test", str(TOOLS_ENV), "--tasks", "1", *args], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "300", "LOOPLINE_HOME": str(tmp_path)})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        return done.stdout
+
+    assert "counted in the tokens of this env's tiny starter (tiny-ec6a96fe6f47-s0)" in tested()
+    assert f"counted in the tokens of {STARTER}" in tested("--policy", str(STARTER))

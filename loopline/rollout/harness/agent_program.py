@@ -246,14 +246,12 @@ def context_of(model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 2048))
 
 
-async def play_scripted(spec, task: Task, max_context: int | None = None, max_new_tokens: int | None = None) -> SmokeResult:
+async def play_scripted(spec, task: Task, policy: Path, max_context: int | None = None, max_new_tokens: int | None = None) -> SmokeResult:
     """`envreg test` of an env with `agent:`: its program against a model that answers its calls with
-    `smoke_test.replies` (the shipped starter's tokenizer and chat template stand in for a policy's, and its
-    context unless `max_context` says the policy's). Each call may generate at most `max_new_tokens` (a run's
+    `smoke_test.replies`, in `policy`'s tokens and chat template (a model directory), within its context unless
+    `max_context` says another. Each call may generate at most `max_new_tokens` (a run's
     `rollout.sampling.max_new_tokens`: what training checks a prompt against), within the episode's budget."""
     check_reachable(spec)
-    starter = Path(__file__).resolve().parents[2] / "starters"
-    policy = next(p for p in sorted(starter.iterdir()) if (p / "config.json").is_file())
     chat = ChatFormat.for_policy(policy)
     model = ScriptedModel(chat, [fill(reply, task) for reply in spec.smoke_test.replies], max_context or context_of(policy))
     result = SmokeResult(task.id)
