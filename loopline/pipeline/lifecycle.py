@@ -73,11 +73,18 @@ def driving(session_factory: Callable[[], Session], run_id: uuid.UUID, every_s: 
                 lost.set()
                 os.kill(os.getpid(), signal.SIGINT)
 
+    def left_at_once(signum: int) -> None:  # (no `finally` below runs)
+        stop.set()
+        status, reason = how_it_ended(KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum), cancelled.is_set())
+        with session_factory() as s:
+            ledger.end_run(s, run_id, me, status, reason)
+
     thread = threading.Thread(target=beat, name=f"heartbeat-{run_id}", daemon=True)
     thread.start()
     error: BaseException | None = None
     try:
-        yield
+        with stop_signals.at_once(left_at_once):
+            yield
     except BaseException as exc:
         error = exc
         if lost.is_set():  # stopped by the heartbeat's Ctrl-C, whatever surfaced: its status is the new holder's to write

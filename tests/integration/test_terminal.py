@@ -77,12 +77,15 @@ def _processes(text: str) -> list[str]:
 @pytest.fixture
 def terminal(request, tmp_path):
     """Starts `loopline train` of the quickstart in a pty on an empty home (with the environment variables of an
-    indirect parameter, if any); yields (child, home)."""
+    indirect parameter, if any; its `mode` is the run's rollout mode); yields (child, home)."""
     home = tmp_path / "home"
     servers_before = set(_processes("prefect.server.api.server:create_app"))
+    env = dict(getattr(request, "param", {}))
+    config = _small_run(tmp_path, steps=30)
+    config.write_text(config.read_text().replace("mode: sync", f"mode: {env.pop('mode', 'sync')}"))
     child = pexpect.spawn(
-        sys.executable, ["-m", "loopline.cli", "train", str(_small_run(tmp_path, steps=30))],
-        cwd=str(ROOT), env={**_home_env(home), **getattr(request, "param", {})}, encoding="utf-8", codec_errors="replace",
+        sys.executable, ["-m", "loopline.cli", "train", str(config)],
+        cwd=str(ROOT), env={**_home_env(home), **env}, encoding="utf-8", codec_errors="replace",
         dimensions=(50, 200), timeout=300,
     )
     child.logfile_read = open(tmp_path / "terminal.log", "w")  # (what the user saw, for a failing test's message)
@@ -221,6 +224,7 @@ def test_ctrl_c_during_startup_leaves_nothing_behind(terminal):
     assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT, (child.exitstatus, child.signalstatus)
 
 
+@pytest.mark.parametrize("terminal", [{"mode": "sync"}, {"mode": "async"}], indirect=True, ids=["sync", "async"])
 def test_ctrl_c_twice_stops_at_once(terminal):
     child, home = terminal
     _expect(child, TRAINING)
@@ -231,6 +235,7 @@ def test_ctrl_c_twice_stops_at_once(terminal):
     printed = _stopped(child, started)
     assert "Traceback" not in printed, printed[-3000:]
     assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+    assert "interrupted" in _status(home)  # (leaving at once skips the unwinding that records it: showed `stale`)
 
 
 def test_sigterm_to_the_process_group_stops_the_run(terminal):

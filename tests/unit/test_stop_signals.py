@@ -233,3 +233,23 @@ def test_a_cli_asked_where_it_is_prints_its_stacks_and_goes_on():
     done = subprocess.run([sys.executable, "-c", ASKED_WHERE], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "went on\n", done
     assert "most recent call first" in done.stderr and "waiting_somewhere" in done.stderr, done.stderr
+
+
+AT_ONCE = """
+import atexit, sys
+from loopline import stop_signals
+atexit.register(lambda: print("exit handlers ran", flush=True))
+with stop_signals.at_once(lambda signum: print(f"recorded {signum}", flush=True)):
+    stop_signals.exit_at_once(2)
+"""
+
+
+def test_a_stop_that_leaves_at_once_first_records_what_its_unwinding_would_have():
+    """Ctrl-C twice leaves without unwinding: a run's `finally` never recorded it `interrupted` (it showed `stale`).
+    What `at_once` asks is recorded before the exit handlers run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", AT_ONCE], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == ["recorded 2", "exit handlers ran"], (done.stdout, done.stderr)
+    assert "again: stopping at once" in done.stderr and done.returncode == 130
