@@ -128,6 +128,9 @@ def _quiet_from_now_on() -> None:
         return
     sys.unraisablehook = lambda unraisable: None
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    # Prefect's log shipper, whose server a stop takes down, wrote "--- Error logging to API ---" and the error under
+    # the stop's line (it writes only while the standard library's logging reports its handlers' errors)
+    logging.raiseExceptions = False
 
 
 _on_stop: list[str | Callable[[], str]] = []  # what to do after a stop signal, said with it (the command that runs sets it)

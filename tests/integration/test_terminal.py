@@ -128,7 +128,9 @@ def _stopped(child, started: float) -> str:
     took = time.monotonic() - started
     child.close()
     assert took < STOPPED_WITHIN_S, f"took {took:.1f} s to stop"
-    return _plain(child.before)
+    printed = _plain(child.before)
+    assert "Error logging to API" not in printed, printed[-3000:]  # (Prefect's log shipper, its server stopped)
+    return printed
 
 
 def _close_the_terminal(child, started: float, left: Callable[[], list[str]]) -> None:
