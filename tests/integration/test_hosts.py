@@ -4,8 +4,8 @@ The hosts, their commands and their environment are deploy/compose/compose.yaml'
 examples/arithmetic_hosts.yaml: host `ledger` runs PostgreSQL, `prefect` the Prefect server, `trainer`
 `loopline train` (no rollouts of its own), `worker-b` and `worker-c` `loopline worker RUN`. The workers have never seen the trainer's disk:
 version 0 and every version after it reach them through the trainer's weight server, by the URI and token the
-ledger holds, checked against the digest the ledger recorded. While the run trains: a worker paused for 90 s, a
-worker cut from the network for 30 s, a worker killed with episodes in flight (its host then boots again), the
+ledger holds, checked against the digest the ledger recorded. While the run trains: a worker paused for 45 s, a
+worker cut from the network for 20 s, a worker killed with episodes in flight (its host then boots again), the
 trainer killed and started again (it resumes). The run must end with `loopline check` clean, every trajectory
 trained once, and every step replayed on a worker's host to the recorded sha256.
 """
@@ -89,23 +89,23 @@ def test_rollout_workers_on_hosts_without_the_trainers_disk_train_a_run_exactly_
     assert cluster.run("worker-b", f"test -e {HOME}/models")[0] != 0  # (the worker host has no model of its own)
 
     # Each fault must land while the run trains (`_training`): on a machine so fast that the run ends first, raise STEPS.
-    # A worker paused for 90 s (its leases expire and its slots are played again). As the pause begins the trainer
-    # is killed and started again on its disk: it resumes from the ledger, serving on a new port with a new token,
-    # and the workers (which keep their version meanwhile) find it through the ledger. 30 s into the pause the other
-    # worker is cut from the network for 30 s (no worker reaches the ledger or the trainer). The run moves only in
-    # the pause's last 30 s, at up to ~1 step a second with one worker on this machine (CI: v38 by the pause's end).
+    # A worker paused for 45 s, three times its lease (its leases expire and its slots are played again). As the pause
+    # begins the trainer is killed and started again on its disk: it resumes from the ledger, serving on a new port
+    # with a new token, and the workers (which keep their version meanwhile) find it through the ledger. 15 s into
+    # the pause the other worker is cut from the network for 20 s (no worker reaches the ledger or the trainer). The
+    # run moves only in the pause's last 10 s, at up to ~1 step a second with one worker on this machine.
     wait_until(lambda: _newest(database) >= 1, 300, "v1 with both workers")
     paused = time.monotonic()
     cluster.pause("worker-b")
     cluster.kill("trainer")
     cluster.restart("trainer")
-    time.sleep(30)
+    time.sleep(15)
     cluster.cut("worker-c")
-    time.sleep(30)
+    time.sleep(20)
     cluster.reconnect("worker-c")
-    time.sleep(max(0.0, paused + 90 - time.monotonic()))
+    time.sleep(max(0.0, paused + 45 - time.monotonic()))
     cluster.unpause("worker-b")
-    _training(database, "a worker's 90 s pause, the trainer's restart and the other worker's 30 s cut")
+    _training(database, "a worker's 45 s pause, the trainer's restart and the other worker's 20 s cut")
     # A worker killed with episodes in flight; its host boots again and its worker joins again.
     wait_until(lambda: _episodes_in_flight(database, "worker-b") > 0, 120, "worker-b with episodes in flight", every=0.2)
     cluster.kill("worker-b")
