@@ -152,9 +152,14 @@ def _created_whole(store: Path) -> Path:
         partial = store.with_name(f"{store.name}.{os.getpid()}.{threading.get_ident()}.partial")
         partial.unlink(missing_ok=True)
         MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments(max_results=1)
-        with contextlib.suppress(FileExistsError):  # (another process made it first: theirs is whole too)
+        try:
             os.link(partial, store)
-        partial.unlink()
+        except FileExistsError:  # (another process made it first: theirs is whole too)
+            pass
+        except OSError:  # (a filesystem without hard links)
+            if not store.exists():
+                os.replace(partial, store)
+        partial.unlink(missing_ok=True)
     return store
 
 
