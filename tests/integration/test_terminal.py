@@ -319,6 +319,8 @@ def prefect_home(trained, tmp_path_factory):
         ("inspect --run small --port PORT", "You can now view your Streamlit app", "SIGHUP", None),
         ("models build-tiny --out OUT", "SFT warm start", "Ctrl-C", AGAIN),
         ("models build-tiny --out OUT", "SFT warm start", "SIGHUP", None),
+        ("envreg image build --tag loopline-test:stopped", "building loopline-test:stopped", "Ctrl-C", AGAIN),
+        ("models pull smollm2-135m", "downloading and converting smollm2-135m", "Ctrl-C", AGAIN),
         ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "Ctrl-C", AGAIN),
         ("envreg test examples/coding_env.yaml --tasks 4", "playing c01", "SIGTERM", AGAIN),
         ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "Ctrl-C", "the deployments are paused until `loopline deploy`"),
@@ -326,7 +328,7 @@ def prefect_home(trained, tmp_path_factory):
         ("deploy --eval-run small --eval-interval 3600", "Your deployments are being served", "SIGHUP", None),
     ],
     ids=[
-        "eval", "eval-sigterm", "replay", "replay-sigterm", "replay-ctrl-c-twice", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed",
+        "eval", "eval-sigterm", "replay", "replay-sigterm", "replay-ctrl-c-twice", "inspect", "inspect-terminal-closed", "build-tiny", "build-tiny-terminal-closed", "image-build", "models-pull",
         "envreg-test", "envreg-test-sigterm", "deploy", "deploy-sigterm", "deploy-terminal-closed",
     ],
 )
@@ -356,6 +358,11 @@ def test_each_long_running_command_stops_in_seconds_and_leaves_nothing_behind(tr
     assert _processes(f"{trained}/pgdata") == [] and _processes(f"--server.port {port}") == []
     assert set(_containers()) <= containers_before  # (the sandbox being created as Ctrl-C came: removed too)
     assert not list(tmp_path.glob("tiny*"))  # (no half-built model)
+    assert not (trained / "models" / "smollm2-135m").exists()  # (nor a half-pulled one)
+    if "image build" in command:  # (nor a half-built image under the name asked for)
+        import docker
+
+        assert not docker.from_env().images.list(name="loopline-test:stopped")
     if command.startswith("deploy"):  # what its one line says: the schedules wait until it serves them again
         assert _paused_schedules(env) == {"loopline-evaluate": True}
 
