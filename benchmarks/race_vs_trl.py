@@ -1,6 +1,7 @@
 """Wall-clock to held-out success, loopline against TRL's GRPOTrainer on the same tool-using task (issue 50).
 
-    python -m benchmarks.race_vs_trl --trl-python VENV/bin/python [--minutes 20] [--mark-minutes 5] [--modes sync,async]
+    python -m benchmarks.race_vs_trl --trl-python VENV/bin/python --seed S [--minutes 20] [--mark-minutes 5] [--modes sync,async]
+    python -m benchmarks.race_vs_trl --combine        # every seed's raw file -> the medians, the spread, one plot
 
 TRL's venv, as users install it (this machine's torch, never another):
     python3 -m venv --system-site-packages VENV && VENV/bin/pip install trl==1.16.0 -c <(echo torch==2.13.0)
@@ -9,7 +10,7 @@ The work, the same on every side: SmolLM2-135M-Instruct (`loopline models pull s
 tasks with operands up to --max-operand (2,000 train, the first --eval-tasks held-out; at 9999 the base model
 solves 47% greedy, at 79 83%: room to learn rather than a one-step race), a `calc` tool, two worked examples before each question (a
 tool call, its result, the answer), the env's verifier (`<answer>N</answer>` in the final message), 8 prompts x 8
-samples a step, T = --temperature, lr 3e-6 constant, clip 0.2 / 0.28, token-mean loss, no KL, one optimizer step
+samples a step, T = --temperature, lr --lr (3e-6) constant, clip 0.2 / 0.28, token-mean loss, no KL, one optimizer step
 a step (TRL: 4 micro-batches of 16, loopline: its micro_batch_tokens), fp32 on CPU. The prompt is checked token
 for token to be the same on both sides. SmolLM2's chat template drops tools and TRL refuses it ("The provided
 chat template does not support tool calling"); with TRL's Qwen2.5 template SmolLM2 answers the worked examples'
@@ -24,7 +25,19 @@ Each side trains for --minutes of wall-clock from its process start, one after t
 at every --mark-minutes the policy it has then counts (on both sides the newest one whose step ended before the
 mark: every loopline version is exported, TRL saves after every step), the time spent saving off the clock on
 both sides. Afterwards one evaluator (greedy, the same harness and
-engine for every checkpoint) measures held-out success at each mark. Writes benchmarks/results/race_vs_trl.{json,txt,png}.
+engine for every checkpoint) measures held-out success at each mark. Writes benchmarks/results/race_vs_trl/seed-S.{json,txt,png}.
+
+Memory is measured alike on every side (benchmarks/_memory.py): the peak, sampled every second, of the summed PSS
+of every process of the side (loopline: the train process, its children, and the embedded PostgreSQL, found by its
+home directory; TRL: its process tree), in GiB.
+
+Token limits. TRL 1.16 (grpo_trainer.py, `_tool_call_loop`) counts `max_completion_length` over the whole
+completion: the model's tokens and the tool results (with their template tokens); a first call may use all of it.
+loopline's `max_generated_tokens` counts the model's tokens only, and `max_new_tokens` bounds one call. With both at
+128 (--max-tokens), loopline's episodes may hold a tool result's tokens more than TRL's: a few tokens here (a
+number and its turn's markers), stated with the results.
+
+Seeds (--seed) run one at a time, at different times if need be; `--combine` reads every seed's raw file.
 """
 
 from __future__ import annotations
@@ -44,8 +57,10 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks._memory import TreeMemory
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "race_vs_trl"
 AGENTS = ROOT / "examples" / "agents"
 SYSTEM = "Solve the problem. Use the calc tool to compute. Finish with <answer>N</answer>."
 WORKED = (("What is 23 * 4?", "23 * 4", "92"), ("What is 56 - 18 + 7?", "56 - 18 + 7", "45"))
@@ -94,7 +109,7 @@ def prepare_model(work: Path) -> Path:
     return model
 
 
-def write_env(work: Path, eval_size: int, max_operand: int) -> Path:
+def write_env(work: Path, eval_size: int, max_operand: int, max_tokens: int) -> Path:
     spec = {
         "name": "race-arithmetic-tools", "versions": {"env": "1", "verifier": "1", "harness": "race-1"},
         "sandbox": {"backend": "local"},
@@ -105,7 +120,7 @@ def write_env(work: Path, eval_size: int, max_operand: int) -> Path:
         "tool_calls": "hermes",
         "reset": {"system_prompt": SYSTEM, "prompt": "{prompt}"},
         "verifier": {"builtin": "arithmetic_answer"},
-        "budgets": {"max_turns": 4, "max_generated_tokens": 128, "wall_time_s": 120},
+        "budgets": {"max_turns": 4, "max_generated_tokens": max_tokens, "wall_time_s": 120},
     }
     path = work / "env.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -137,14 +152,15 @@ def check_same_prompt(model: Path, env: Path, task) -> str:
     raise SystemExit(f"the sides' prompts differ: loopline {len(ours)} tokens, TRL {len(theirs)}; TRL's from there: {extra!r}")
 
 
-def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: float, work: Path, temperature: float) -> dict:
+def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: float, work: Path, temperature: float, seed: int,
+                  max_tokens: int, lr: float) -> dict:
     name = f"race-{mode}-{int(time.time())}"
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "env": str(env), "policy": str(model), "steps": 10_000,
+        "name": name, "env": str(env), "policy": str(model), "steps": 10_000, "seed": seed,
         "rollout": {"mode": mode, "groups_per_step": 8, "group_size": 8, "concurrency": 32,
-                    "sampling": {"temperature": temperature, "max_new_tokens": 64}, "few_shot": few_shot_turns()},
-        "learner": {"lr": 3e-6, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000},
+                    "sampling": {"temperature": temperature, "max_new_tokens": max_tokens}, "few_shot": few_shot_turns()},
+        "learner": {"lr": lr, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000},
         "eval": {"every": 10_000, "tasks": 1, "temperature": 0.0},  # (v0 is evaluated on 1 task: the run's own evaluations are off)
     }, sort_keys=False))
     home = work / f"home-{mode}"
@@ -152,12 +168,14 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
     started_wall, started = time.time(), time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "loopline.cli", "train", str(config)], env=env_vars, cwd=work,
                                stdout=open(work / f"{name}.out", "w"), stderr=subprocess.STDOUT)
+    memory = TreeMemory(process.pid, marks=[str(home)])
     while process.poll() is None and time.monotonic() - started < seconds + 30:  # (a step committed just past the budget is not used)
         time.sleep(2)
+    measured = memory.stop()  # (before the stop: its embedded ledger is then stopped, whatever the side held is counted)
     if process.poll() is None:
         process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops where it is, resumable
         process.wait(timeout=300)
-    return loopline_side(name, mode, home, started_wall, model, seconds, mark_s)
+    return loopline_side(name, mode, home, started_wall, model, seconds, mark_s) | {"memory": measured}
 
 
 def loopline_side(name: str, mode: str, home: Path, started_wall: float, model: Path, seconds: float, mark_s: float) -> dict:
@@ -185,8 +203,6 @@ def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Pat
     with database.connect() as conn:
         run = views.run_id(conn, name)
         timings = [dict(zip(t.columns, r)) for t in [views.step_timings(conn, run)] for r in t.rows]
-        metrics = views.metrics(conn, run)
-        peak_gb = max((r[metrics.columns.index("value")] for r in metrics.rows if r[metrics.columns.index("name")] == "peak_rss_gb"), default=None)
     with store_db.session(database) as s:
         weights = {v: path_on_publisher(ledger.version_weights(s, run, v).uri) for v in ledger.exported_versions(s, run) if v > 0}
     database.dispose()
@@ -199,7 +215,7 @@ def _read_side(name: str, mode: str, home: Path, started_wall: float, model: Pat
         v: {"trained_s": t, "path": weights[v], "version": v} for v, t in trained.items() if v in weights}
     rows = timings[1:] or timings
     return {
-        "side": f"loopline {mode}", "marks": at_marks(policies, seconds, mark_s), "base": str(model), "peak_rss_gb": peak_gb,
+        "side": f"loopline {mode}", "marks": at_marks(policies, seconds, mark_s), "base": str(model),
         "steps": len(timings), "steps_in_budget": sum(t <= seconds for t in trained.values()),
         "startup_s": (timings[0]["committed_at"] - started_wall - (timings[0]["rollout_s"] or 0) - (timings[0]["learner_s"] or 0)) if timings else None,
         "median_step": {part: statistics.median((r[part] or 0.0) for r in rows) for part in ("rollout_s", "learner_s", "checkpoint_s", "export_s", "sync_s")} if rows else {},
@@ -216,22 +232,26 @@ def at_marks(policies: dict[int, dict], seconds: float, mark_s: float) -> list[d
     return marks
 
 
-def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: float, work: Path, temperature: float) -> dict:
+def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: float, work: Path, temperature: float, seed: int,
+             max_tokens: int, micro_batch: int, lr: float) -> dict:
     prompts = work / "trl_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": trl_messages(t.prompt), "answer": t.data["answer"]}) + "\n" for t in tasks))
     out = work / "trl"
     command = [trl_python, str(ROOT / "benchmarks" / "race_trl_side.py"), "--model", str(model), "--prompts", str(prompts),
                "--tool-module", str(AGENTS), "--out", str(out), "--budget-s", str(seconds),
-               "--temperature", str(temperature), "--max-new-tokens", "128"]
+               "--temperature", str(temperature), "--max-new-tokens", str(max_tokens), "--seed", str(seed), "--micro-batch", str(micro_batch), "--lr", str(lr)]
     with open(work / "trl.out", "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=work, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
-    if done.returncode != 0:
-        raise SystemExit(f"TRL failed (rc {done.returncode}); its output: {work / 'trl.out'}")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=work, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+        memory = TreeMemory(process.pid)
+        process.wait()
+        measured = memory.stop()
+    if process.returncode != 0:
+        raise SystemExit(f"TRL failed (rc {process.returncode}); its output: {work / 'trl.out'}")
     result = json.loads((out / "steps.json").read_text())
     ends = [step["trained_s"] for step in result["steps"]]
     policies = {0: {"trained_s": 0.0, "path": str(model), "step": 0}} | {step["step"]: step for step in result["steps"]}
     return {
-        "side": "TRL", "base": str(model), "peak_rss_gb": result["peak_rss_gb"], "steps": len(ends),
+        "side": "TRL", "base": str(model), "memory": measured, "steps": len(ends),
         "steps_in_budget": sum(t <= seconds for t in ends), "marks": at_marks(policies, seconds, mark_s),
         "startup_s": result.get("startup_s"),  # (measured by the TRL side: process start to training start)
         "median_step": {"step_s": statistics.median(b - a for a, b in zip(ends, ends[1:]))} if len(ends) > 1 else {},
@@ -239,7 +259,7 @@ def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: 
     }
 
 
-def evaluate(env: Path, paths: list[str], eval_tasks: int, temperature: float = 0.0) -> dict[str, float]:
+def evaluate(env: Path, paths: list[str], eval_tasks: int, max_tokens: int, temperature: float = 0.0) -> dict[str, float]:
     """Held-out success of each checkpoint: one harness, one engine kind, greedy, the same tasks and prompts."""
     import dataclasses
 
@@ -257,7 +277,7 @@ def evaluate(env: Path, paths: list[str], eval_tasks: int, temperature: float = 
     async def one(path: str) -> float:
         engine = LocalEngine(Path(path))
         chat = dataclasses.replace(ChatFormat.for_policy(Path(path)), few_shot=tuple(few_shot_turns())).with_tools(tool_schemas(spec.tools))
-        setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=64, seed=0))
+        setup = EpisodeSetup(spec, 0, chat, SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=0))
         slots = asyncio.Semaphore(32)
 
         async def episode(task):
@@ -281,25 +301,36 @@ def time_to(levels: dict[str, float], curve: list[tuple[float, float]]) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trl-python", required=True, help="python of TRL's venv (see this file's docstring)")
+    parser.add_argument("--trl-python", help="python of TRL's venv (see this file's docstring)")
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (task order, sampling, initialisation of what is not loaded)")
+    parser.add_argument("--combine", action="store_true", help="report every seed's raw file in the results directory together")
+    parser.add_argument("--max-tokens", type=int, default=128, help="the model's tokens an episode (TRL's max_completion_length; see the docstring)")
+    parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's completions per forward/backward (its docs' memory advice: "
+                        "small per-device batches and gradient accumulation making the same optimizer step)")
     parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock each side trains")
     parser.add_argument("--mark-minutes", type=float, default=5.0)
     parser.add_argument("--max-operand", type=int, default=9999, help="the largest operand of a problem (the task's difficulty)")
     parser.add_argument("--modes", default="sync,async", help="loopline's modes to race (comma-separated)")
-    parser.add_argument("--eval-tasks", type=int, default=100)
+    parser.add_argument("--eval-tasks", type=int, default=300)
     parser.add_argument("--temperature", type=float, default=0.7, help="rollout temperature, both sides")
-    parser.add_argument("--out", type=Path, default=RESULTS / "race_vs_trl")
+    parser.add_argument("--lr", type=float, default=3e-6, help="both sides' constant learning rate (lower: more steps to climb)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where each seed's seed-S.{json,txt,png} and the combined report go")
     parser.add_argument("--report", type=Path, metavar="WORK", help="evaluate and report a finished race's work directory again")
     parser.add_argument("--reuse", type=Path, metavar="WORK", help="a race's work directory whose loopline sides finished: read them "
                         "from their ledgers (each clock starts at its run config's writing, just before its process) and race TRL")
     args = parser.parse_args()
+    if args.combine:
+        return combine(args.results)
+    out = args.results / f"seed-{args.seed}"
     if args.report:
-        return finish(args.report, args.out)
+        return finish(args.report, out)
+    if not args.trl_python:
+        parser.error("--trl-python is required to race (see this file's docstring for TRL's venv)")
     seconds, mark_s = args.minutes * 60, args.mark_minutes * 60
 
     work = args.reuse or Path(tempfile.mkdtemp(prefix="loopline-race-"))
     model = work / "smollm2-tools-template" if args.reuse else prepare_model(work)
-    env = write_env(work, args.eval_tasks, args.max_operand)
+    env = write_env(work, args.eval_tasks, args.max_operand, args.max_tokens)
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
 
@@ -314,15 +345,15 @@ def main() -> None:
             sides.append(loopline_side(done[-1].stem, mode, work / f"home-{mode}", done[-1].stat().st_mtime, model, seconds, mark_s))
             continue
         print(f"loopline {mode}: {args.minutes:g} min ...", flush=True)
-        sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature))
+        sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.lr))
     print(f"TRL: {args.minutes:g} min ...", flush=True)
-    sides.append(race_trl(args.trl_python, model, train, seconds, mark_s, work, args.temperature))
+    sides.append(race_trl(args.trl_python, model, train, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.trl_micro_batch, args.lr))
 
     state = {"args": {k: str(v) for k, v in vars(args).items()}, "model": str(model), "env": str(env), "same": same,
-             "eval_tasks": args.eval_tasks, "header": f"{args.minutes:g} min a side, marks every {args.mark_minutes:g} min, operands up to {args.max_operand}, T={args.temperature} rollouts, 8x8 a step",
+             "eval_tasks": args.eval_tasks, "seed": args.seed, "header": f"seed {args.seed}: {args.minutes:g} min a side, marks every {args.mark_minutes:g} min, operands up to {args.max_operand}, T={args.temperature} rollouts, lr {args.lr:g}, 8x8 a step, {args.max_tokens} tokens an episode",
              "sides": sides}
     (work / "race.json").write_text(json.dumps(state, indent=1))
-    finish(work, args.out)
+    finish(work, out)
 
 
 def finish(work: Path, out: Path) -> None:
@@ -331,7 +362,8 @@ def finish(work: Path, out: Path) -> None:
     sides, model = state["sides"], state["model"]
     print("evaluating every mark's policy ...", flush=True)
     eval_started = time.monotonic()
-    scores = evaluate(Path(state["env"]), [model] + [m["path"] for side in sides for m in side["marks"]], state["eval_tasks"])
+    scores = evaluate(Path(state["env"]), [model] + [m["path"] for side in sides for m in side["marks"]], state["eval_tasks"],
+                      int(state["args"].get("max_tokens", 64)))
     text = report(sides, scores, model, f"race_vs_trl: {state['header']}, {state['eval_tasks']} held-out tasks (greedy); {state['same']}; "
                   f"evaluation {time.monotonic() - eval_started:.0f} s (off every clock)")
     print("\n" + text)
@@ -368,11 +400,50 @@ def report(sides: list[dict], scores: dict[str, float], base_path: str, header: 
         lines.append(f"{'minutes to ' + level:28s}" + "".join(f"{c / 60:18.1f}" if c is not None else f"{'never':>18s}" for c in cells)
                      + f"   loopline/TRL: {', '.join(ratios)}")
     lines.append(f"{'steps in the budget':28s}" + "".join(f"{s['steps_in_budget']:18d}" for s in sides))
-    lines.append(f"{'peak RSS (GB)':28s}" + "".join(f"{s['peak_rss_gb']:18.2f}" for s in sides))
+    peaks = [s["memory"]["peak_gib"] for s in sides]
+    lines.append(f"{'peak memory, summed (GiB)':28s}" + "".join(f"{m:18.2f}" for m in peaks)
+                 + "   loopline/TRL: " + ", ".join(f"{m / peaks[-1]:.2f}x" for m in peaks[:-1]))
     for side in sides:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in side["median_step"].items()) or "fewer than 2 steps"
         lines.append(f"{side['side']}: median step (s) {parts}" + (f"; startup ~{side['startup_s']:.0f} s" if side.get("startup_s") else ""))
     return "\n".join(lines)
+
+
+def combine(results: Path) -> None:
+    """Every seed's raw file (`seed-S.json`) reported together: for each side the median over seeds and the
+    range of the time to TRL's best (and its ratio to TRL's in the same seed), of the best held-out success and of
+    the summed peak memory; one plot with every seed's curve. Writes `combined.{txt,png}` beside them."""
+    races = [json.loads(path.read_text()) for path in sorted(results.glob("seed-*.json"))]
+    if not races:
+        raise SystemExit(f"no seed-*.json in {results}: run a race with --seed first")
+    names = [side["side"] for side in races[0]["sides"]]
+    lines = [f"race_vs_trl, {len(races)} seed(s) ({', '.join(str(r['seed']) for r in races)}): median [min, max] over seeds; "
+             f"{races[0]['header'].split(': ', 1)[-1]}, {races[0]['eval_tasks']} held-out tasks"]
+
+    def spread(values: list[float | None], unit: str = "", digits: int = 2) -> str:
+        if any(v is None for v in values):
+            return f"never in {sum(v is None for v in values)} of {len(values)} seeds"
+        return f"{statistics.median(values):.{digits}f}{unit} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+    for name in names:
+        sides = [next(s for s in race["sides"] if s["side"] == name) for race in races]
+        trl = [race["sides"][-1] for race in races]
+        to_best = [s["time_to"]["TRL's best"] for s in sides]
+        ratios = [None if a is None or not b["time_to"]["TRL's best"] else a / b["time_to"]["TRL's best"] for a, b in zip(to_best, trl)]
+        memory = [s["memory"]["peak_gib"] for s in sides]
+        lines += [f"{name}:",
+                  f"  minutes to TRL's best   {spread([None if t is None else t / 60 for t in to_best], ' min', 1)}"
+                  + ("" if name == "TRL" else f"   loopline/TRL {spread(ratios, 'x')}"),
+                  f"  best held-out success   {spread([100 * s['best'] for s in sides], '%', 1)}",
+                  f"  peak memory, summed     {spread(memory, ' GiB')}"
+                  + ("" if name == "TRL" else f"   loopline/TRL {spread([m / t['memory']['peak_gib'] for m, t in zip(memory, trl)], 'x')}"),
+                  f"  steps in the budget     {spread([s['steps_in_budget'] for s in sides], '', 0)}",
+                  f"  startup                 {spread([s.get('startup_s') or 0.0 for s in sides], ' s', 0)}"]
+    text = "\n".join(lines)
+    print(text)
+    (results / "combined.txt").write_text(text + "\n")
+    plot([side | {"side": f"{side['side']} (seed {race['seed']})"} for race in races for side in race["sides"]],
+         results / "combined.png", f"SmolLM2-135M, arithmetic with a calc tool, {races[0]['eval_tasks']} held-out (greedy), {len(races)} seeds")
 
 
 def plot(sides: list[dict], path: Path, title: str) -> None:
@@ -382,8 +453,10 @@ def plot(sides: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
+    colours: dict[str, str] = {}  # one colour a side, whatever its seed
     for side in sides:
-        axes.plot([t / 60 for t, _ in side["curve"]], [100 * s for _, s in side["curve"]], marker="o", label=side["side"])
+        colour = colours.setdefault(side["side"].split(" (seed")[0], f"C{len(colours)}")
+        axes.plot([t / 60 for t, _ in side["curve"]], [100 * s for _, s in side["curve"]], marker="o", label=side["side"], color=colour)
     axes.set_xlabel("training wall-clock (minutes, evaluation and saves excluded)")
     axes.set_ylabel("held-out success (%)")
     axes.set_title(title, fontsize=10)

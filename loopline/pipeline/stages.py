@@ -118,6 +118,14 @@ async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
     return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds))
 
 
+def release_engine_caches(ctx: LoopContext) -> None:
+    """A sync step's rollouts are done and its learner runs next: an engine in this process (LocalEngine) drops
+    the KV caches it keeps to generate faster, which would otherwise sit under the learner's peak memory."""
+    release = getattr(ctx.engine, "release_memory", None)  # (EngineThread's; a server elsewhere has none here)
+    if release is not None:
+        release()
+
+
 async def rollout_continuous(ctx: RolloutContext, stop: StopFlag, worker: str | None = None) -> RolloutStats:
     """Generate until `stop`: slots of step p start only on version >= p - 1 - rollout.max_staleness."""
     cfg = WorkerConfig(

@@ -21,11 +21,10 @@ import numpy as np
 import torch
 
 from loopline.types import TrainedSample
-from loopline.trainer import checkpoint, losses, lora, prefix
+from loopline.trainer import checkpoint, head, losses, lora, prefix
 from loopline.trainer.advantages import Advantages, compute_advantages
-from loopline.trainer.backends import BackendName, Frozen, NonFiniteGradient, build_backend
+from loopline.trainer.backends import Backend, BackendName, Frozen, NonFiniteGradient, build_backend
 from loopline.trainer.batch import Padded, TrainSequence, micro_batches, pad, trajectory_index
-from loopline.trainer.prefix import token_entropy
 from loopline.trainer.losses import Correction, aggregate, logprob_gap, off_policy_correction, policy_loss
 from loopline.trainer.config import LearnerConfig  # noqa: F401 (re-exported: a run config needs no torch)
 from loopline.trainer.schedule import lr_factor
@@ -188,6 +187,7 @@ class Learner:
         self.backend = build_backend(self.backend_name, model, optimizer, scheduler, config, self.device)
         self.model = self.backend.model
         self.steps_done = 0
+        self._plain_head: bool | None = None  # (`_scoring`)
         # KL's reference: the run's initial weights (the learner is always built from them), frozen; with LoRA
         # the base under the adapters is exactly that, read with the adapters off
         self.reference: Frozen | lora.BaseOf | None = None
@@ -203,27 +203,38 @@ class Learner:
         """log π(token t+1 | tokens ≤ t) at every position t where some row has an action token ([B, L-1],
         0 elsewhere), of the policy (or of `model`, the reference). Only those positions go through the LM
         head (`logits_to_keep`): the prompt's and the tool outputs' logits over the whole vocabulary are never
-        made, which dominated time and memory. `entropy`: given, the policy's entropy at the same places is
-        appended to it (a metric, from the logits already made; no gradient)."""
+        made, which dominated time and memory; and those through it a chunk at a time (`head.py`). `entropy`:
+        given, the policy's entropy at the same places is appended to it (a metric, no gradient)."""
         via = model or self.backend
-        shared = prefix.plan(batch) if self.config.share_prefix else None
-        if shared is not None:
-            layers = self.model.config.get_text_config().num_hidden_layers
-            return prefix.shared_prefix_logprobs(via.call, layers, batch, shared, self.config.temperature, self.device, entropy)
-        out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
-        positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
-        if positions.numel() == 0:
+        with self._scoring(via) as score:
+            shared = prefix.plan(batch) if self.config.share_prefix else None
+            if shared is not None:
+                layers = self.model.config.get_text_config().num_hidden_layers
+                return prefix.shared_prefix_logprobs(via.call, layers, batch, shared, score, self.device, entropy)
+            out = torch.zeros(batch.target_mask.shape, dtype=torch.float32, device=self.device)
+            positions = batch.target_mask.bool().any(0).nonzero().squeeze(-1)
+            if positions.numel() == 0:
+                if entropy is not None:
+                    entropy.append(torch.zeros_like(out))
+                return out
+            output = via.forward(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device))
+            entropies: list = []
+            picked = score(output, batch.input_ids[:, 1:][:, positions].to(self.device), entropies if entropy is not None else None)
             if entropy is not None:
-                entropy.append(torch.zeros_like(out))
-            return out
-        logits = via.forward(
-            batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device)
-        ).float() / self.config.temperature
-        targets = batch.input_ids[:, 1:][:, positions].to(self.device)
-        picked = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-        if entropy is not None:
-            entropy.append(torch.zeros_like(out).index_copy(1, positions.to(self.device), token_entropy(logits)))
-        return out.index_copy(1, positions.to(self.device), picked)
+                entropy.append(torch.zeros_like(out).index_copy(1, positions.to(self.device), entropies[0]))
+            return out.index_copy(1, positions.to(self.device), picked)
+
+    @contextlib.contextmanager
+    def _scoring(self, via: Frozen | lora.BaseOf | Backend):
+        """What makes logprobs of the model's output: its last hidden states, through the head in chunks, where
+        the model's head is plain (checked once, at the first step); its logits otherwise."""
+        if self._plain_head is None:
+            self._plain_head = head.plain_head(self.model)
+        if not self._plain_head:
+            yield lambda logits, targets, entropy: head.logits_logprobs(logits, targets, self.config.temperature, entropy)
+            return
+        with head.states_out(via.model) as linear:
+            yield lambda states, targets, entropy: head.states_logprobs(states, linear, targets, self.config.temperature, entropy)
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
         """The loss's metrics over every rank's micro-batches, each combined as `losses` declares it."""

@@ -25,6 +25,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from loopline.trainer.batch import Padded
 
 ModelCall = Callable[..., Any]  # the model (or the DeepSpeed engine) called with keyword arguments
+# (the model's output at some positions, their target tokens, a list for their entropy or None) -> log π(target)
+Score = Callable[[torch.Tensor, torch.Tensor, "list | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -78,12 +80,12 @@ def plan(batch: Padded) -> PrefixPlan | None:
 
 
 def shared_prefix_logprobs(
-    call: ModelCall, layers: int, batch: Padded, prefix: PrefixPlan, temperature: float, device: torch.device,
+    call: ModelCall, layers: int, batch: Padded, prefix: PrefixPlan, score: Score, device: torch.device,
     entropy: list | None = None,
 ) -> torch.Tensor:
     """[B, L-1] log π(token t+1 | tokens ≤ t) at the action positions (0 elsewhere), as `Learner._logprobs`
     (and the entropy there, appended to `entropy` if given); `layers`: the model's decoder layers (one cache
-    layer each)."""
+    layer each); `score`: what the model's output at the kept positions and their targets make logprobs with."""
     rows, width = batch.target_mask.shape
     lengths = batch.attention_mask.sum(-1)
     # the distinct prefixes, right-padded; a row's padding slots are masked out of its attention
@@ -122,11 +124,12 @@ def shared_prefix_logprobs(
         cache, attention = None, suffix_mask
     keep = suffix_targets.any(0).nonzero().squeeze(-1)
     positions = prefix.first[:, None] + torch.arange(span)[None, :]
-    logits = call(
+    output = call(
         input_ids=suffix_ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
         cache=cache, use_cache=cache is not None, logits_to_keep=keep.to(device),
-    ).logits.float() / temperature
-    picked = logits.gather(-1, next_ids[:, keep].to(device)[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    ).logits
+    entropies: list = []
+    picked = score(output, next_ids[:, keep].to(device), entropies if entropy is not None else None)
 
     def in_rows(values: torch.Tensor) -> torch.Tensor:  # suffix positions -> the batch's [B, L-1]
         wide = torch.zeros(rows, int(prefix.first.max()) + span, dtype=torch.float32, device=device)
@@ -134,21 +137,6 @@ def shared_prefix_logprobs(
         return wide[:, : width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
 
     if entropy is not None:
-        entropy.append(in_rows(token_entropy(logits)))
+        entropy.append(in_rows(entropies[0]))
     return in_rows(picked)
 
-
-ENTROPY_CHUNK = 256  # positions per pass of `token_entropy`
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H(π) = -Σ p·log p at each position of [..., V] logits (already divided by the temperature, as verl's
-    `entropy_from_logits`), a token a model masks out (-inf) counting 0; no gradient: a metric. A few hundred
-    positions at a time: the vocabulary-wide temporaries stay small beside the logits themselves."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    with torch.no_grad():
-        for start in range(0, flat.shape[0], ENTROPY_CHUNK):
-            logp = torch.log_softmax(flat[start : start + ENTROPY_CHUNK].float(), dim=-1)
-            out[start : start + ENTROPY_CHUNK] = -torch.where(logp > -torch.inf, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
-    return out.reshape(logits.shape[:-1])

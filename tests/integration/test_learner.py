@@ -125,6 +125,39 @@ def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "plain"])
+def test_the_head_run_a_chunk_at_a_time_keeps_no_logits_and_makes_the_same_update(tiny_dirs, share, monkeypatch):
+    """The LM head runs on a few positions at a time (trainer/head.py), its logits made again in backward, not
+    kept: π_old, the loss, the entropy, the KL to the reference and the update equal the whole-logits path's."""
+    from loopline.trainer import head
+    from loopline.trainer.batch import pad
+
+    monkeypatch.setattr(head, "HEAD_CHUNK", 5)  # (several chunks a micro-batch)
+    seqs = shared_prompt_batch()
+    config = LearnerConfig(lr=1e-3, share_prefix=share, temperature=0.7, loss=loss_settings(kl_coef=0.1))
+    chunked, whole = (Learner(tiny_dirs["v0"], config, backend="torch") for _ in range(2))
+    whole._plain_head = False  # (the path a model with a soft-capped or scaled head takes)
+    b = pad(seqs, list(range(len(seqs))))
+    assert kept_for_backward(chunked, b) < 0.7 * kept_for_backward(whole, b)
+    assert chunked._plain_head is True
+    a, c = chunked.rl_step(seqs), whole.rl_step(seqs)
+    for name in ("loss", "entropy", "kl_ref", "logprob_abs_diff"):
+        assert a.metrics[name] == pytest.approx(c.metrics[name], rel=1e-5, abs=1e-7), name
+    assert torch.allclose(chunked.parameters_vector(), whole.parameters_vector(), atol=1e-5)  # (lr 1e-3: Adam moves every weight ~1e-3)
+
+
+def test_a_head_whose_output_the_model_transforms_keeps_the_whole_logits_path():
+    """Gemma 2 soft-caps its logits after the head: its hidden states through the head are not its logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from loopline.trainer.head import plain_head
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    assert plain_head(LlamaForCausalLM(LlamaConfig(**small)))
+    assert not plain_head(Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=1.0)))
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "plain"])
 def test_gradient_checkpointing_keeps_less_for_backward_and_makes_the_same_update(tiny_dirs, share):
     """Each layer replays in backward: the prefix caches must give the same keys on the replay (a plain
     DynamicCache would append them twice), so the update equals the one without checkpointing."""

@@ -327,3 +327,32 @@ def test_the_kv_slab_holds_memory_for_the_requests_it_runs_not_for_its_capacity(
         slab.free(name)
     slab.decode_inputs({"j": 7})  # most rows free: compacted, and the columns only the long one needed dropped
     assert slab.rows_used == 1 and slab.keys[0].shape == (4, 2, 10 + 8, 4)
+
+
+def test_an_idle_engine_drops_its_caches_before_a_sync_steps_learner_and_generates_the_same_after(tiny_dirs):
+    """`release_memory` (called by a sync step between its rollouts and its learner, through the engine's thread):
+    the slab's rows and the prefix cache are freed once no request runs; the next request builds them again."""
+    import time
+
+    from loopline.rollout.engines.thread import EngineThread
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompts = [list(range(10, 40)), list(range(10, 30)) + [7, 8]]
+    thread = EngineThread(LocalEngine(tiny_dirs["v0"], max_batch=4))
+    engine = thread.inner
+
+    async def both():
+        return await asyncio.gather(*(thread.generate(p, greedy, f"r{i}") for i, p in enumerate(prompts)))
+
+    try:
+        before = asyncio.run(both())
+        assert engine._slab.keys and engine._prefixes.tokens > 0
+        thread.release_memory()
+        deadline = time.monotonic() + 10
+        while (engine._slab.keys or engine._prefixes.tokens) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine._slab.keys and engine._prefixes.tokens == 0 and not engine._prefixes.entries
+        after = asyncio.run(both())
+        assert [g.token_ids for g in after] == [g.token_ids for g in before]
+    finally:
+        thread.shutdown()

@@ -201,7 +201,6 @@ def test_a_bad_run_config_is_refused_before_torch_or_prefect_load(tmp_path):
     from loopline import plan
 
     ROOT = Path(__file__).resolve().parents[2]
-    bad = tmp_path / "run.yaml"
     probe = (
         "import sys\nfrom loopline.cli import app\ntry:\n    app(['train', sys.argv[1]])\nexcept SystemExit as exit:\n"
         "    print('exit', exit.code, 'torch' in sys.modules, 'prefect' in sys.modules)"
@@ -221,11 +220,15 @@ def test_a_bad_run_config_is_refused_before_torch_or_prefect_load(tmp_path):
     ]
     if not plan.nvidia_device_present():
         cases.append((arithmetic + "learner: {dtype: bf16}\n", "bf16 needs a GPU with bf16, and this machine has none"))
-    for text, says in cases:
+    started = []  # (all at once: each is its own process and refuses its own file)
+    for k, (text, says) in enumerate(cases):
+        bad = tmp_path / f"run{k}.yaml"
         bad.write_text("name: x\n" + text)
-        done = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120, env=env)
-        assert says in done.stderr and done.stdout.split() == ["exit", "1", "False", "False"], done.stdout + done.stderr
-        assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+        started.append((subprocess.Popen([sys.executable, "-c", probe, str(bad)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), says))
+    for process, says in started:
+        stdout, stderr = process.communicate(timeout=120)
+        assert says in stderr and stdout.split() == ["exit", "1", "False", "False"], stdout + stderr
+        assert stderr.startswith("error: ") and "Traceback" not in stderr, stderr
     assert not (home / "runs").exists()
 
 

@@ -347,7 +347,7 @@ def test_a_steps_batch_metrics_by_hand():
 
 def test_token_entropy_by_hand():
     """H = -Σ p ln p: uniform over 4 is ln 4; p = (1/4, 3/4) is 0.5623; one sure token is 0."""
-    from loopline.trainer.prefix import token_entropy
+    from loopline.trainer.head import token_entropy
 
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [math.log(1.0), math.log(3.0), -math.inf, -math.inf], [0.0, -1e4, -1e4, -1e4]])
     expected = [math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), 0.0]

@@ -219,6 +219,7 @@ class LocalEngine:
         self._active: list[_Request] = []
         self._slab = KVSlab(max_batch)  # the running requests' caches
         self._update: _WeightUpdate | None = None
+        self._release = False  # (`release_memory`: drop the caches when next idle)
         self._wake = asyncio.Event()  # (a new one with each scheduling task: `_kick`)
         self._task: asyncio.Task | None = None
         self._seeds = itertools.count(1)
@@ -308,6 +309,14 @@ class LocalEngine:
             raise LooplineError(f"the learner's weights do not fit the served model: {exc}") from None
         return model
 
+    async def release_memory(self) -> None:
+        """Drop the caches (the running batch's slab, the prefix cache) when no request runs. A sync step's
+        learner runs in this process after its rollouts: the slab (its rows' keys and values, ~1 GB at 32 rows of
+        600 tokens of SmolLM2) and up to `prefix_cache_mb` of cached prefixes would sit under the learner's peak,
+        and the weights the step makes leave the prefix cache stale anyway. The next request builds them again."""
+        self._release = True
+        self._kick()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -339,6 +348,10 @@ class LocalEngine:
                 while self._pending and len(self._active) + len(admit) < self.max_batch:
                     admit.append(self._pending.popleft())
             if not admit and not self._active:
+                if self._release:
+                    self._slab.clear()
+                    self._prefixes.clear()
+                    self._release = False
                 self._wake.clear()
                 if self._update is None and not self._pending:
                     await self._wake.wait()

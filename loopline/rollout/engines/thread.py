@@ -38,6 +38,13 @@ class EngineThread:
     async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
         return await self._call(self.inner.update_weights(version, weights, in_flight))
 
+    def release_memory(self) -> None:
+        """The engine drops what it keeps only to generate faster (`LocalEngine.release_memory`), from a plain
+        thread; an engine without it (a server elsewhere) has nothing of this process's to drop."""
+        release = getattr(self.inner, "release_memory", None)
+        if release is not None and not self._loop.is_closed():
+            self.call(release(), timeout_s=30)
+
     def call(self, coro: Coroutine[object, object, T], timeout_s: float | None = None) -> T:
         """Run a coroutine of the engine (e.g. SGLangEngine.refresh_versions) on its loop, from a plain thread."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
