@@ -420,9 +420,9 @@ def combine(results: Path) -> None:
     lines = [f"race_vs_trl, {len(races)} seed(s) ({', '.join(str(r['seed']) for r in races)}): median [min, max] over seeds; "
              f"{races[0]['header'].split(': ', 1)[-1]}, {races[0]['eval_tasks']} held-out tasks"]
 
-    def spread(values: list[float | None], unit: str = "", digits: int = 2) -> str:
+    def spread(values: list[float | None], unit: str = "", digits: int = 2, missing: str = "never") -> str:
         if any(v is None for v in values):
-            return f"never in {sum(v is None for v in values)} of {len(values)} seeds"
+            return f"{missing} in {sum(v is None for v in values)} of {len(values)} seeds"
         return f"{statistics.median(values):.{digits}f}{unit} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
     for name in names:
@@ -433,12 +433,12 @@ def combine(results: Path) -> None:
         memory = [s["memory"]["peak_gib"] for s in sides]
         lines += [f"{name}:",
                   f"  minutes to TRL's best   {spread([None if t is None else t / 60 for t in to_best], ' min', 1)}"
-                  + ("" if name == "TRL" else f"   loopline/TRL {spread(ratios, 'x')}"),
+                  + ("" if name == "TRL" else f"   loopline/TRL {spread(ratios, 'x', missing='no ratio (a side never, or TRL at 0)')}"),
                   f"  best held-out success   {spread([100 * s['best'] for s in sides], '%', 1)}",
                   f"  peak memory, summed     {spread(memory, ' GiB')}"
                   + ("" if name == "TRL" else f"   loopline/TRL {spread([m / t['memory']['peak_gib'] for m, t in zip(memory, trl)], 'x')}"),
                   f"  steps in the budget     {spread([s['steps_in_budget'] for s in sides], '', 0)}",
-                  f"  startup                 {spread([s.get('startup_s') or 0.0 for s in sides], ' s', 0)}"]
+                  f"  startup                 {spread([s.get('startup_s') for s in sides], ' s', 0, missing='no step')}"]
     text = "\n".join(lines)
     print(text)
     (results / "combined.txt").write_text(text + "\n")

@@ -42,7 +42,7 @@ class EngineThread:
         """The engine drops what it keeps only to generate faster (`LocalEngine.release_memory`), from a plain
         thread; an engine without it (a server elsewhere) has nothing of this process's to drop."""
         release = getattr(self.inner, "release_memory", None)
-        if release is not None and not self._loop.is_closed():
+        if release is not None and self._loop.is_running():
             self.call(release(), timeout_s=30)
 
     def call(self, coro: Coroutine[object, object, T], timeout_s: float | None = None) -> T:
