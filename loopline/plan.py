@@ -12,8 +12,9 @@ policy and SmolLM2-135M):
   attention output, and the keys and values SDPA's math path expands to every head);
   with checkpointing (`learner.gradient_checkpointing`): one hidden vector per token and layer, plus
   one layer's activations while it is replayed;
-  the final norm's input and output, and where an action token is predicted the LM head's input and
-  the fp32 logits; the backward adds two more logits-sized tensors (the softmax, its gradient).
+  the final norm's input and output, and where an action token is predicted the LM head's input; the
+  head runs on `HEAD_CHUNK` of those positions at a time and keeps no logits (trainer/head.py): while a chunk
+  runs, its fp32 logits, their softmax and their gradient exist.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.errors import LooplineError
+from loopline.trainer.config import HEAD_CHUNK
 
 GiB = 1024**3
 HEADROOM = 0.9  # of a device's memory: the CUDA context, the allocator's fragmentation, the runtime
@@ -98,9 +100,13 @@ class ModelShape:
     def kept_for_backward(self, tokens: int, positions: int, dtype_bytes: int, checkpointing: bool) -> int:
         """What autograd holds between a micro-batch's forward and its backward: the layers' activations (with
         checkpointing only their inputs), the final norm's input and output, and at the `positions` that
-        predict an action token the LM head's input and the fp32 logits."""
+        predict an action token the LM head's input (its logits are made again in backward, not kept)."""
         layers = self.layers * (self.hidden * dtype_bytes * tokens if checkpointing else self.layer_activation_bytes(tokens, dtype_bytes))
-        return layers + 2 * self.hidden * dtype_bytes * tokens + positions * (4 * self.vocab + self.hidden * dtype_bytes)
+        return layers + 2 * self.hidden * dtype_bytes * tokens + positions * self.hidden * dtype_bytes
+
+    def head_chunk_bytes(self, positions: int) -> int:
+        """What one chunk of the LM head holds while it runs: fp32 logits, their softmax and gradient."""
+        return 3 * min(positions, HEAD_CHUNK) * self.vocab * 4
 
 
 @dataclass(frozen=True)
@@ -255,7 +261,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
             "activations", activations(tokens),
             f"{tokens} tokens per micro-batch, " + ("checkpointed: + one layer replayed" if work.gradient_checkpointing else "no checkpointing"),
         ),
-        Row("logits, backward", 2 * int(tokens * work.action_fraction) * model.vocab * 4, "softmax and its gradient, fp32, action positions"),
+        Row("LM head, a chunk", model.head_chunk_bytes(int(tokens * work.action_fraction)), f"{HEAD_CHUNK} action positions' fp32 logits, softmax and gradient"),
         Row("step batch", work.step_tokens * STEP_BYTES_PER_TOKEN, f"{work.step_tokens} tokens of trajectories held for the step"),
     ]
     if work.reference_model and not work.lora:  # (with LoRA the reference is the base, adapters off: no copy)
@@ -276,9 +282,9 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     engine_room = budget - (learner_bytes if shared else 0) - p * work.engine_dtype_bytes
     per_sequence = model.kv_bytes_per_token(work.engine_dtype_bytes) * work.sequence_tokens
     max_concurrency = max(engine_room // per_sequence, 0)
-    fixed = sum(r.bytes for r in learner if r.part not in ("activations", "logits, backward"))
+    fixed = sum(r.bytes for r in learner if r.part not in ("activations", "LM head, a chunk"))
     beside = engine_bytes if shared else 0
-    max_micro = _largest(lambda t: k * (fixed + activations(t) + 2 * int(t * work.action_fraction) * model.vocab * 4) + beside <= budget)
+    max_micro = _largest(lambda t: k * (fixed + activations(t) + model.head_chunk_bytes(int(t * work.action_fraction))) + beside <= budget)
     fits = need <= budget
     learners = f"learner (x{k} ranks here)" if k > 1 else "learner"
     where = f"{learners} and engine together" if shared else f"the larger of {learners} and engine"

@@ -16,6 +16,8 @@ from pydantic import Field, field_validator, model_validator
 
 from loopline.registry import Registry, RegistryName, RegistrySection, Settings
 
+HEAD_CHUNK = 512  # action positions the LM head runs on at once in a learner step (trainer/head.py; loopline/plan.py counts it)
+
 if TYPE_CHECKING:
     import torch
 

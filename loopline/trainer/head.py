@@ -21,7 +21,8 @@ from typing import Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-HEAD_CHUNK = 512  # positions whose logits exist at once (SmolLM2: 0.1 GB)
+from loopline.trainer.config import HEAD_CHUNK  # (positions whose logits exist at once; SmolLM2: 0.1 GB)
+
 ENTROPY_CHUNK = 256  # positions whose vocabulary-wide entropy temporaries exist at once
 
 

@@ -73,10 +73,12 @@ def test_lora_trains_and_keeps_optimizer_states_for_the_adapters_peft_makes_and_
 def test_activation_checkpointing_keeps_a_hidden_vector_per_token_and_layer():
     shape = ModelShape.from_config(SMOLLM2)
     per_layer = (5 * 1536 + 4 * 576 + 4 * 9 * 64) * 4 * 1000
-    head = 2 * 576 * 4 * 1000 + 300 * (4 * 49152 + 576 * 4)  # final norm; LM head input and fp32 logits at 300 positions
+    head = 2 * 576 * 4 * 1000 + 300 * 576 * 4  # final norm; the LM head's input at 300 positions (no logits kept)
     assert shape.layer_activation_bytes(1000, 4) == per_layer
     assert shape.kept_for_backward(1000, 300, 4, checkpointing=False) == 30 * per_layer + head
     assert shape.kept_for_backward(1000, 300, 4, checkpointing=True) == 30 * 576 * 4 * 1000 + head
+    # while one chunk of the head runs: its fp32 logits, their softmax and gradient, at most 512 positions
+    assert shape.head_chunk_bytes(300) == 3 * 300 * 49152 * 4 and shape.head_chunk_bytes(5000) == 3 * 512 * 49152 * 4
 
 
 def test_what_the_verdict_suggests_fits_and_one_more_does_not():
