@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.errors import LooplineError
-from loopline.trainer.config import HEAD_CHUNK
 
+HEAD_CHUNK = 512  # the learner's (loopline/trainer/config.py; the plan imports no layer: a test holds them equal)
 GiB = 1024**3
 HEADROOM = 0.9  # of a device's memory: the CUDA context, the allocator's fragmentation, the runtime
 

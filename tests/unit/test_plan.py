@@ -79,6 +79,10 @@ def test_activation_checkpointing_keeps_a_hidden_vector_per_token_and_layer():
     assert shape.kept_for_backward(1000, 300, 4, checkpointing=True) == 30 * 576 * 4 * 1000 + head
     # while one chunk of the head runs: its fp32 logits, their softmax and gradient, at most 512 positions
     assert shape.head_chunk_bytes(300) == 3 * 300 * 49152 * 4 and shape.head_chunk_bytes(5000) == 3 * 512 * 49152 * 4
+    from loopline import plan
+    from loopline.trainer import config
+
+    assert plan.HEAD_CHUNK == config.HEAD_CHUNK
 
 
 def test_what_the_verdict_suggests_fits_and_one_more_does_not():
