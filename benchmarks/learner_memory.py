@@ -22,11 +22,9 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,18 +52,14 @@ def race_batch(vocab: int, seed: int = 0, prompt_tokens: int = 392):
 
 
 def child(model: str, variant: str, steps: int) -> None:
+    from benchmarks.learner_step import timed_steps
     from loopline.trainer.learner import Learner, LearnerConfig
 
     learner = Learner(model, LearnerConfig(lr=1e-6))
     if variant.startswith("whole"):
         learner._plain_head = False
-    batch = race_batch(learner.model.config.vocab_size)
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        learner.rl_step(batch)
-        times.append(time.perf_counter() - started)
-    print(json.dumps({"variant": variant, "times": times, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}))
+    times, peak_gib = timed_steps(learner, steps, race_batch(learner.model.config.vocab_size))
+    print(json.dumps({"variant": variant, "times": times, "peak_gib": peak_gib}))
 
 
 def categories(model: str) -> None:

@@ -68,9 +68,10 @@ def child(model: str, variant: str, steps: int, backend: str) -> None:
     print(json.dumps({"variant": variant, "times": times, "peak_gb": peak_gb}))
 
 
-def timed_steps(learner, steps: int) -> tuple[list[float], float]:
-    """Seconds of each of `steps` RL steps on the benchmark's batch, and the process's peak RSS after them (GB)."""
-    batch = _batch(learner.model.config.vocab_size)
+def timed_steps(learner, steps: int, batch=None) -> tuple[list[float], float]:
+    """Seconds of each of `steps` RL steps on `batch` (default: this benchmark's), and the process's peak RSS
+    after them (GiB: ru_maxrss is in KiB)."""
+    batch = batch or _batch(learner.model.config.vocab_size)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
