@@ -15,6 +15,9 @@ policy and SmolLM2-135M):
   the final norm's input and output, and where an action token is predicted the LM head's input; the
   head runs on `HEAD_CHUNK` of those positions at a time and keeps no logits (trainer/head.py): while a chunk
   runs, its fp32 logits, their softmax and their gradient exist.
+
+Learner and engine on one device are counted together, except in a sync run on the built-in local engine: it
+drops its weights and KV caches before each learner phase (`stages.release_engine_memory`), so the larger counts.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class Workload:
     sequence_tokens: int = 1024  # a sequence's longest context: prompt + turns x (new tokens + tool output)
     engine_dtype_bytes: int = 4
     colocated: bool = True  # learner and engine share the device (CPU: one process; one GPU)
+    engine_yields: bool = False  # a sync step's engine (the built-in local one) gives its weights and KV caches back while the learner runs
     ranks_per_device: int = 1  # learner ranks whose memory one device holds (CPU: every rank on the host)
 
 
@@ -276,7 +280,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     budget = int(hw.memory * HEADROOM)
     k = max(work.ranks_per_device, 1)
     learner_bytes, engine_bytes = k * sum(r.bytes for r in learner), sum(r.bytes for r in engine)
-    shared = work.colocated
+    shared = work.colocated and not work.engine_yields  # (both held at once)
     need = learner_bytes + engine_bytes if shared else max(learner_bytes, engine_bytes)
     # the largest concurrency and micro-batch that would fit, the rest unchanged
     engine_room = budget - (learner_bytes if shared else 0) - p * work.engine_dtype_bytes
@@ -287,7 +291,8 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     max_micro = _largest(lambda t: k * (fixed + activations(t) + model.head_chunk_bytes(int(t * work.action_fraction))) + beside <= budget)
     fits = need <= budget
     learners = f"learner (x{k} ranks here)" if k > 1 else "learner"
-    where = f"{learners} and engine together" if shared else f"the larger of {learners} and engine"
+    where = (f"{learners} and engine together" if shared else f"the larger of {learners} and engine"
+             + (" (a sync step's engine gives its memory back while the learner runs)" if work.colocated and work.engine_yields else ""))
     # what to change: whichever side does not fit (either one when they share the device)
     micro = f"micro_batch_tokens {max_micro}" if max_micro > 0 else None
     more = f"concurrency {max_concurrency}" if max_concurrency > 0 else None
@@ -346,6 +351,7 @@ def workload(config, budgets, prompt_tokens: int, hw: Hardware) -> Workload:
         sequence_tokens=sequence,
         engine_dtype_bytes=2 if hw.gpu else 4,
         colocated=not hw.gpu or hw.devices == 1,
+        engine_yields=config.rollout.mode == "sync" and config.engine.kind == "local",
         ranks_per_device=ranks.ranks_per_node if (ranks is not None and not hw.gpu) else 1,
     )
 

@@ -118,12 +118,13 @@ async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
     return await run_barrier(ctx.engine, ctx.binding, ctx.session_factory, WorkerConfig(ctx.run_id, concurrency=ctx.rollout.concurrency, lease_seconds=ctx.rollout.lease_seconds))
 
 
-def release_engine_caches(ctx: LoopContext) -> None:
+def release_engine_memory(ctx: LoopContext) -> None:
     """A sync step's rollouts are done and its learner runs next: an engine in this process (LocalEngine) drops
-    the KV caches it keeps to generate faster, which would otherwise sit under the learner's peak memory."""
+    the KV caches it keeps to generate faster and its weights, which would otherwise sit under the learner's peak
+    memory; the step's version reaches it whole (`sync_weights`) before it generates again."""
     release = getattr(ctx.engine, "release_memory", None)  # (EngineThread's; a server elsewhere has none here)
     if release is not None:
-        release()
+        release(weights=True)
 
 
 async def rollout_continuous(ctx: RolloutContext, stop: StopFlag, worker: str | None = None) -> RolloutStats:

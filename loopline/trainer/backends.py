@@ -154,8 +154,11 @@ class DeepSpeedBackend:
         world, rank = self.world()
         mine = micro[rank::world]
         count = math.ceil(len(micro) / world)
-        self.engine.set_train_batch_size(count * world)  # gradient accumulation over exactly `count` micro-batches
+        self.engine.set_train_batch_size(count * world)  # the loss is divided by `count` accumulation steps
         for i in range(count):
+            # DeepSpeed's own boundary is every `count`-th micro-step counted over the whole run: once the count
+            # changes from one step to the next it would update mid-step and carry the rest into the next one
+            self.engine.set_gradient_accumulation_boundary(i == count - 1)
             if i < len(mine):
                 try:
                     loss, m = loss_of(mine[i])

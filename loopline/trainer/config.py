@@ -306,7 +306,7 @@ class LearnerSettings(Settings):
         16384, ge=1, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (a longer row is one of its own; memory, not the update)",
     )
     minibatches: int = Field(1, ge=1, description="optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
-    share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once (same update, fewer FLOPs; trainer/prefix.py)")
+    share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once per micro-batch, which keeps them together (same update, fewer FLOPs; trainer/prefix.py)")
     gradient_checkpointing: bool = Field(
         True, description="keep each layer's input only and replay the layer in backward (activations ~1/10, ~one more forward; TRL's default)",
     )

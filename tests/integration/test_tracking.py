@@ -255,3 +255,30 @@ def test_each_tracker_reads_what_its_own_store_holds(kind, tmp_path):
                           timeout=300, env={**env, "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert [line for line in done.stdout.splitlines() if line.startswith("(")] == ["(0, -1)", "(3, 2)"], done.stdout[-2000:]
+
+
+def test_a_step_torn_by_a_kill_is_not_held_by_tensorboard(tmp_path):
+    """A SIGKILL while TensorBoard wrote a step left part of it in the event file: the resume took the step as held
+    and never sent the rest (CI: step 3's reward_mean lost for good). Each cut of the file after step 1 reads as
+    step 1 held, or step 2 held whole."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from loopline.tracking import TensorBoard, tracker_settings
+
+    metrics = {f"metric_{i}": float(i) for i in range(12)}
+    tracker = TensorBoard("r", uuid.uuid4(), tmp_path / "run", {"lr": 0.1}, tracker_settings("tensorboard"))
+    tracker.log(1, metrics)
+    (path,) = tracker.directory.glob("events.out.tfevents.*")
+    after_step_1 = path.stat().st_size
+    tracker.log(2, metrics)
+    tracker.close()
+    whole = path.read_bytes()
+    cut = tmp_path / "cut" / "tensorboard"
+    cut.mkdir(parents=True)
+    for end in range(after_step_1, len(whole) + 1):
+        (cut / path.name).write_bytes(whole[:end])
+        tracker.directory = cut
+        held, _ = tracker.holds()
+        tags = {v.tag for e in EventFileLoader(str(cut / path.name)).Load() if e.step == 2 for v in e.summary.value}
+        assert (held, tags) in ((1, set()), (2, set(metrics))), end
+

@@ -356,3 +356,38 @@ def test_an_idle_engine_drops_its_caches_before_a_sync_steps_learner_and_generat
         assert [g.token_ids for g in after] == [g.token_ids for g in before]
     finally:
         thread.shutdown()
+
+
+def test_a_sync_steps_engine_lends_its_weights_to_the_learner_and_serves_the_next_version_whole(tiny_dirs):
+    """`release_memory(weights=True)` (a sync step, between its rollouts and its learner): the parameters' memory
+    is freed; a request before the next version fails rather than run on no weights; the learner's tensors then
+    make the engine whole again (tied parameters still one) and it generates as an engine loaded with them."""
+    import time
+
+    from loopline.rollout.engines.local import load_model
+    from loopline.rollout.engines.thread import EngineThread
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompt = list(range(10, 40))
+    thread = EngineThread(LocalEngine(tiny_dirs["v0"], max_batch=4))
+    engine = thread.inner
+    learner_tensors = load_model(tiny_dirs["v1"]).state_dict()  # (the next version, as the learner holds it)
+    try:
+        asyncio.run(thread.generate(prompt, greedy, "before"))
+        thread.release_memory(weights=True)
+        deadline = time.monotonic() + 10
+        while engine._shapes is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(p.numel() for p in engine.model.parameters()) == 0
+        with pytest.raises(EngineError, match="released"):
+            asyncio.run(thread.generate(prompt, greedy, "weightless"))
+        asyncio.run(thread.update_weights(1, learner_tensors))
+        learner_tensors["lm_head.weight"].add_(1.0)  # the learner trains on: the engine keeps its own copy
+        served = asyncio.run(thread.generate(prompt, greedy, "after"))
+    finally:
+        thread.shutdown()
+    fresh = LocalEngine(tiny_dirs["v1"], max_batch=4)
+    expected = asyncio.run(fresh.generate(prompt, greedy, "fresh"))
+    assert served.token_ids == expected.token_ids and served.policy_version == 1
+    tied = engine.model.config.tie_word_embeddings
+    assert (engine.model.lm_head.weight is engine.model.get_input_embeddings().weight) == tied

@@ -143,3 +143,18 @@ def test_the_plan_command_on_a_7b_shaped_config():
     assert one.exit_code == 1 and "does NOT fit" in one.output and "optimizer states" in one.output
     unknown = runner.invoke(app, ["plan", str(EXAMPLES / "plan_7b_coding.yaml"), "--gpu", "tpu"])
     assert unknown.exit_code != 0 and "unknown hardware 'tpu'" in unknown.output
+
+
+def test_a_sync_runs_local_engine_is_not_counted_beside_the_learner():
+    """A sync step's local engine drops its weights and KV caches before the learner runs: the larger of the two
+    is what the host must hold. Async (or an engine that keeps its memory) holds both at once."""
+    from loopline.envregistry.spec import Budgets
+    from loopline.config import RunConfig
+
+    shape, host = ModelShape.from_config(SMOLLM2), Hardware("cpu", 64 * GiB)
+    sync = workload(RunConfig(name="r", env="e.yaml", rollout={"mode": "sync"}), Budgets(), 512, host)
+    both = workload(RunConfig(name="r", env="e.yaml", rollout={"mode": "async"}), Budgets(), 512, host)
+    assert sync.engine_yields and not both.engine_yields
+    apart, together = estimate(shape, sync, host), estimate(shape, both, host)
+    assert f"need {size(max(apart.learner_bytes, apart.engine_bytes))}" in apart.verdict and "gives its memory back" in apart.verdict
+    assert f"need {size(together.learner_bytes + together.engine_bytes)}" in together.verdict

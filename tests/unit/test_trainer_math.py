@@ -362,3 +362,22 @@ def test_reward_std_is_trls_mean_of_each_groups_sample_std_by_hand():
     rows = [("a", 1.0), ("a", 0.0), ("b", 1.0), ("b", 1.0), ("b", 0.0), ("b", 0.0), ("c", 1.0)]
     firsts = [TrainSequence(None, group, reward, (1, 2), (0, 1), (0.0, -1.0)) for group, reward in rows]
     assert _mean_group_std(firsts) == pytest.approx((2 ** -0.5 + (1 / 3) ** 0.5) / 2)
+
+
+def test_micro_batches_keep_the_rows_that_share_a_prompt_together_within_the_budget():
+    """The learner runs a shared prompt once per micro-batch (trainer/prefix.py). By hand: prompts A (3 tokens) and
+    B (4), two samples each, interleaved in length (A 5, B 6, A 7, B 8 tokens). Sorted by length alone, a budget of 16
+    padded tokens made [A, B], [A, B]: each prompt run twice."""
+    from loopline.trainer.batch import TrainSequence, micro_batches, prompt_length
+
+    def row(prompt, actions, group):
+        return TrainSequence(None, group, 0.0, list(prompt) + [9] * actions, [0] * len(prompt) + [1] * actions, [0.0] * (len(prompt) + actions))
+
+    a, b = (1, 2, 3), (4, 5, 6, 7)
+    rows = [row(a, 2, "a"), row(b, 2, "b"), row(a, 4, "a"), row(b, 4, "b")]  # 5, 6, 7, 8 tokens
+    assert [prompt_length(r) for r in rows] == [3, 4, 3, 4]
+    assert micro_batches(rows, 16) == [[0, 2], [1, 3]]  # A's rows (padded: 2 x 7), then B's (2 x 8)
+    assert micro_batches(rows, 14) == [[0, 2], [1], [3]]  # (B's two rows padded are 16 tokens: never over the budget)
+    assert micro_batches(rows, 100) == [[0, 2, 1, 3]]
+    # rows that share no prompt keep the length order (the least padding)
+    assert micro_batches([row((k,), n, k) for k, n in enumerate((4, 1, 3))], 100) == [[1, 2, 0]]

@@ -219,7 +219,8 @@ class LocalEngine:
         self._active: list[_Request] = []
         self._slab = KVSlab(max_batch)  # the running requests' caches
         self._update: _WeightUpdate | None = None
-        self._release = False  # (`release_memory`: drop the caches when next idle)
+        self._release: str | None = None  # (`release_memory`: "caches" or "weights", dropped when next idle)
+        self._shapes: dict[str, torch.Size] | None = None  # the parameters' shapes while the weights are released
         self._wake = asyncio.Event()  # (a new one with each scheduling task: `_kick`)
         self._task: asyncio.Task | None = None
         self._seeds = itertools.count(1)
@@ -243,6 +244,8 @@ class LocalEngine:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> Generation:
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if self._shapes is not None:
+            raise EngineError(f"this engine's weights were released for the learner (release_memory); update_weights to a version after v{self._version} first")
         if len(prompt_ids) + sampling.max_new_tokens > self.max_context:
             raise ContextOverflow(
                 f"prompt of {len(prompt_ids)} tokens + {sampling.max_new_tokens} new tokens exceeds "
@@ -301,20 +304,26 @@ class LocalEngine:
         return load_model(weights) if isinstance(weights, (str, Path)) else self._copy_with(weights)
 
     def _copy_with(self, tensors: Mapping[str, torch.Tensor]):
-        """A copy of the served model holding `tensors` (the served one keeps generating meanwhile)."""
-        model = copy.deepcopy(self.model)
+        """A copy of the served model holding `tensors` (the served one keeps generating meanwhile; one whose
+        weights were released is copied bare and its parameters made again, tied ones once)."""
+        model, shapes = copy.deepcopy(self.model), self._shapes
+        if shapes is not None:
+            for name, parameter in model.named_parameters():
+                parameter.data = torch.empty(shapes[name], dtype=parameter.dtype)
         try:
             model.load_state_dict(tensors, strict=True)
         except RuntimeError as exc:
             raise LooplineError(f"the learner's weights do not fit the served model: {exc}") from None
         return model
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, weights: bool = False) -> None:
         """Drop the caches (the running batch's slab, the prefix cache) when no request runs. A sync step's
         learner runs in this process after its rollouts: the slab (its rows' keys and values, ~1 GB at 32 rows of
         600 tokens of SmolLM2) and up to `prefix_cache_mb` of cached prefixes would sit under the learner's peak,
-        and the weights the step makes leave the prefix cache stale anyway. The next request builds them again."""
-        self._release = True
+        and the weights the step makes leave the prefix cache stale anyway. The next request builds them again.
+        With `weights`, the weights too (SmolLM2's 0.5 GiB in fp32): the step's version replaces them whole
+        (`update_weights`) before anything is generated again; a request before that fails, never runs on none."""
+        self._release = "weights" if weights else (self._release or "caches")
         self._kick()
 
     async def close(self) -> None:
@@ -351,7 +360,11 @@ class LocalEngine:
                 if self._release:
                     self._slab.clear()
                     self._prefixes.clear()
-                    self._release = False
+                    if self._release == "weights" and self._shapes is None:
+                        self._shapes = {name: parameter.shape for name, parameter in self.model.named_parameters()}
+                        for parameter in self.model.parameters():  # (a tied parameter is one object: freed once)
+                            parameter.data = torch.empty(0, dtype=parameter.dtype)
+                    self._release = None
                 self._wake.clear()
                 if self._update is None and not self._pending:
                     await self._wake.wait()
@@ -383,7 +396,7 @@ class LocalEngine:
             self._slab.clear()
         elif update.policy == "finish" and self._active:
             return  # keep stepping the old batch; new requests wait
-        self.model, self._version, self._update = update.model, update.version, None
+        self.model, self._version, self._update, self._shapes = update.model, update.version, None, None
         self._prefixes.clear()  # keys and values of the old weights
         if not update.done.done():
             update.done.set_result(None)

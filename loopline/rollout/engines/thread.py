@@ -38,12 +38,13 @@ class EngineThread:
     async def update_weights(self, version: int, weights: WeightsSource, in_flight: InFlightPolicy = "finish") -> dict[str, float] | None:
         return await self._call(self.inner.update_weights(version, weights, in_flight))
 
-    def release_memory(self) -> None:
-        """The engine drops what it keeps only to generate faster (`LocalEngine.release_memory`), from a plain
-        thread; an engine without it (a server elsewhere) has nothing of this process's to drop."""
+    def release_memory(self, weights: bool = False) -> None:
+        """The engine drops what it keeps only to generate faster, and with `weights` its weights until the next
+        update (`LocalEngine.release_memory`), from a plain thread; an engine without it (a server elsewhere) has
+        nothing of this process's to drop."""
         release = getattr(self.inner, "release_memory", None)
         if release is not None and self._loop.is_running():
-            self.call(release(), timeout_s=30)
+            self.call(release(weights), timeout_s=30)
 
     def call(self, coro: Coroutine[object, object, T], timeout_s: float | None = None) -> T:
         """Run a coroutine of the engine (e.g. SGLangEngine.refresh_versions) on its loop, from a plain thread."""
