@@ -25,6 +25,21 @@ def _pss(process: psutil.Process) -> int:
         return 0
 
 
+def _kind(process: psutil.Process) -> str:
+    """A process named as a reader of the breakdown knows it: `postgres`, `python -m uvicorn --app-dir` (the Prefect
+    server), `python -m loopline.cli train`."""
+    try:
+        line = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "gone"
+    if not line:
+        return process.name()
+    words = [w.rsplit("/", 1)[-1] for w in line[:4]]
+    if words[0].startswith("postgres"):
+        return "postgres"
+    return " ".join(w for w in words if not w.startswith("/"))[:60]
+
+
 def side_processes(root: int, marks: Sequence[str] = ()) -> list[psutil.Process]:
     """`root` and its descendants, and any other process whose command line names one of `marks` (a side's home
     directory: the embedded PostgreSQL's data directory is in its command line)."""
@@ -52,6 +67,7 @@ class TreeMemory:
     def __init__(self, root: int, marks: Sequence[str] = (), every_s: float = 1.0):
         self.root, self.marks, self.every_s = root, tuple(marks), every_s
         self.peak_bytes, self.processes, self.samples = 0, 0, 0
+        self.at_peak: dict[str, float] = {}  # GiB by process kind at the peak sample (what to cut first)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="tree-memory", daemon=True)
         self._thread.start()
@@ -59,8 +75,13 @@ class TreeMemory:
     def _sample(self) -> None:
         while not self._stopped.is_set():
             processes = side_processes(self.root, self.marks)
-            total = sum(_pss(p) for p in processes)
-            self.peak_bytes = max(self.peak_bytes, total)
+            sizes = [(p, _pss(p)) for p in processes]
+            total = sum(size for _, size in sizes)
+            if total > self.peak_bytes:
+                self.peak_bytes, self.at_peak = total, {}
+                for process, size in sizes:
+                    kind = _kind(process)
+                    self.at_peak[kind] = self.at_peak.get(kind, 0.0) + size / GIB
             self.processes = max(self.processes, len(processes))
             self.samples += 1
             self._stopped.wait(self.every_s)
@@ -68,7 +89,7 @@ class TreeMemory:
     def stop(self) -> dict:
         self._stopped.set()
         self._thread.join()
-        return {"peak_gib": self.peak_bytes / GIB, "processes": self.processes, "samples": self.samples, "every_s": self.every_s,
+        return {"peak_gib": self.peak_bytes / GIB, "at_peak_gib": dict(sorted(self.at_peak.items(), key=lambda kv: -kv[1])), "processes": self.processes, "samples": self.samples, "every_s": self.every_s,
                 "measure": "peak over samples of the summed PSS of every process of the side, GiB"}
 
 

@@ -1,6 +1,7 @@
 """Wall-clock to held-out success, loopline against TRL's GRPOTrainer on the same tool-using task (issue 50).
 
     python -m benchmarks.race_vs_trl --trl-python VENV/bin/python --seed S [--minutes 20] [--mark-minutes 5] [--modes sync,async]
+    python -m benchmarks.race_vs_trl --trl-from RAW --seed S ...   # loopline's sides only, TRL's from an earlier raw file
     python -m benchmarks.race_vs_trl --combine        # every seed's raw file -> the medians, the spread, one plot
 
 TRL's venv, as users install it (this machine's torch, never another):
@@ -11,7 +12,8 @@ tasks with operands up to --max-operand (2,000 train, the first --eval-tasks hel
 solves 47% greedy, at 79 83%: room to learn rather than a one-step race), a `calc` tool, two worked examples before each question (a
 tool call, its result, the answer), the env's verifier (`<answer>N</answer>` in the final message), 8 prompts x 8
 samples a step, T = --temperature, lr --lr (3e-6) constant, clip 0.2 / 0.28, token-mean loss, no KL, one optimizer step
-a step (TRL: 4 micro-batches of 16, loopline: its micro_batch_tokens), fp32 on CPU. The prompt is checked token
+a step in micro-batches of --micro-batch completions (16: TRL's per_device_train_batch_size with gradient
+accumulation; loopline's micro_batch_tokens set to as many rows of prompt + --max-tokens), fp32 on CPU. The prompt is checked token
 for token to be the same on both sides. SmolLM2's chat template drops tools and TRL refuses it ("The provided
 chat template does not support tool calling"); with TRL's Qwen2.5 template SmolLM2 answers the worked examples'
 pattern wrongly (0% greedy: it writes `<tool_response>` for `<tool_call>`). So both sides get
@@ -37,7 +39,10 @@ loopline's `max_generated_tokens` counts the model's tokens only, and `max_new_t
 128 (--max-tokens), loopline's episodes may hold a tool result's tokens more than TRL's: a few tokens here (a
 number and its turn's markers), stated with the results.
 
-Seeds (--seed) run one at a time, at different times if need be; `--combine` reads every seed's raw file.
+Seeds (--seed) run one at a time, at different times if need be; `--combine` reads every seed's raw file. Each raw
+file records a machine probe (fp32 matmuls a second, measured alone before the race): the same code once ran 1.75x
+slower here from one day to the next, so `--trl-from` takes TRL's side only from a file whose probe is within 10%
+of this machine's.
 """
 
 from __future__ import annotations
@@ -127,8 +132,8 @@ def write_env(work: Path, eval_size: int, max_operand: int, max_tokens: int) -> 
     return path
 
 
-def check_same_prompt(model: Path, env: Path, task) -> str:
-    """Both sides' first prompt for one task, as token ids: identical but for what is said here."""
+def check_same_prompt(model: Path, env: Path, task) -> tuple[str, int]:
+    """Both sides' first prompt for one task, as token ids: identical (what is said, and its length), or the race stops."""
     import dataclasses
 
     from transformers import AutoTokenizer
@@ -147,20 +152,20 @@ def check_same_prompt(model: Path, env: Path, task) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model)
     theirs = tokenizer.encode(tokenizer.apply_chat_template(trl_messages(task.prompt), tools=[as_trl_tool(calc)], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     if ours == theirs:
-        return f"prompts identical ({len(ours)} tokens)"
+        return f"prompts identical ({len(ours)} tokens)", len(ours)
     extra = tokenizer.decode(theirs[len(os.path.commonprefix([ours, theirs])):][:40])
     raise SystemExit(f"the sides' prompts differ: loopline {len(ours)} tokens, TRL {len(theirs)}; TRL's from there: {extra!r}")
 
 
 def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: float, work: Path, temperature: float, seed: int,
-                  max_tokens: int, lr: float) -> dict:
+                  max_tokens: int, lr: float, micro_batch_tokens: int) -> dict:
     name = f"race-{mode}-{int(time.time())}"
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "env": str(env), "policy": str(model), "steps": 10_000, "seed": seed,
         "rollout": {"mode": mode, "groups_per_step": 8, "group_size": 8, "concurrency": 32,
                     "sampling": {"temperature": temperature, "max_new_tokens": max_tokens}, "few_shot": few_shot_turns()},
-        "learner": {"lr": lr, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000},
+        "learner": {"lr": lr, "backend": "deepspeed", "export_every": 1, "keep_exports": 10_000, "micro_batch_tokens": micro_batch_tokens},
         "eval": {"every": 10_000, "tasks": 1, "temperature": 0.0},  # (v0 is evaluated on 1 task: the run's own evaluations are off)
     }, sort_keys=False))
     home = work / f"home-{mode}"
@@ -173,7 +178,9 @@ def race_loopline(model: Path, env: Path, mode: str, seconds: float, mark_s: flo
         time.sleep(2)
     measured = memory.stop()  # (before the stop: its embedded ledger is then stopped, whatever the side held is counted)
     if process.poll() is None:
-        process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops where it is, resumable
+        # SIGTERM stops the run where it is, resumable, as Ctrl-C does; a race started in the background (`cmd &`)
+        # has SIGINT ignored, passed on to its children: its side trained on past the budget
+        process.send_signal(signal.SIGTERM)
         process.wait(timeout=300)
     return loopline_side(name, mode, home, started_wall, model, seconds, mark_s) | {"memory": measured}
 
@@ -259,8 +266,67 @@ def race_trl(trl_python: str, model: Path, tasks: list, seconds: float, mark_s: 
     }
 
 
-def evaluate(env: Path, paths: list[str], eval_tasks: int, max_tokens: int, temperature: float = 0.0) -> dict[str, float]:
-    """Held-out success of each checkpoint: one harness, one engine kind, greedy, the same tasks and prompts."""
+RACE_SETTINGS = ("seed", "minutes", "mark_minutes", "max_operand", "eval_tasks", "temperature", "lr", "max_tokens", "micro_batch")
+
+
+PROBE_TOLERANCE = 0.10  # a TRL side is reused only on a machine within 10% of the speed it was raced at
+
+
+def machine_probe(seconds: float = 5.0) -> float:
+    """fp32 matmuls per second on this machine's threads, as the race's steps run them: the same code was 1.75x
+    slower on one day than on the day before here (seed 0's loopline side gave the same scores at v1 and v2 at
+    1.73-1.76x the minutes), so sides raced on different days are compared only where this agrees."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    torch.mm(a, b)
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        torch.mm(a, b)
+        done += 1
+    return done / (time.perf_counter() - started)
+
+
+def trl_side_from(raw: Path, args: argparse.Namespace, kept: Path, probe: float) -> dict:
+    """TRL's side of an earlier race with the same settings on a machine as fast as this one, and its marks' scores
+    (into `kept`, so they are not evaluated again: their checkpoints need not exist any more)."""
+    earlier = json.loads(raw.read_text())
+    if "probe" not in earlier or abs(probe / earlier["probe"] - 1) > PROBE_TOLERANCE:
+        was = f"{earlier['probe']:.1f}" if "probe" in earlier else "not measured"
+        raise SystemExit(f"{raw}: its machine ran {was} matmuls/s, this one {probe:.1f}: race TRL again here (--trl-python); "
+                         "wall-clock from machines of different speeds does not compare")
+    theirs = {**earlier["args"], "micro_batch": earlier["args"].get("micro_batch", earlier["args"].get("trl_micro_batch"))}
+    differ = [k for k in RACE_SETTINGS if str(theirs.get(k)) != str(getattr(args, k))]
+    if differ:
+        raise SystemExit(f"{raw} was raced with other settings ({', '.join(f'{k} {theirs.get(k)} there, {getattr(args, k)} here' for k in differ)}): "
+                         "race TRL again (--trl-python) or give those settings")
+    side = earlier["sides"][-1]
+    missing = [m["path"] for m in side["marks"] if m["path"] not in earlier.get("scores", {})]
+    if side["side"] != "TRL" or missing:
+        raise SystemExit(f"{raw}: its last side is not a TRL side with every mark evaluated ({len(missing)} not): report that race first (--report)")
+    keep_scores(kept, {m["path"]: earlier["scores"][m["path"]] for m in side["marks"]}, args.eval_tasks, args.max_tokens)
+    print(f"TRL: taken from {raw} (its marks' scores with it)", flush=True)
+    return {**side, "from": str(raw)}
+
+
+def kept_scores(kept: Path, eval_tasks: int, max_tokens: int) -> dict[str, float]:
+    """The scores measured so far, where they were measured as now (the same held-out tasks and token limit)."""
+    saved = json.loads(kept.read_text()) if kept.exists() else {}
+    if saved and "scores" not in saved:  # (written before the settings were kept with the scores)
+        return saved
+    if saved and saved.get("measured") != {"eval_tasks": eval_tasks, "max_tokens": max_tokens}:
+        raise SystemExit(f"{kept} holds scores measured otherwise ({saved.get('measured')}): move it away to measure again")
+    return saved.get("scores", {})
+
+
+def keep_scores(kept: Path, scores: dict[str, float], eval_tasks: int, max_tokens: int) -> None:
+    kept.write_text(json.dumps({"measured": {"eval_tasks": eval_tasks, "max_tokens": max_tokens}, "scores": scores}, indent=1))
+
+
+def evaluate(env: Path, paths: list[str], eval_tasks: int, max_tokens: int, kept: Path, temperature: float = 0.0) -> dict[str, float]:
+    """Held-out success of each checkpoint: one harness, one engine kind, greedy, the same tasks and prompts. Each
+    score is kept in `kept` as it is measured (a checkpoint takes minutes): an evaluation stopped part-way goes on
+    from there (`--report`)."""
     import dataclasses
 
     from loopline.envregistry.spec import load_spec
@@ -287,11 +353,13 @@ def evaluate(env: Path, paths: list[str], eval_tasks: int, max_tokens: int, temp
         await engine.close()
         return statistics.mean(p.reward == 1.0 for p in played)
 
-    scores = {}
+    scores = kept_scores(kept, eval_tasks, max_tokens)
     for path in dict.fromkeys(paths):
-        scores[path] = asyncio.run(one(path))
+        if path not in scores:
+            scores[path] = asyncio.run(one(path))
+            keep_scores(kept, scores, eval_tasks, max_tokens)
         print(f"  {path}: {scores[path]:.1%}", flush=True)
-    return scores
+    return {path: scores[path] for path in paths}
 
 
 def time_to(levels: dict[str, float], curve: list[tuple[float, float]]) -> dict[str, float | None]:
@@ -305,8 +373,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="both sides' seed (task order, sampling, initialisation of what is not loaded)")
     parser.add_argument("--combine", action="store_true", help="report every seed's raw file in the results directory together")
     parser.add_argument("--max-tokens", type=int, default=128, help="the model's tokens an episode (TRL's max_completion_length; see the docstring)")
-    parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's completions per forward/backward (its docs' memory advice: "
-                        "small per-device batches and gradient accumulation making the same optimizer step)")
+    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward, both sides (TRL's docs' memory "
+                        "advice: small per-device batches and gradient accumulation making the same optimizer step; loopline: "
+                        "micro_batch_tokens of as many rows of the prompt and --max-tokens)")
     parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock each side trains")
     parser.add_argument("--mark-minutes", type=float, default=5.0)
     parser.add_argument("--max-operand", type=int, default=9999, help="the largest operand of a problem (the task's difficulty)")
@@ -316,6 +385,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-6, help="both sides' constant learning rate (lower: more steps to climb)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where each seed's seed-S.{json,txt,png} and the combined report go")
     parser.add_argument("--report", type=Path, metavar="WORK", help="evaluate and report a finished race's work directory again")
+    parser.add_argument("--trl-from", type=Path, metavar="RAW", help="a raw file (seed-S.json) of a race with the same settings: its TRL "
+                        "side and that side's scores are taken, and only loopline's sides run (TRL's code is not loopline's: its side does not change with it)")
     parser.add_argument("--reuse", type=Path, metavar="WORK", help="a race's work directory whose loopline sides finished: read them "
                         "from their ledgers (each clock starts at its run config's writing, just before its process) and race TRL")
     args = parser.parse_args()
@@ -324,19 +395,23 @@ def main() -> None:
     out = args.results / f"seed-{args.seed}"
     if args.report:
         return finish(args.report, out)
-    if not args.trl_python:
-        parser.error("--trl-python is required to race (see this file's docstring for TRL's venv)")
+    if not args.trl_python and not args.trl_from:
+        parser.error("--trl-python is required to race (see this file's docstring for TRL's venv), or --trl-from RAW")
     seconds, mark_s = args.minutes * 60, args.mark_minutes * 60
 
     work = args.reuse or Path(tempfile.mkdtemp(prefix="loopline-race-"))
+    probe = machine_probe()
+    print(f"machine probe: {probe:.1f} fp32 1024x1024 matmuls/s", flush=True)
+    trl = trl_side_from(args.trl_from, args, work / "scores.json", probe) if args.trl_from else None  # (checked before anything runs)
     model = work / "smollm2-tools-template" if args.reuse else prepare_model(work)
     env = write_env(work, args.eval_tasks, args.max_operand, args.max_tokens)
     from loopline.envregistry.spec import load_spec
     from loopline.envregistry.tasks import load_tasks
 
     train = [t for t in load_tasks(load_spec(env), env.parent) if t.split == "train"]
-    same = check_same_prompt(model, env, train[0])
+    same, prompt_tokens = check_same_prompt(model, env, train[0])
     print(same, flush=True)
+    micro_batch_tokens = args.micro_batch * (prompt_tokens + args.max_tokens)
     sides = []
     for mode in args.modes.split(","):
         done = sorted(work.glob(f"race-{mode}-*.yaml")) if args.reuse else []
@@ -345,25 +420,30 @@ def main() -> None:
             sides.append(loopline_side(done[-1].stem, mode, work / f"home-{mode}", done[-1].stat().st_mtime, model, seconds, mark_s))
             continue
         print(f"loopline {mode}: {args.minutes:g} min ...", flush=True)
-        sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.lr))
-    print(f"TRL: {args.minutes:g} min ...", flush=True)
-    sides.append(race_trl(args.trl_python, model, train, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.trl_micro_batch, args.lr))
+        sides.append(race_loopline(model, env, mode, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.lr, micro_batch_tokens))
+    if trl is not None:
+        sides.append(trl)
+    else:
+        print(f"TRL: {args.minutes:g} min ...", flush=True)
+        sides.append(race_trl(args.trl_python, model, train, seconds, mark_s, work, args.temperature, args.seed, args.max_tokens, args.micro_batch, args.lr))
 
     state = {"args": {k: str(v) for k, v in vars(args).items()}, "model": str(model), "env": str(env), "same": same,
-             "eval_tasks": args.eval_tasks, "seed": args.seed, "header": f"seed {args.seed}: {args.minutes:g} min a side, marks every {args.mark_minutes:g} min, operands up to {args.max_operand}, T={args.temperature} rollouts, lr {args.lr:g}, 8x8 a step, {args.max_tokens} tokens an episode",
-             "sides": sides}
+             "eval_tasks": args.eval_tasks, "seed": args.seed, "header": f"seed {args.seed}: {args.minutes:g} min a side, marks every {args.mark_minutes:g} min, operands up to {args.max_operand}, T={args.temperature} rollouts, lr {args.lr:g}, 8x8 a step in micro-batches of {args.micro_batch} (loopline: {micro_batch_tokens} tokens), {args.max_tokens} tokens an episode",
+             "sides": sides, "probe": probe, **({"trl_from": str(args.trl_from)} if args.trl_from else {})}
     (work / "race.json").write_text(json.dumps(state, indent=1))
     finish(work, out)
 
 
 def finish(work: Path, out: Path) -> None:
-    """Evaluate every mark's policy and write the results (`--report WORK` does it again for a finished race)."""
+    """Evaluate every mark's policy and write the results (`--report WORK` does it again for a finished race, or
+    goes on with an evaluation that was stopped)."""
     state = json.loads((work / "race.json").read_text())
     sides, model = state["sides"], state["model"]
     print("evaluating every mark's policy ...", flush=True)
     eval_started = time.monotonic()
-    scores = evaluate(Path(state["env"]), [model] + [m["path"] for side in sides for m in side["marks"]], state["eval_tasks"],
-                      int(state["args"].get("max_tokens", 64)))
+    # (TRL's, the last side, first: every other side is measured against its best)
+    scores = evaluate(Path(state["env"]), [model] + [m["path"] for side in sides[::-1] for m in side["marks"]], state["eval_tasks"],
+                      int(state["args"].get("max_tokens", 64)), work / "scores.json")
     text = report(sides, scores, model, f"race_vs_trl: {state['header']}, {state['eval_tasks']} held-out tasks (greedy); {state['same']}; "
                   f"evaluation {time.monotonic() - eval_started:.0f} s (off every clock)")
     print("\n" + text)
@@ -403,6 +483,9 @@ def report(sides: list[dict], scores: dict[str, float], base_path: str, header: 
     peaks = [s["memory"]["peak_gib"] for s in sides]
     lines.append(f"{'peak memory, summed (GiB)':28s}" + "".join(f"{m:18.2f}" for m in peaks)
                  + "   loopline/TRL: " + ", ".join(f"{m / peaks[-1]:.2f}x" for m in peaks[:-1]))
+    for side in sides:
+        if side["memory"].get("at_peak_gib"):
+            lines.append(f"{side['side']}: at the peak (GiB) " + ", ".join(f"{k} {v:.2f}" for k, v in list(side["memory"]["at_peak_gib"].items())[:5]))
     for side in sides:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in side["median_step"].items()) or "fewer than 2 steps"
         lines.append(f"{side['side']}: median step (s) {parts}" + (f"; startup ~{side['startup_s']:.0f} s" if side.get("startup_s") else ""))

@@ -7,6 +7,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from benchmarks._memory import GIB, TreeMemory
 
@@ -38,4 +39,8 @@ def test_a_side_is_its_process_tree_and_the_processes_that_name_its_home_summed(
     assert measured["processes"] == 3
     assert 0.38 < measured["peak_gib"] < 0.55, measured  # (300 MiB in the tree + 100 beside, and each interpreter's own)
     assert measured["samples"] >= 2
+    # the peak by process kind, to say what to cut first: it adds up to the peak, the side's largest process first
+    kinds = measured["at_peak_gib"]
+    assert sum(kinds.values()) == pytest.approx(measured["peak_gib"]) and len(kinds) == 3, kinds
+    assert list(kinds.values()) == sorted(kinds.values(), reverse=True) and "bytearray(100" in list(kinds)[-1], kinds
     assert GIB == 2**30
