@@ -153,12 +153,26 @@ def _stop_signal(exc: BaseException) -> int | None:
     return None
 
 
-def _stopped_instead() -> None:
+def _raised_over_ctrl_c(exc: BaseException) -> bool:
+    """Whether `exc` stands in for a Ctrl-C: a library that calls back into Python wraps the KeyboardInterrupt raised
+    there in its own error (CI: a Ctrl-C while `loopline train` imported Prefect left as pydantic's
+    `PydanticSerializationError: ... KeyboardInterrupt`, with a traceback), before any handler noted the signal."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _stopped_instead(exc: BaseException) -> None:
     """After a stop signal, whatever error surfaced in its place (a cleanup that failed, an engine closed under
-    a request) is the stop: said as such, with its exit code (LOOPLINE_DEBUG: the error as it is)."""
+    a request, a library's wrapping of the KeyboardInterrupt) is the stop: said as such, with its exit code
+    (LOOPLINE_DEBUG: the error as it is)."""
     from loopline import stop_signals
 
-    signum = stop_signals.last_received()
+    signum = stop_signals.last_received() or (signal.SIGINT if _raised_over_ctrl_c(exc) else None)
     if signum is not None and not os.environ.get("LOOPLINE_DEBUG"):
         _say_stopped(signum)
         sys.exit(128 + signum)
@@ -205,13 +219,13 @@ def friendly_errors(fn: F) -> F:
             print_error(str(exc))
             sys.exit(1)
         except EngineError as exc:  # the engine still failing after the retries: its message names the server and why
-            _stopped_instead()
+            _stopped_instead(exc)
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             print_error(f"{exc}; fix that and run the command again (nothing committed is lost; a run resumes where it stopped)")
             sys.exit(1)
         except InfraFailure as exc:  # a sandbox still failing after the retries (an evaluation's episode)
-            _stopped_instead()
+            _stopped_instead(exc)
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise
             print_error(
@@ -220,7 +234,7 @@ def friendly_errors(fn: F) -> F:
             )
             sys.exit(1)
         except Exception as exc:
-            _stopped_instead()
+            _stopped_instead(exc)
             if os.environ.get("LOOPLINE_DEBUG") or not is_database_outage(exc):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -238,7 +252,7 @@ def friendly_errors(fn: F) -> F:
             sys.exit(1)
         except BaseException as exc:  # Prefect's TerminationSignal: a SIGTERM inside a flow run
             if type(exc).__name__ != "TerminationSignal":
-                _stopped_instead()
+                _stopped_instead(exc)
                 raise
             if os.environ.get("LOOPLINE_DEBUG"):
                 raise

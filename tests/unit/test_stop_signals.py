@@ -123,6 +123,38 @@ def test_an_error_that_surfaces_after_a_stop_signal_is_said_as_the_stop(capsys):
     assert exited.value.code == 1 and "the server is gone" in capsys.readouterr().err
 
 
+def test_a_ctrl_c_that_a_library_wraps_in_its_own_error_is_said_as_the_stop(capsys):
+    """CI: a Ctrl-C while `loopline train` imported Prefect, before any handler noted it, landed in a pydantic
+    serializer, which raised `PydanticSerializationError: ... KeyboardInterrupt` over it: a 60-line traceback."""
+    import pytest
+    from pydantic import BaseModel, model_serializer
+
+    from loopline.cli_support import friendly_errors
+
+    class Settings(BaseModel):  # as Prefect's settings serialise themselves
+        value: int = 1
+
+        @model_serializer(mode="wrap")
+        def _ser_model(self, handler):
+            raise KeyboardInterrupt  # where the key's signal happened to land
+
+    @friendly_errors
+    def command():
+        Settings().model_dump()
+
+    with pytest.raises(SystemExit) as exited:
+        command()
+    err = capsys.readouterr().err
+    assert exited.value.code == 130 and "interrupted (Ctrl-C)" in err and "Serialization" not in err, err
+
+    @friendly_errors
+    def failing():  # the same error without a Ctrl-C under it stays the error it is
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError):
+        failing()
+
+
 LEAVING = """
 import atexit, signal, sys, time
 from loopline.cli_support import friendly_errors, run_cli
