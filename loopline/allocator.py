@@ -18,17 +18,30 @@ MMAP_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def tune() -> bool:
     """Set this process's threshold, and its children's (through glibc's environment variable); False
     where the C library is not glibc or a user set the variable already (theirs is kept)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
         return False
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     return True
+
+
+def give_back() -> bool:
+    """Return the free pages inside the heap to the system (glibc's `malloc_trim`); False where the C library is
+    not glibc. Tensors below the threshold (a cached prefix's keys and values: a layer's few hundred KB) come from
+    the heap, and `free` gives back only its top: measured on the race's sync step, the engine's dropped prefix
+    cache left 1.3 GiB of free heap resident under the learner that ran next."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim is not None and trim(0) >= 0)

@@ -17,7 +17,9 @@ policy and SmolLM2-135M):
   runs, its fp32 logits, their softmax and their gradient exist.
 
 Learner and engine on one device are counted together, except in a sync run on the built-in local engine: it
-drops its weights and KV caches before each learner phase (`stages.release_engine_memory`), so the larger counts.
+drops its weights and KV caches before each learner step (`stages.release_engine_memory`) and serves the
+learner's own weights (`LentWeights`), so the larger of the learner's step and the rollouts (beside the learner's
+weights and optimizer states, which stay) counts.
 """
 
 from __future__ import annotations
@@ -281,9 +283,17 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     k = max(work.ranks_per_device, 1)
     learner_bytes, engine_bytes = k * sum(r.bytes for r in learner), sum(r.bytes for r in engine)
     shared = work.colocated and not work.engine_yields  # (both held at once)
-    need = learner_bytes + engine_bytes if shared else max(learner_bytes, engine_bytes)
+    # a sync run on the local engine (`engine_yields`): the engine gives its memory back while the learner steps, and
+    # its rollouts run beside what the learner keeps between steps (weights, optimizer states); it serves the
+    # learner's own weights where they are of its dtype (`LentWeights`), a copy of them otherwise
+    yields = work.colocated and work.engine_yields
+    lent = yields and not work.lora and work.dtype_bytes == work.engine_dtype_bytes
+    engine_weights = 0 if lent else p * work.engine_dtype_bytes
+    kept = k * sum(r.bytes for r in learner if r.part in ("weights", "optimizer states", "reference model")) if yields else 0
+    rollouts = kept + engine_bytes - p * work.engine_dtype_bytes + engine_weights
+    need = learner_bytes + engine_bytes if shared else max(learner_bytes, rollouts)
     # the largest concurrency and micro-batch that would fit, the rest unchanged
-    engine_room = budget - (learner_bytes if shared else 0) - p * work.engine_dtype_bytes
+    engine_room = budget - (learner_bytes if shared else kept) - engine_weights
     per_sequence = model.kv_bytes_per_token(work.engine_dtype_bytes) * work.sequence_tokens
     max_concurrency = max(engine_room // per_sequence, 0)
     fixed = sum(r.bytes for r in learner if r.part not in ("activations", "LM head, a chunk"))
@@ -291,8 +301,14 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     max_micro = _largest(lambda t: k * (fixed + activations(t) + model.head_chunk_bytes(int(t * work.action_fraction))) + beside <= budget)
     fits = need <= budget
     learners = f"learner (x{k} ranks here)" if k > 1 else "learner"
-    where = (f"{learners} and engine together" if shared else f"the larger of {learners} and engine"
-             + (" (a sync step's engine gives its memory back while the learner runs)" if work.colocated and work.engine_yields else ""))
+    if shared:
+        where = f"{learners} and engine together"
+    elif yields:
+        serves = " and serves the learner's weights" if lent else ""
+        where = (f"the larger of the {learners}'s step and the rollouts beside its weights and optimizer states (a sync step's "
+                 f"engine gives its memory back while the learner runs{serves})")
+    else:
+        where = f"the larger of {learners} and engine"
     # what to change: whichever side does not fit (either one when they share the device)
     micro = f"micro_batch_tokens {max_micro}" if max_micro > 0 else None
     more = f"concurrency {max_concurrency}" if max_concurrency > 0 else None
@@ -300,7 +316,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
         fixes = [f for f in (micro, more) if f]
         possible = bool(fixes)
     else:
-        needed = [fix for fix, over in ((micro, learner_bytes > budget), (more, engine_bytes > budget)) if over]
+        needed = [fix for fix, over in ((micro, learner_bytes > budget), (more, rollouts > budget)) if over]
         fixes, possible = [f for f in needed if f], all(needed)
     if fits:
         verdict = f"fits: {where} need {size(need)} of {size(budget)}"

@@ -33,7 +33,7 @@ from loopline.config import RolloutSettings, RunConfig
 from loopline.errors import LooplineError
 from loopline.failpoints import failpoint
 from loopline.envregistry.sandbox.base import InfraFailure
-from loopline.rollout.engines.base import Engine, EngineClosed, EngineError, SamplingParams
+from loopline.rollout.engines.base import Engine, EngineClosed, EngineError, LentWeights, SamplingParams
 from loopline.rollout.harness.episode import EpisodeSetup, run_episode
 from loopline.rollout.harness.scheduler import Binding, RolloutStats, StopFlag, WorkerConfig, run_barrier, run_continuous
 from loopline.rollout.weights.store import WeightStore
@@ -119,9 +119,10 @@ async def rollout(ctx: LoopContext, step: int) -> RolloutStats:
 
 
 def release_engine_memory(ctx: LoopContext) -> None:
-    """A sync step's rollouts are done and its learner runs next: an engine in this process (LocalEngine) drops
-    the KV caches it keeps to generate faster and its weights, which would otherwise sit under the learner's peak
-    memory; the step's version reaches it whole (`sync_weights`) before it generates again."""
+    """A sync step's rollouts are done and its learner is about to train: an engine in this process (LocalEngine)
+    drops the KV caches it keeps to generate faster and its weights, which would otherwise sit under the learner's
+    peak memory; the step's version reaches it whole (`sync_weights`) before it generates again. (Only once the
+    learner will train: a step found committed already makes no version to serve, so the engine keeps its own.)"""
     release = getattr(ctx.engine, "release_memory", None)  # (EngineThread's; a server elsewhere has none here)
     if release is not None:
         release(weights=True)
@@ -218,6 +219,8 @@ def learn(ctx: LoopContext, step: int) -> LearnerCommit | None:
         episodes = ledger.rollout_metrics(s, ctx.run_id, batch.trajectory_ids, batch.policy_version)
     if batch.stale_dropped:
         log.warning("learner step %d: dropped %d groups older than rollout.max_staleness", step, batch.stale_dropped)
+    if ctx.rollout.mode == "sync":  # (its rollouts are done; the version this step makes is served next)
+        release_engine_memory(ctx)
     side = ctx.learning
     learner = side.at(batch.policy_version, step)
     side.version = None  # from here until the commit lands the weights are no committed version's
@@ -290,6 +293,8 @@ async def sync_weights(ctx: RolloutContext) -> int:
                 "engine.lora_sync: merged); resume with the config the run was started with"
             )
         held = None if ctx.adapters else ctx.held_weights(newest.version)
+        if held is not None and ctx.rollout.mode == "sync":  # (the learner runs after the rollouts, never beside them)
+            held = LentWeights(held)
         if held is None and uri is None:
             raise LooplineError(
                 f"v{newest.version} was committed without an export and this process does not hold it; "

@@ -79,7 +79,6 @@ def plan_step(ctx: stages.LoopContext, step: int) -> int:
 @task(name="rollout_batch", **TASK)
 def rollout_batch(ctx: stages.LoopContext, step: int) -> dict:
     stats = aio.run(stages.rollout(ctx, step))
-    stages.release_engine_memory(ctx)
     return {"committed": stats.committed, "infra_failed": stats.infra_failed, "utilisation": stats.utilisation(ctx.rollout.concurrency)}
 
 

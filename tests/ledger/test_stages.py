@@ -33,7 +33,10 @@ from loopline.trainer.learner import Learner, LearnerConfig
 ARITHMETIC = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_env.yaml"
 
 
-def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs, engine, db, tmp_path):
+@pytest.mark.parametrize("from_memory", [False, True], ids=["exported", "lent"])
+def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs, engine, db, tmp_path, from_memory):
+    """`lent`: the engine in the learner's process serves the learner's own tensors (a sync step's learner
+    changes them only after the step's rollouts): one copy of the weights, the same trajectories' logprobs."""
     spec = load_spec(ARITHMETIC)
     train = [t for t in load_tasks(spec, ARITHMETIC.parent) if t.split == "train"][:50]
     run = ledger.create_run(db, f"sync-{tmp_path.name}", {"test": True}, str(tiny_dirs["v0"]))
@@ -43,7 +46,7 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         session_factory=lambda: new_session(engine),
         engine=EngineThread(LocalEngine(tiny_dirs["v0"])),
         binding=Binding(EpisodeSetup(spec, 1, chat, SamplingParams(temperature=1.0, max_new_tokens=16)), {t.id: t for t in train}),
-        learning=LearnerSide(learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"), workdir=tmp_path),
+        learning=LearnerSide(learner=Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3), backend="torch"), workdir=tmp_path, sync_from_memory=from_memory),
         rollout=RolloutSettings(groups_per_step=3, group_size=4, concurrency=16),
     )
 
@@ -57,6 +60,10 @@ def test_two_sync_steps_are_exactly_once_and_rerunning_changes_nothing(tiny_dirs
         first, second = sync_step(1), sync_step(2)
         again = sync_step(2)  # a retry after the step completed
         assert ctx.engine.version() == 2
+        served = {p.data_ptr() for p in ctx.engine.inner.model.parameters()}
+        learners = {p.data_ptr() for p in ctx.learning.learner.model.parameters()}
+        assert 0 not in served  # (step 2 run again trained nothing: the engine kept the weights it serves)
+        assert (served == learners) == from_memory
     finally:
         ctx.engine.shutdown()
     assert (first["committed"], first["policy_version"], second["committed"], second["policy_version"]) == (12, 1, 12, 2)

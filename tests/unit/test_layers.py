@@ -10,9 +10,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loopline"
 # importable from every layer (`types`: the RL vocabulary the rollout records, the ledger stores, the trainer reads)
-NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile", "metrics", "activity", "registry", "plugins", "envvars"}
+NEUTRAL = {"errors", "holder", "failpoints", "ports", "aio", "stop_signals", "types", "yamlfile", "metrics", "activity", "registry", "plugins", "envvars", "allocator"}
 # the command lines, above every layer (nothing below may import them)
-TOP = {"cli", "envreg", "cli_support", "cli_progress", "allocator", "entry", "__init__"}
+TOP = {"cli", "envreg", "cli_support", "cli_progress", "entry", "__init__"}
 # layer -> the layers it may import (besides itself and the neutral modules)
 ALLOWED = {
     "store": set(),

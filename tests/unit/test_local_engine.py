@@ -391,3 +391,25 @@ def test_a_sync_steps_engine_lends_its_weights_to_the_learner_and_serves_the_nex
     assert served.token_ids == expected.token_ids and served.policy_version == 1
     tied = engine.model.config.tie_word_embeddings
     assert (engine.model.lm_head.weight is engine.model.get_input_embeddings().weight) == tied
+
+
+def test_lent_weights_are_served_as_they_are_and_a_plain_mapping_is_copied(tiny_dirs):
+    """A sync step's learner lends its tensors (`LentWeights`): the engine serves them without a copy (one set of
+    weights in the process, not two) and generates exactly as an engine loaded with them; tensors handed over
+    as a plain mapping are copied, as an async learner goes on changing its own while the engine generates."""
+    from loopline.rollout.engines.base import LentWeights
+    from loopline.rollout.engines.local import load_model
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompt = list(range(10, 40))
+    learner = load_model(tiny_dirs["v1"]).state_dict()
+    lent, given = LocalEngine(tiny_dirs["v0"], max_batch=4), LocalEngine(tiny_dirs["v0"], max_batch=4)
+    asyncio.run(lent.update_weights(1, LentWeights(learner)))
+    asyncio.run(given.update_weights(1, dict(learner)))
+    mine = {name: p.data_ptr() for name, p in lent.model.named_parameters()}
+    assert mine and all(mine[name] == learner[name].data_ptr() for name in mine)
+    assert not any(p.data_ptr() == learner[name].data_ptr() for name, p in given.model.named_parameters())
+    fresh = LocalEngine(tiny_dirs["v1"], max_batch=4)
+    expected = asyncio.run(fresh.generate(prompt, greedy, "fresh")).token_ids
+    assert asyncio.run(lent.generate(prompt, greedy, "lent")).token_ids == expected
+    assert asyncio.run(given.generate(prompt, greedy, "given")).token_ids == expected

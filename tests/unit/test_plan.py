@@ -145,16 +145,25 @@ def test_the_plan_command_on_a_7b_shaped_config():
     assert unknown.exit_code != 0 and "unknown hardware 'tpu'" in unknown.output
 
 
-def test_a_sync_runs_local_engine_is_not_counted_beside_the_learner():
-    """A sync step's local engine drops its weights and KV caches before the learner runs: the larger of the two
-    is what the host must hold. Async (or an engine that keeps its memory) holds both at once."""
-    from loopline.envregistry.spec import Budgets
+def test_a_sync_runs_local_engine_is_counted_apart_from_the_learners_step():
+    """A sync step's local engine drops its weights and KV caches before the learner steps and serves the learner's
+    own weights: what the host holds is the larger of the learner's step and the rollouts beside the learner's
+    weights and optimizer states (gradients and activations are gone by then). Async holds both at once."""
     from loopline.config import RunConfig
+    from loopline.envregistry.spec import Budgets
 
     shape, host = ModelShape.from_config(SMOLLM2), Hardware("cpu", 64 * GiB)
-    sync = workload(RunConfig(name="r", env="e.yaml", rollout={"mode": "sync"}), Budgets(), 512, host)
-    both = workload(RunConfig(name="r", env="e.yaml", rollout={"mode": "async"}), Budgets(), 512, host)
-    assert sync.engine_yields and not both.engine_yields
-    apart, together = estimate(shape, sync, host), estimate(shape, both, host)
-    assert f"need {size(max(apart.learner_bytes, apart.engine_bytes))}" in apart.verdict and "gives its memory back" in apart.verdict
-    assert f"need {size(together.learner_bytes + together.engine_bytes)}" in together.verdict
+
+    def plan(mode, concurrency):
+        work = workload(RunConfig(name="r", env="e.yaml", rollout={"mode": mode, "concurrency": concurrency}), Budgets(), 512, host)
+        return work, estimate(shape, work, host)
+
+    for concurrency in (8, 512):  # the learner's step the larger, then the rollouts' KV caches
+        work, apart = plan("sync", concurrency)
+        learner, engine = ({r.part: r.bytes for r in rows} for rows in (apart.learner, apart.engine))
+        rollouts = learner["weights"] + learner["optimizer states"] + engine["KV cache"]  # (no weights of its own)
+        assert work.engine_yields and f"need {size(max(apart.learner_bytes, rollouts))}" in apart.verdict
+        assert "serves the learner's weights" in apart.verdict
+    assert rollouts > apart.learner_bytes  # (at 512 sequences)
+    work, together = plan("async", 8)
+    assert not work.engine_yields and f"need {size(together.learner_bytes + together.engine_bytes)}" in together.verdict

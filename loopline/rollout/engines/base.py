@@ -119,6 +119,13 @@ class ContextOverflow(ValueError):
 WeightsSource = Union[str, Path, Mapping[str, "torch.Tensor"]]
 
 
+class LentWeights(dict):
+    """The learner's own tensors, lent rather than handed over: the learner changes them only while this process
+    generates nothing (a sync step: its rollouts, then its learner), so an engine in the learner's process may serve
+    them as they are, one copy of the weights in the process instead of two. An engine that copies any mapping
+    of tensors is correct with them too."""
+
+
 class Sampler(Protocol):
     """What an episode needs of an engine (`envreg test` plays one against scripted replies)."""
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from loopline import allocator
 from loopline.rollout.engines.base import (
     FULL_VOCAB_TEMPERED,
     TRUNCATED_RENORMALISED,
@@ -40,6 +41,7 @@ from loopline.rollout.engines.base import (
     FinishReason,
     Generation,
     InFlightPolicy,
+    LentWeights,
     SamplingParams,
     WeightsSource,
     spans_from_versions,
@@ -305,13 +307,17 @@ class LocalEngine:
 
     def _copy_with(self, tensors: Mapping[str, torch.Tensor]):
         """A copy of the served model holding `tensors` (the served one keeps generating meanwhile; one whose
-        weights were released is copied bare and its parameters made again, tied ones once)."""
+        weights were released is copied bare and its parameters made again, tied ones once). Lent tensors of the
+        served dtype are served as they are (`LentWeights`: the learner's, not copied)."""
         model, shapes = copy.deepcopy(self.model), self._shapes
         if shapes is not None:
             for name, parameter in model.named_parameters():
                 parameter.data = torch.empty(shapes[name], dtype=parameter.dtype)
+        lent = isinstance(tensors, LentWeights) and all(
+            name not in tensors or tensors[name].dtype == parameter.dtype for name, parameter in model.named_parameters()
+        )
         try:
-            model.load_state_dict(tensors, strict=True)
+            model.load_state_dict(tensors, strict=True, assign=lent)
         except RuntimeError as exc:
             raise LooplineError(f"the learner's weights do not fit the served model: {exc}") from None
         return model
@@ -365,6 +371,7 @@ class LocalEngine:
                         for parameter in self.model.parameters():  # (a tied parameter is one object: freed once)
                             parameter.data = torch.empty(0, dtype=parameter.dtype)
                     self._release = None
+                    allocator.give_back()  # (the cached prefixes' small tensors were freed inside the heap)
                 self._wake.clear()
                 if self._update is None and not self._pending:
                     await self._wake.wait()
