@@ -42,6 +42,6 @@ def give_back() -> bool:
     """Return the free pages inside the heap to the system (glibc's `malloc_trim`); False where the C library is
     not glibc. Tensors below the threshold (a cached prefix's keys and values: a layer's few hundred KB) come from
     the heap, and `free` gives back only its top: measured on the race's sync step, the engine's dropped prefix
-    cache left 1.3 GiB of free heap resident under the learner that ran next."""
+    cache left 1.9 GiB of free heap resident under the learner that ran next (docs/benchmarks.md)."""
     trim = getattr(_libc(), "malloc_trim", None)
     return bool(trim is not None and trim(0) >= 0)
