@@ -290,7 +290,7 @@ def estimate(model: ModelShape, work: Workload, hw: Hardware) -> Plan:
     lent = yields and not work.lora and work.dtype_bytes == work.engine_dtype_bytes
     engine_weights = 0 if lent else p * work.engine_dtype_bytes
     kept = k * sum(r.bytes for r in learner if r.part in ("weights", "optimizer states", "reference model")) if yields else 0
-    rollouts = kept + engine_bytes - p * work.engine_dtype_bytes + engine_weights
+    rollouts = kept + engine_weights + sum(r.bytes for r in engine if r.part == "KV cache")
     need = learner_bytes + engine_bytes if shared else max(learner_bytes, rollouts)
     # the largest concurrency and micro-batch that would fit, the rest unchanged
     engine_room = budget - (learner_bytes if shared else kept) - engine_weights
