@@ -278,3 +278,36 @@ def test_an_engine_closed_by_a_stopping_process_gives_its_slots_back_unblamed_an
     assert _count(db, "SELECT count(*) FROM slot WHERE run_id = :r AND state = 'pending' AND infra_failures = 0", r=run.id) == 4
     assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND error_class <> 'Released'", r=run.id) == 0
     assert ledger.group_states(db, run.id) == {"open": 2}
+
+
+@pytest.mark.parametrize("scheduler", ["barrier", "continuous"])
+def test_a_stop_that_lands_while_slots_are_claimed_hands_them_back_at_once(tiny_dirs, binding, engine, db, run, scheduler, monkeypatch):
+    """Seen in CI: `loopline worker` stopped with SIGTERM while its claim ran in a ledger thread; the wait was
+    cancelled, the claim committed anyway, and its attempt stayed `running` until the lease expired. Here the stop
+    lands after the claim has committed, before the worker has its leases: every slot is pending again at once."""
+    import threading
+    import time
+
+    ledger.plan_step(db, run.id, 1, ["t0", "t1"], group_size=2)
+    claimed, real = threading.Event(), ledger.claim_slots
+
+    def slow_claim(*args, **kwargs):
+        leases = real(*args, **kwargs)
+        claimed.set()
+        time.sleep(1.0)  # (committed; not yet returned to the worker)
+        return leases
+
+    monkeypatch.setattr(ledger, "claim_slots", slow_claim)
+    cfg = WorkerConfig(run.id, scheduler, concurrency=4)
+
+    async def stopped():
+        play = run_barrier if scheduler == "barrier" else run_continuous
+        worker = asyncio.create_task(play(LocalEngine(tiny_dirs["v0"]), binding, lambda: new_session(engine), cfg))
+        assert await asyncio.to_thread(claimed.wait, 60)
+        worker.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await worker
+
+    asyncio.run(stopped())
+    assert _count(db, "SELECT count(*) FROM attempt WHERE run_id = :r AND status = 'running'", r=run.id) == 0
+    assert _count(db, "SELECT count(*) FROM slot WHERE run_id = :r AND state = 'pending' AND infra_failures = 0", r=run.id) == 4

@@ -13,6 +13,7 @@ Ledger calls are blocking SQL; they run in threads with a session each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -235,7 +236,7 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
     keeper = asyncio.create_task(renewer.run(stats))
     try:
         while True:
-            leases = await db.call(ledger.claim_slots, cfg.run_id, cfg.worker, cfg.concurrency, cfg.split, cfg.lease_seconds)
+            leases = await _claim(db, cfg, cfg.concurrency)
             if not leases:
                 if not await _unfinished(db, cfg):
                     break
@@ -249,6 +250,7 @@ async def run_barrier(engine: Engine, binding: Binding, session_factory, cfg: Wo
                 raise EngineClosed("the engine was closed while the step's episodes played (the process is stopping)")
     finally:
         keeper.cancel()
+        await _hand_back(db, renewer.inflight)
         stats.wall_s = time.monotonic() - start
     return stats
 
@@ -281,9 +283,7 @@ async def run_continuous(
                 stats.gate_waits[gate] += 1
             elif free > 0:
                 ahead = engine.version() + 1 + cfg.max_staleness if cfg.max_staleness is not None else None
-                for lease in await db.call(
-                    ledger.claim_slots, cfg.run_id, cfg.worker, free, cfg.split, cfg.lease_seconds, max_step=ahead
-                ):
+                for lease in await _claim(db, cfg, free, max_step=ahead):
                     task = asyncio.create_task(_play(engine, binding, lease, db, stats))
                     inflight[lease.attempt_id] = task
                     task.add_done_callback(functools.partial(_forget, inflight, lease.attempt_id))
@@ -298,14 +298,33 @@ async def run_continuous(
                 await asyncio.sleep(cfg.poll_s)  # gates closed, or other workers' slots may return
     finally:
         keeper.cancel()
-        stopped = dict(inflight)
-        for task in stopped.values():
-            task.cancel()
-        await asyncio.gather(*stopped.values(), return_exceptions=True)
-        for attempt_id in stopped:  # hand the slots back now rather than when their leases expire
-            await db.call(ledger.release_attempt, attempt_id, "worker stopped")
+        await _hand_back(db, inflight)
         stats.wall_s = time.monotonic() - start
     return stats
+
+
+async def _claim(db: _LedgerCalls, cfg: WorkerConfig, n: int, max_step: int | None = None) -> list[Lease]:
+    """Lease up to `n` slots. A stop that cancels the wait does not stop the claim: it goes on in its ledger thread
+    and commits (seen in CI: a worker stopped with SIGTERM mid-claim left an attempt running until its lease expired),
+    so what it leased is handed back before the cancellation goes on."""
+    claim = asyncio.ensure_future(db.call(ledger.claim_slots, cfg.run_id, cfg.worker, n, cfg.split, cfg.lease_seconds, max_step=max_step))
+    try:
+        return await asyncio.shield(claim)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # (a claim that failed leased nothing)
+            await _hand_back(db, {lease.attempt_id: None for lease in await claim})
+        raise
+
+
+async def _hand_back(db: _LedgerCalls, inflight: dict[uuid.UUID, asyncio.Task | None]) -> None:
+    """A stopping worker's episodes end, and their slots go back now rather than when their leases expire."""
+    stopped = {a: task for a, task in inflight.items() if task is None or not task.done()}  # (a done one ended its attempt)
+    tasks = [task for task in stopped.values() if task is not None]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for attempt_id in stopped:
+        await db.call(ledger.release_attempt, attempt_id, "worker stopped")
 
 
 async def _reap_dead_holders(db: _LedgerCalls, cfg: WorkerConfig) -> int:
