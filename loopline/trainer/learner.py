@@ -349,7 +349,7 @@ class Learner:
         reuse = self.config.minibatches == 1 and not losses.CORRECTIONS[loss.correction].rejects
         return _Step(
             adv=adv, base=base, keep=keep, seqs=seqs, trajectory_of=[index[i] for i in keep], advantages=adv.values[keep].float(),
-            micro=[pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)], reuse=reuse, loss=loss, device=self.device,
+            micro=[pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens, self.config.share_prefix)], reuse=reuse, loss=loss, device=self.device,
         )
 
     def _loss_of(self, step: "_Step", denominators: tuple[float, float], batch: Padded) -> tuple[torch.Tensor, dict[str, float]]:
@@ -410,7 +410,7 @@ class Learner:
         seqs = [s for s in sequences if s.action_tokens > 0]
         if not seqs:
             raise LearnerError("no action tokens in the batch: nothing to learn")
-        micro = [pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens)]
+        micro = [pad(seqs, rows) for rows in micro_batches(seqs, self.config.micro_batch_tokens, self.config.share_prefix)]
         tokens = float(sum(int(b.target_mask.sum()) for b in micro))
 
         def loss_of(batch: Padded):

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from loopline.trainer.batch import Padded
 
+SUFFIX_PASS_OVERHEAD = 96  # tokens' worth of time one more suffix pass costs (SmolLM2-135M on 2 CPU threads, measured)
 ModelCall = Callable[..., Any]  # the model (or the DeepSpeed engine) called with keyword arguments
 # (the model's output at some positions, their target tokens, a list for their entropy or None) -> log π(target)
 Score = Callable[[torch.Tensor, torch.Tensor, "list | None"], torch.Tensor]
@@ -48,15 +49,44 @@ class _FillLayer(DynamicLayer):
 
 
 class _PrefixedLayer(DynamicLayer):
-    """The suffix pass: attends to the fixed prefix plus its own keys, and stores nothing."""
+    """The suffix pass: attends to the fixed prefix plus its own keys, and stores nothing. The prefixes stay one per
+    group; each call picks its rows' copies (inside the layer: under gradient checkpointing they are made again in
+    backward instead of living through the pass, 18 MB a row in the race's model)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor):
         super().__init__()
         self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
+        self.keys, self.values, self.rows = keys, values, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        # index_select, not `keys[rows]`: the rows' gradients are summed back into their shared prefix by its backward
+        # (index_add_, in row order) where advanced indexing's backward adds them with atomic float adds from several
+        # threads, in an order that changes with the machine's load (a replay or a resume could then not rebuild the
+        # weights a step recorded)
+        keys, values = self.keys.index_select(0, self.rows), self.values.index_select(0, self.rows)
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+
+def suffix_chunks(lengths: list[int], overhead: int | None = None) -> list[list[int]]:
+    """The rows of a micro-batch in suffix passes, longest first, each pass padded to its longest row: the partition
+    that minimises the tokens run (padding included) plus `overhead` per pass (what one more, smaller pass through
+    every layer costs, in tokens). One pass for all pads every suffix to the longest: in the race's steps (suffixes of
+    12 to 200 tokens) that ran 56% more suffix tokens than the rows hold."""
+    overhead = SUFFIX_PASS_OVERHEAD if overhead is None else overhead
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of the first j rows (in `order`)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # rows i..j-1 in one pass, padded to row i's length
+            cost = best[i] + (j - i) * lengths[order[i]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(order[cut[j] : j])
+        j = cut[j]
+    return chunks[::-1]
 
 
 def plan(batch: Padded) -> PrefixPlan | None:
@@ -110,33 +140,48 @@ def shared_prefix_logprobs(
     next_ids = torch.zeros_like(suffix_ids)
     next_ids[:, :-1] = suffix_ids[:, 1:]  # the token each suffix position predicts
 
+    filled = None
     if longest > 0:
         filled = Cache(layers=[_FillLayer() for _ in range(layers)])
         call(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), cache=filled, use_cache=True, logits_to_keep=1)
-        # one copy per row that shares it. index_select, not `keys[index]`: the rows' gradients are summed back
-        # into their shared prefix by its backward (index_add_, in row order) where advanced indexing's backward
-        # adds them with atomic float adds from several threads, in an order that changes with the machine's load
-        # (a replay or a resume could then not rebuild the weights a step recorded)
-        index = prefix.group.to(device)
-        cache = Cache(layers=[_PrefixedLayer(f.keys.index_select(0, index), f.values.index_select(0, index)) for f in filled.layers])
-        attention = torch.cat([prefix_mask[prefix.group], suffix_mask], dim=1)
+    picked, entropies, order = [], [], []
+    for chunk in suffix_chunks(suffix_len.tolist()):
+        values, entropy_of = _suffix_pass(call, filled, prefix, prefix_mask, torch.tensor(chunk), suffix_ids, suffix_mask, suffix_targets,
+                                          next_ids, score, device, entropy is not None, width)
+        picked.append(values)
+        entropies.append(entropy_of)
+        order += chunk
+    back = torch.argsort(torch.tensor(order)).to(device)  # (the passes' rows -> the batch's rows; index_select: see _PrefixedLayer)
+    if entropy is not None:
+        entropy.append(torch.cat(entropies).index_select(0, back))
+    return torch.cat(picked).index_select(0, back)
+
+
+def _suffix_pass(call: ModelCall, filled: Cache | None, prefix: PrefixPlan, prefix_mask: torch.Tensor, rows: torch.Tensor,
+                 suffix_ids: torch.Tensor, suffix_mask: torch.Tensor, suffix_targets: torch.Tensor, next_ids: torch.Tensor,
+                 score: Score, device: torch.device, with_entropy: bool, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows`' suffixes on top of their prefixes' caches: their logprobs (and entropy) as the batch's [len(rows), L-1]."""
+    span = int(suffix_mask[rows].sum(-1).max())
+    ids, mask, targets = suffix_ids[rows, :span], suffix_mask[rows, :span], suffix_targets[rows, :span]
+    first = prefix.first[rows]
+    if filled is not None:
+        group = prefix.group[rows]
+        cache = Cache(layers=[_PrefixedLayer(f.keys, f.values, group.to(device)) for f in filled.layers])
+        attention = torch.cat([prefix_mask[group], mask], dim=1)
     else:
-        cache, attention = None, suffix_mask
-    keep = suffix_targets.any(0).nonzero().squeeze(-1)
-    positions = prefix.first[:, None] + torch.arange(span)[None, :]
+        cache, attention = None, mask
+    keep = targets.any(0).nonzero().squeeze(-1)
+    positions = first[:, None] + torch.arange(span)[None, :]
     output = call(
-        input_ids=suffix_ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
+        input_ids=ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
         cache=cache, use_cache=cache is not None, logits_to_keep=keep.to(device),
     ).logits
     entropies: list = []
-    picked = score(output, next_ids[:, keep].to(device), entropies if entropy is not None else None)
+    picked = score(output, next_ids[rows][:, keep].to(device), entropies if with_entropy else None)
 
-    def in_rows(values: torch.Tensor) -> torch.Tensor:  # suffix positions -> the batch's [B, L-1]
-        wide = torch.zeros(rows, int(prefix.first.max()) + span, dtype=torch.float32, device=device)
-        wide = wide.scatter(1, (prefix.first[:, None] + keep[None, :]).to(device), values * suffix_targets[:, keep].to(device))
-        return wide[:, : width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
+    def in_rows(values: torch.Tensor) -> torch.Tensor:  # suffix positions -> the batch's [rows, L-1]
+        wide = torch.zeros(len(rows), int(first.max()) + span, dtype=torch.float32, device=device)
+        wide = wide.scatter(1, (first[:, None] + keep[None, :]).to(device), values * targets[:, keep].to(device))
+        return wide[:, :width] if wide.shape[1] >= width else torch.nn.functional.pad(wide, (0, width - wide.shape[1]))
 
-    if entropy is not None:
-        entropy.append(in_rows(entropies[0]))
-    return in_rows(picked)
-
+    return in_rows(picked), (in_rows(entropies[0]) if with_entropy else None)

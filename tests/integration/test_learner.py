@@ -100,11 +100,16 @@ def shared_prompt_batch() -> list[TrainSequence]:
     return seqs
 
 
-def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs):
+@pytest.mark.parametrize("passes", ["one suffix pass", "a suffix pass per length"])
+def test_a_shared_prompt_runs_once_and_changes_nothing_but_the_cost(tiny_dirs, passes, monkeypatch):
     """Rows of a group share their prompt: it runs once, its KV cache serves every row (multi-turn rows
-    too). Logprobs and the update equal the unshared ones."""
+    too), their suffixes in one pass or in several (trainer/prefix.py's `suffix_chunks`, each padded to its
+    longest row). Logprobs and the update equal the unshared ones."""
+    from loopline.trainer import prefix
     from loopline.trainer.batch import pad
     from loopline.trainer.prefix import plan
+
+    monkeypatch.setattr(prefix, "SUFFIX_PASS_OVERHEAD", 10**6 if passes == "one suffix pass" else 0)
 
     seqs = shared_prompt_batch()
     shared = Learner(tiny_dirs["v0"], LearnerConfig(lr=1e-3, share_prefix=True), backend="torch")

@@ -381,3 +381,21 @@ def test_micro_batches_keep_the_rows_that_share_a_prompt_together_within_the_bud
     assert micro_batches(rows, 100) == [[0, 2, 1, 3]]
     # rows that share no prompt keep the length order (the least padding)
     assert micro_batches([row((k,), n, k) for k, n in enumerate((4, 1, 3))], 100) == [[1, 2, 0]]
+    # with the prompt run once (share_prefix), a micro-batch counts each prompt once (minus its last token, which the
+    # suffix runs) and each row's suffix: A's rows 2 + 3 + 5 = 10 tokens, B's 3 + 3 + 5 = 11, all four 21
+    assert micro_batches(rows, 12) == [[0], [2], [1], [3]]  # (padded: A's two rows are 14)
+    assert micro_batches(rows, 12, share_prefix=True) == [[0, 2], [1, 3]]
+    assert micro_batches(rows, 21) == [[0, 2, 1], [3]]  # (padded: 3 x 7, then 4 x 8)
+    assert micro_batches(rows, 21, share_prefix=True) == [[0, 2, 1, 3]]
+    assert micro_batches([row((k,), n, k) for k, n in enumerate((4, 1, 3))], 100, share_prefix=True) == [[1, 2, 0]]
+
+
+def test_suffix_passes_minimise_the_tokens_run_plus_a_cost_per_pass():
+    """By hand, suffixes of 10, 2, 9 and 3 tokens, a pass costing 4 tokens more: one pass runs 4 x 10 + 4 = 44; the
+    10 and the 9 together, then the 3 and the 2, run 2 x 10 + 4 + 2 x 3 + 4 = 34, the least (each alone: 40)."""
+    from loopline.trainer.prefix import suffix_chunks
+
+    assert suffix_chunks([10, 2, 9, 3], overhead=4) == [[0, 2], [3, 1]]
+    assert suffix_chunks([10, 2, 9, 3], overhead=0) == [[0], [2], [3], [1]]  # (no padding at all)
+    assert suffix_chunks([10, 2, 9, 3], overhead=100) == [[0, 2, 3, 1]]
+    assert suffix_chunks([5, 5, 5], overhead=0) == [[0, 1, 2]]  # (equal lengths: one pass, nothing padded)
