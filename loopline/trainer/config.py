@@ -303,7 +303,7 @@ class LearnerSettings(Settings):
         "in this process, fp32)",
     )
     micro_batch_tokens: int = Field(
-        16384, ge=1, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches of at most this many (a longer row is one of its own; memory, not the update)",
+        16384, ge=1, description="tokens in one forward/backward pass; a step's rows are packed into micro-batches that run at most this many (rows padded to the longest; with share_prefix, each shared prompt once and every row's rest; a longer row is one of its own; memory, not the update)",
     )
     minibatches: int = Field(1, ge=1, description="optimizer steps per learner step, each on a slice of the step's groups (verl's ppo_mini_batch_size; π_old anchors all of them)")
     share_prefix: bool = Field(True, description="run a prompt shared by a group's samples once per micro-batch, which keeps them together (same update, fewer FLOPs; trainer/prefix.py)")

@@ -4,9 +4,9 @@ The LM head's output at the action positions is [rows, positions, vocabulary] fl
 (SmolLM2, 49,152 words, 32 rows of ~60 action positions a micro-batch) 0.38 GB, made again by the temperature's
 division and logsumexp's exp, and once more for its gradient: most of a micro-batch's activations at the step's
 peak (`benchmarks/learner_memory.py` measures it). Here the model's forward stops at its last hidden states (the
-head swapped out for the call), and the head runs on `HEAD_CHUNK` positions at a time under activation
-checkpointing: a chunk's logits live only while its logprobs are made, and the backward makes them again (one
-more head matmul over the action positions). The result is the same function of the weights (float rounding aside:
+head swapped out for the call), and the head runs on `HEAD_CHUNK` positions at a time (`_HeadLogprob`): a chunk's
+logits live only while its logprobs are made, and the backward makes them again (one more head matmul over the
+action positions) and turns them into their gradient in place. The result is the same function of the weights (float rounding aside:
 the head's matmul runs on fewer rows at a time), so π_old, the loss and its gradient are unchanged.
 
 A model whose forward does more after its head (Gemma's logit soft-capping, a logit scale) would give other
@@ -19,7 +19,6 @@ import contextlib
 from typing import Iterator
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from loopline.trainer.config import HEAD_CHUNK  # (positions whose logits exist at once; SmolLM2: 0.1 GB)
 
@@ -47,31 +46,70 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, temperature: float,
-           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.nn.functional.linear(states, weight, bias).float() / temperature
-    entropy = token_entropy(logits) if with_entropy else logits.new_zeros(0)
-    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1), entropy
+class _HeadLogprob(torch.autograd.Function):
+    """log π(target) = z[target] - logsumexp(z), z = (states Wᵀ + b) / T, for a chunk of positions, and the entropy
+    there (no gradient). The logits are made again in backward, not kept, and turned into their own gradient in place
+    (g·(onehot - softmax)): one vocabulary-wide buffer a chunk each way, where autograd's graph of the same functions
+    made about a dozen (the division, logsumexp's and gather's backward, the entropy made again): 11% of the race's
+    learner step."""
+
+    @staticmethod
+    def forward(ctx, states, weight, bias, targets, temperature: float, with_entropy: bool):
+        z = _logits(states, weight, bias, temperature)
+        top = z.max(-1, keepdim=True).values
+        z.sub_(top)  # (z - max: exp cannot overflow)
+        shifted = z.gather(-1, targets[:, None])[:, 0]
+        e = torch.exp(z)
+        total = e.sum(-1)
+        log_total = total.log()
+        # -Σ p log p with p = e / Σe and log p = (z - max) - log Σe
+        entropy = log_total - torch.linalg.vecdot(e, z) / total if with_entropy else z.new_zeros(0)
+        ctx.save_for_backward(states, weight, bias, targets, top[:, 0] + log_total)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return shifted - log_total, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _entropy_grad):
+        states, weight, bias, targets, lse = ctx.saved_tensors
+        g = _logits(states, weight, bias, ctx.temperature).sub_(lse[:, None]).exp_()  # softmax
+        g.mul_(-grad[:, None]).scatter_add_(-1, targets[:, None], grad[:, None]).div_(ctx.temperature)
+        g = g.to(weight.dtype)  # (the gradient with respect to the head's output, before the division by T)
+        wants = ctx.needs_input_grad
+        return (g @ weight if wants[0] else None, g.t() @ states if wants[1] else None,
+                g.sum(0) if bias is not None and wants[2] else None, None, None, None)
+
+
+def _logits(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    return torch.nn.functional.linear(states, weight, bias).float().div_(temperature)
 
 
 def states_logprobs(states: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float,
-                    entropy: list | None = None) -> torch.Tensor:
-    """[..., H] last hidden states -> log π(target) at each position, `HEAD_CHUNK` positions through the head at a time."""
+                    entropy: list | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., H] last hidden states -> log π(target) at each position, `HEAD_CHUNK` positions through the head at a
+    time; `at` (a mask of the targets' shape): only those positions (0 elsewhere). A micro-batch's rows share their
+    kept positions, and a row's padding and tool output there were a fifth of those run in the race's step."""
     flat, wanted = states.reshape(-1, states.shape[-1]), targets.reshape(-1)
-    if flat.shape[0] == 0:
-        if entropy is not None:
-            entropy.append(states.new_zeros(targets.shape, dtype=torch.float32))
-        return states.new_zeros(targets.shape, dtype=torch.float32)
-    remake = torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad)
+    where = None
+    if at is not None:
+        where = at.reshape(-1).nonzero().squeeze(-1).to(states.device)
+        flat, wanted = flat.index_select(0, where), wanted.index_select(0, where)
     picked, entropies = [], []
     for start in range(0, flat.shape[0], HEAD_CHUNK):
-        args = (flat[start : start + HEAD_CHUNK], head.weight, head.bias, wanted[start : start + HEAD_CHUNK], temperature, entropy is not None)
-        logp, h = checkpoint(_chunk, *args, use_reentrant=False) if remake else _chunk(*args)
+        logp, h = _HeadLogprob.apply(flat[start : start + HEAD_CHUNK], head.weight, head.bias, wanted[start : start + HEAD_CHUNK],
+                                     temperature, entropy is not None)
         picked.append(logp)
         entropies.append(h)
+
+    def placed(values: list[torch.Tensor]) -> torch.Tensor:
+        flat_values = torch.cat(values) if values else states.new_zeros(0, dtype=torch.float32)
+        if where is not None:  # (index_copy: its backward picks, deterministic)
+            flat_values = flat_values.new_zeros(targets.numel()).index_copy(0, where, flat_values)
+        return flat_values.reshape(targets.shape)
+
     if entropy is not None:
-        entropy.append(torch.cat(entropies).reshape(targets.shape))
-    return torch.cat(picked).reshape(targets.shape)
+        entropy.append(placed(entropies))
+    return placed(picked)
 
 
 @contextlib.contextmanager

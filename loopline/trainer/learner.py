@@ -219,7 +219,8 @@ class Learner:
                 return out
             output = via.forward(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), keep=positions.to(self.device))
             entropies: list = []
-            picked = score(output, batch.input_ids[:, 1:][:, positions].to(self.device), entropies if entropy is not None else None)
+            picked = score(output, batch.input_ids[:, 1:][:, positions].to(self.device), entropies if entropy is not None else None,
+                           batch.target_mask[:, positions].bool().to(self.device))
             if entropy is not None:
                 entropy.append(torch.zeros_like(out).index_copy(1, positions.to(self.device), entropies[0]))
             return out.index_copy(1, positions.to(self.device), picked)
@@ -231,10 +232,10 @@ class Learner:
         if self._plain_head is None:
             self._plain_head = head.plain_head(self.model)
         if not self._plain_head:
-            yield lambda logits, targets, entropy: head.logits_logprobs(logits, targets, self.config.temperature, entropy)
+            yield lambda logits, targets, entropy, at: head.logits_logprobs(logits, targets, self.config.temperature, entropy)
             return
         with head.states_out(via.model) as linear:
-            yield lambda states, targets, entropy: head.states_logprobs(states, linear, targets, self.config.temperature, entropy)
+            yield lambda states, targets, entropy, at: head.states_logprobs(states, linear, targets, self.config.temperature, entropy, at)
 
     def _summarise(self, step_metrics: list[dict[str, float]]) -> dict[str, float]:
         """The loss's metrics over every rank's micro-batches, each combined as `losses` declares it."""

@@ -24,10 +24,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from loopline.trainer.batch import Padded
 
-SUFFIX_PASS_OVERHEAD = 96  # tokens' worth of time one more suffix pass costs (SmolLM2-135M on 2 CPU threads, measured)
+SUFFIX_PASS_OVERHEAD = 96  # tokens of time one more suffix pass costs: the race's step took 108-124 s at 96 and at 0, 164 s in one pass
 ModelCall = Callable[..., Any]  # the model (or the DeepSpeed engine) called with keyword arguments
-# (the model's output at some positions, their target tokens, a list for their entropy or None) -> log π(target)
-Score = Callable[[torch.Tensor, torch.Tensor, "list | None"], torch.Tensor]
+# (the model's output at some positions, their target tokens, a list for their entropy or None, a mask of the positions
+# wanted or None: all) -> log π(target)
+Score = Callable[[torch.Tensor, torch.Tensor, "list | None", "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _suffix_pass(call: ModelCall, filled: Cache | None, prefix: PrefixPlan, pref
         cache=cache, use_cache=cache is not None, logits_to_keep=keep.to(device),
     ).logits
     entropies: list = []
-    picked = score(output, next_ids[rows][:, keep].to(device), entropies if with_entropy else None)
+    picked = score(output, next_ids[rows][:, keep].to(device), entropies if with_entropy else None, targets[:, keep].to(device))
 
     def in_rows(values: torch.Tensor) -> torch.Tensor:  # suffix positions -> the batch's [rows, L-1]
         wide = torch.zeros(len(rows), int(first.max()) + span, dtype=torch.float32, device=device)

@@ -399,3 +399,40 @@ def test_suffix_passes_minimise_the_tokens_run_plus_a_cost_per_pass():
     assert suffix_chunks([10, 2, 9, 3], overhead=0) == [[0], [2], [3], [1]]  # (no padding at all)
     assert suffix_chunks([10, 2, 9, 3], overhead=100) == [[0, 2, 3, 1]]
     assert suffix_chunks([5, 5, 5], overhead=0) == [[0, 1, 2]]  # (equal lengths: one pass, nothing padded)
+
+
+def test_the_head_gives_log_softmaxs_logprobs_entropy_and_gradients(monkeypatch):
+    """trainer/head.py's head turns its logits into their gradient by hand. By hand, one position, two words, logits
+    (1, 0), target 0: log p = 1 - log(e + 1) = -0.31326, dlogp/dz = (1 - p0, -p1) = (0.26894, -0.26894), entropy
+    0.58220. Then against autograd through log_softmax on random inputs: a temperature, a bias, several chunks,
+    positions left out (0 there)."""
+    from loopline.trainer import head
+
+    linear = torch.nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[1.0], [0.0]]))
+    states = torch.tensor([[1.0]], requires_grad=True)
+    entropy: list = []
+    logp = head.states_logprobs(states, linear, torch.tensor([0]), 1.0, entropy)
+    logp.sum().backward()
+    assert float(logp) == pytest.approx(-0.31326, abs=1e-5) and float(entropy[0]) == pytest.approx(0.58220, abs=1e-5)
+    assert float(states.grad) == pytest.approx(0.26894, abs=1e-5)  # (W^T dz: 1 x 0.26894 + 0 x -0.26894)
+    assert linear.weight.grad[:, 0].tolist() == pytest.approx([0.26894, -0.26894], abs=1e-5)
+
+    monkeypatch.setattr(head, "HEAD_CHUNK", 5)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 50)
+    states = torch.randn(3, 4, 8, requires_grad=True)
+    targets, at, weights = torch.randint(0, 50, (3, 4)), torch.rand(3, 4) > 0.3, torch.randn(3, 4)
+    entropy = []
+    ours = head.states_logprobs(states, linear, targets, 0.7, entropy, at)
+    (ours * weights).sum().backward()
+    mine = (states.grad.clone(), linear.weight.grad.clone(), linear.bias.grad.clone())
+    states.grad, linear.weight.grad, linear.bias.grad = None, None, None
+    logits = linear(states) / 0.7
+    theirs = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] * at
+    (theirs * weights).sum().backward()
+    assert torch.allclose(ours, theirs, atol=1e-6) and (ours[~at] == 0).all()
+    assert torch.allclose(entropy[0][at], head.token_entropy(logits)[at], atol=1e-5) and (entropy[0][~at] == 0).all()
+    for got, want in zip(mine, (states.grad, linear.weight.grad, linear.bias.grad)):
+        assert torch.allclose(got, want, atol=1e-6)

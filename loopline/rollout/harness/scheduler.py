@@ -20,7 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Callable, Literal, Mapping, Protocol
 
 from sqlmodel import Session
 
@@ -316,7 +316,7 @@ async def _claim(db: _LedgerCalls, cfg: WorkerConfig, n: int, max_step: int | No
         raise
 
 
-async def _hand_back(db: _LedgerCalls, inflight: dict[uuid.UUID, asyncio.Task | None]) -> None:
+async def _hand_back(db: _LedgerCalls, inflight: Mapping[uuid.UUID, asyncio.Task | None]) -> None:
     """A stopping worker's episodes end, and their slots go back now rather than when their leases expire."""
     stopped = {a: task for a, task in inflight.items() if task is None or not task.done()}  # (a done one ended its attempt)
     tasks = [task for task in stopped.values() if task is not None]
