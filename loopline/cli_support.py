@@ -99,7 +99,11 @@ def stop_on_signals() -> None:
             signal.signal(sig, _exit_on_signal)
 
 
+_arrived: list[int] = []  # the stop signals the CLI's own handlers took during this command
+
+
 def _exit_on_signal(signum, frame) -> None:
+    _arrived.append(signum)
     _quiet_from_now_on()
     if signum == signal.SIGHUP:
         hang_up()
@@ -107,6 +111,7 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def _interrupt(signum, frame) -> None:
+    _arrived.append(signum)
     _quiet_from_now_on()
     raise KeyboardInterrupt
 
@@ -172,7 +177,9 @@ def _stopped_instead(exc: BaseException) -> None:
     (LOOPLINE_DEBUG: the error as it is)."""
     from loopline import stop_signals
 
-    signum = stop_signals.last_received() or (signal.SIGINT if _raised_over_ctrl_c(exc) else None)
+    # (a library may wrap the signal's exception without chaining it: CI saw pydantic's `PydanticSerializationError:
+    # ... KeyboardInterrupt` with no cause while Prefect imported; the CLI's own handlers noted the signal)
+    signum = stop_signals.last_received() or (_arrived[0] if _arrived else None) or (signal.SIGINT if _raised_over_ctrl_c(exc) else None)
     if signum is not None and not os.environ.get("LOOPLINE_DEBUG"):
         _say_stopped(signum)
         sys.exit(128 + signum)
@@ -198,6 +205,7 @@ def friendly_errors(fn: F) -> F:
         from loopline import stop_signals
 
         stop_signals.forget()
+        _arrived.clear()
         if not os.environ.get("LOOPLINE_DEBUG"):
             for name in ("prefect.flow_runs", "prefect.task_runs"):
                 logger = logging.getLogger(name)

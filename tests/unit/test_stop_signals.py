@@ -154,6 +154,25 @@ def test_a_ctrl_c_that_a_library_wraps_in_its_own_error_is_said_as_the_stop(caps
     with pytest.raises(ValueError):
         failing()
 
+    # CI again: the same import, the same error, but with nothing chained under it (its cause and context empty);
+    # the CLI's own handler had taken the key, and that is what counts
+    import signal
+
+    from loopline import cli_support
+
+    @friendly_errors
+    def unchained():
+        try:
+            cli_support._interrupt(signal.SIGINT, None)  # (the key, as `run_cli`'s handler takes it)
+        except KeyboardInterrupt:
+            pass
+        raise RuntimeError("Error calling function `_ser_model`: KeyboardInterrupt: ")  # (outside: no context)
+
+    with pytest.raises(SystemExit) as exited:
+        unchained()
+    err = capsys.readouterr().err
+    assert exited.value.code == 130 and "interrupted (Ctrl-C)" in err and "_ser_model" not in err, err
+
 
 LEAVING = """
 import atexit, signal, sys, time
